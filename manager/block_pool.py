@@ -1,0 +1,195 @@
+"""The block pool: ref counts, the free queue and the ``block_hash -> block`` prefix-cache map.
+
+Pure Python, no I/O. Block ids are ints in ``[0, num_blocks)``; block 0 is the null block,
+never allocated, freed or cached (block tables pad with it). Per-block state lives in parallel
+lists (``ref_cnt``, ``block_hash``) rather than objects: this is the hot path of the manager.
+
+Invariants (``check_invariants`` verifies them; DESIGN.md numbers them):
+  2. every block but 0 is either free (in the queue, ref 0) or in use (out of it, ref > 0);
+  4. every map entry ``h -> b`` has ``block_hash[b] == h``; duplicates (same hash, several
+     blocks) are kept in ``_dups`` and every hashed block is in the map or in ``_dups``;
+  6. eviction is lazy: a freed hashed block keeps its entry until it is handed out again;
+  7. free-queue order (see free_queue.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvpool.manager.free_queue import FreeQueue
+
+NULL_BLOCK = 0
+
+# KV events queued for a publisher: ("stored", [hash, ...], parent_hash | None),
+# ("removed", [hash, ...]), ("cleared",).
+Event = tuple
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, enable_events: bool = False):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_cnt: list[int] = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.free_queue = FreeQueue(range(1, num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self._dups: dict[bytes, list[int]] = {}
+        self.events: list[Event] | None = [] if enable_events else None
+        self.num_evictions = 0
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - 1 - len(self.free_queue)
+
+    def lookup(self, hashes: Iterable[bytes]) -> list[int]:
+        """Blocks of the longest cached prefix of a hash chain (no side effects)."""
+        cached = self.cached
+        hits: list[int] = []
+        for h in hashes:
+            b = cached.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def num_reclaimable(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks`` sit in the free queue (touching them shrinks it)."""
+        ref = self.ref_cnt
+        return sum(1 for b in blocks if ref[b] == 0)
+
+    # -- mutations -------------------------------------------------------------------------
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Takes a reference on each block, reviving free (cached) ones out of the queue."""
+        ref = self.ref_cnt
+        for b in blocks:
+            if ref[b] == 0:
+                self.free_queue.remove(b)
+            ref[b] += 1
+
+    def get_new_blocks(self, n: int) -> list[int]:
+        """``n`` blocks with ref 1, unhashed ones first, then evicting the LRU cached ones.
+
+        The caller checks ``n <= num_free`` first (allocations are all-or-nothing).
+        """
+        fq = self.free_queue
+        blocks = fq.pop_unhashed(n)
+        while len(blocks) < n:
+            b = fq.pop_hashed()
+            self._drop_hash(b)
+            blocks.append(b)
+        ref = self.ref_cnt
+        for b in blocks:
+            ref[b] = 1
+        return blocks
+
+    def free_blocks(self, blocks_tail_first: Iterable[int]) -> None:
+        """Drops one reference on each block; blocks reaching 0 join the free queue.
+
+        Callers pass a request's blocks tail-first so a hash chain is evicted from its end.
+        """
+        ref, bhash, fq = self.ref_cnt, self.block_hash, self.free_queue
+        for b in blocks_tail_first:
+            r = ref[b] - 1
+            ref[b] = r
+            if r == 0:
+                if bhash[b] is None:
+                    fq.push_front(b)
+                else:
+                    fq.push_back(b)
+
+    def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[bytes], parent: bytes | None) -> None:
+        """Records the hashes of blocks that became full (``parent`` precedes hashes[0])."""
+        if not self.enable_caching:
+            return
+        bhash, cached = self.block_hash, self.cached
+        stored: list[bytes] = []
+        for b, h in zip(blocks, hashes):
+            if bhash[b] is not None:
+                continue  # a prefix-cache hit: already recorded
+            bhash[b] = h
+            if h in cached:
+                self._dups.setdefault(h, []).append(b)
+            else:
+                cached[h] = b
+                stored.append(h)
+        if stored and self.events is not None:
+            self.events.append(("stored", stored, parent))
+
+    def evict(self, n: int) -> int:
+        """Drops the hashes of up to ``n`` free cached blocks, LRU first; returns how many."""
+        fq = self.free_queue
+        k = min(n, fq.num_hashed())
+        for _ in range(k):
+            b = fq.pop_hashed()
+            self._drop_hash(b)
+            fq.move_to_front(b)
+        return k
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every hash; refused (False) while any block is in use."""
+        if self.num_used:
+            return False
+        for b in self.free_queue.clear_hashes():
+            self.block_hash[b] = None
+        self.cached.clear()
+        self._dups.clear()
+        if self.events is not None:
+            self.events.append(("cleared",))
+        return True
+
+    def _drop_hash(self, b: int) -> None:
+        h = self.block_hash[b]
+        if h is None:
+            return
+        self.block_hash[b] = None
+        self.num_evictions += 1
+        dups = self._dups.get(h)
+        if self.cached[h] == b:
+            if dups:
+                self.cached[h] = dups.pop()
+            else:
+                del self.cached[h]
+                if self.events is not None:
+                    self.events.append(("removed", [h]))
+        else:
+            dups.remove(b)  # type: ignore[union-attr]
+        if dups is not None and not dups:
+            del self._dups[h]
+
+    # -- checks ----------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError naming the first broken invariant."""
+        assert self.ref_cnt[NULL_BLOCK] == 0 and self.block_hash[NULL_BLOCK] is None, "null block touched"
+        order = self.free_queue.order()
+        in_queue = set(order)
+        assert len(in_queue) == len(order), "a block is twice in the free queue"
+        assert NULL_BLOCK not in in_queue, "null block in the free queue"
+        for b in range(1, self.num_blocks):
+            r = self.ref_cnt[b]
+            assert r >= 0, f"block {b} has ref_cnt {r}"
+            assert (r == 0) == (b in in_queue), f"block {b}: ref_cnt {r} but in_queue={b in in_queue}"
+        seen_hashed = False
+        for b in order:
+            if self.block_hash[b] is None:
+                assert not seen_hashed, f"unhashed block {b} queued behind a hashed one"
+            else:
+                seen_hashed = True
+        holders: dict[bytes, list[int]] = {}
+        for b in range(1, self.num_blocks):
+            h = self.block_hash[b]
+            if h is not None:
+                holders.setdefault(h, []).append(b)
+        assert set(holders) == set(self.cached), "hash map and block hashes disagree"
+        for h, bs in holders.items():
+            assert self.cached[h] in bs, f"map entry for {h.hex()[:8]} points at a block without it"
+            assert sorted(bs) == sorted([self.cached[h], *self._dups.get(h, [])]), "duplicates untracked"

@@ -1,0 +1,77 @@
+"""The free-block queue: O(1) pop from the front, push to either end, removal from the middle.
+
+Logically one queue, ``[unhashed blocks ... | hashed blocks in LRU order ...]``, popped from the
+front (DESIGN invariant 7). Blocks without a hash have no value and are pushed to the front;
+blocks with a hash are pushed to the back, so the least recently freed cached block is evicted
+first. Only hashed blocks are ever removed from the middle (a prefix-cache hit revives them).
+
+It is stored as two segments, which keeps every operation O(1) and the bulk ones in C:
+- ``_front``: a list used as a stack whose top is the queue's front (unhashed blocks);
+- ``_lru``: an insertion-ordered dict of hashed blocks, oldest first.
+The queue stays ``front + lru`` because a block never gains a hash while it is free, and the
+only operations that drop hashes of free blocks (evict, reset) move those blocks to the front.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class FreeQueue:
+    __slots__ = ("_front", "_lru")
+
+    def __init__(self, block_ids: range | list[int]) -> None:
+        # Pop order is the given order: block_ids[0] comes out first.
+        self._front: list[int] = list(reversed(block_ids))
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._front) + len(self._lru)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._lru or block_id in self._front
+
+    def num_hashed(self) -> int:
+        return len(self._lru)
+
+    def push_front(self, block_id: int) -> None:
+        """An unhashed block: reused first."""
+        self._front.append(block_id)
+
+    def push_back(self, block_id: int) -> None:
+        """A hashed block: evicted after every block freed before it."""
+        self._lru[block_id] = None
+
+    def remove(self, block_id: int) -> None:
+        """Takes a hashed free block out of the middle (a prefix-cache hit)."""
+        del self._lru[block_id]
+
+    def pop_unhashed(self, n: int) -> list[int]:
+        """Up to ``n`` blocks from the unhashed segment, front first."""
+        front = self._front
+        k = min(n, len(front))
+        if k == 0:
+            return []
+        taken = front[-k:]
+        del front[-k:]
+        taken.reverse()
+        return taken
+
+    def pop_hashed(self) -> int:
+        """The least recently freed hashed block (the caller drops its hash)."""
+        return self._lru.popitem(last=False)[0]
+
+    def move_to_front(self, block_id: int) -> None:
+        """A free block that just lost its hash joins the unhashed segment."""
+        self._front.append(block_id)
+
+    def clear_hashes(self) -> list[int]:
+        """Moves every hashed block to the unhashed segment; returns them."""
+        moved = list(self._lru)
+        self._lru.clear()
+        self._front.extend(reversed(moved))
+        return moved
+
+    def order(self) -> list[int]:
+        """The queue front to back (tests and snapshots; O(n))."""
+        return list(reversed(self._front)) + list(self._lru)

@@ -1,0 +1,235 @@
+"""Request-level operations of one pool: which request holds which blocks.
+
+Pure Python, no I/O: lookup, allocate, extend (decode / next prefill chunk), free, fork with
+copy-on-write, reset_prefix_cache, evict, stats. "No space" is a return value (None) and leaves
+every piece of state as it was; bad input raises ``PoolError``.
+
+Caching happens when a request is given slots: the blocks that will be full once this step's
+tokens are computed are entered into the prefix-cache map right away (as vLLM does). A later
+request can only hit them in a later step of the same pool's scheduler, or in this step's forward
+pass after the K/V of the layer were written, so it never reads unwritten K/V.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpool.manager.block_pool import BlockPool
+
+
+class PoolError(ValueError):
+    """Bad input to a pool operation (unknown or duplicate request, impossible counts)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Request:
+    """The one mutable record of a request: its blocks, token count and known block hashes."""
+
+    __slots__ = ("blocks", "num_tokens", "hashes", "num_cached")
+
+    def __init__(self, blocks: list[int], num_tokens: int, hashes: list[bytes], num_cached: int):
+        self.blocks = blocks  # block table, block i holds tokens [i*bs, (i+1)*bs)
+        self.num_tokens = num_tokens  # tokens given slots (this step's included), lookahead not
+        self.hashes = hashes  # hashes of the request's full blocks known so far
+        self.num_cached = num_cached  # leading blocks already entered into the map
+
+
+@dataclass
+class PoolStats:
+    lookup_tokens: int = 0  # prompt tokens looked up by allocations
+    hit_tokens: int = 0  # of which found in the prefix cache
+    allocations: int = 0
+    no_space: int = 0
+    freed: int = 0
+    forks: int = 0
+    cow_copies: int = 0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Pool:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, enable_events: bool = False
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.blocks = BlockPool(num_blocks, enable_caching, enable_events)
+        self.requests: dict[object, Request] = {}
+        self.stats = PoolStats()
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """Number of leading blocks of the chain that are cached (no side effects)."""
+        return len(self.blocks.lookup(hashes))
+
+    # -- allocation ------------------------------------------------------------------------
+
+    def allocate(
+        self,
+        req_id: object,
+        hashes: Sequence[bytes],
+        num_prompt_tokens: int,
+        max_new_tokens: int,
+        lookahead: int = 0,
+    ) -> tuple[int, list[int]] | None:
+        """Admits a request: cached prefix + slots for up to ``max_new_tokens`` prompt tokens.
+
+        ``hashes`` are the prompt's full-block hashes. The block holding the last prompt token
+        is never taken from the cache (its logits must be computed). Returns
+        ``(num_cached_tokens, block_table)``, or None when it does not fit (nothing changed).
+        Tokens computed this step: ``min(max_new_tokens, num_prompt_tokens - num_cached_tokens)``.
+        """
+        if req_id in self.requests:
+            raise PoolError("duplicate_request", f"request {req_id!r} already holds blocks")
+        if num_prompt_tokens < 1 or max_new_tokens < 1 or lookahead < 0:
+            raise PoolError("bad_count", "need num_prompt_tokens >= 1, max_new_tokens >= 1, lookahead >= 0")
+        if len(hashes) > num_prompt_tokens // self.block_size:
+            raise PoolError("bad_hashes", f"{len(hashes)} hashes for {num_prompt_tokens} prompt tokens")
+        bs, bp = self.block_size, self.blocks
+        hits = bp.lookup(hashes[: (num_prompt_tokens - 1) // bs])
+        stats = self.stats
+        num_cached = len(hits) * bs
+        stats.lookup_tokens += num_prompt_tokens
+        stats.hit_tokens += num_cached
+        num_tokens = num_cached + min(max_new_tokens, num_prompt_tokens - num_cached)
+        num_new = _cdiv(num_tokens + lookahead, bs) - len(hits)
+        if num_new > bp.num_free - bp.num_reclaimable(hits):
+            stats.no_space += 1
+            return None
+        stats.allocations += 1
+        bp.touch(hits)
+        blocks = hits + bp.get_new_blocks(num_new)
+        req = Request(blocks, num_tokens, list(hashes), len(hits))
+        self.requests[req_id] = req
+        self._cache_full(req)
+        return num_cached, blocks
+
+    def extend(
+        self, req_id: object, num_tokens: int, new_hashes: Sequence[bytes] = (), lookahead: int = 0
+    ) -> tuple[list[int], list[tuple[int, int, int]]] | None:
+        """Grows a request to ``num_tokens`` slots (next prefill chunk or decode tokens).
+
+        ``new_hashes`` continue the request's chain (blocks that became full since the last
+        call). Returns ``(new_block_ids, copies)`` where each copy ``(index, src, dst)`` says the
+        shared partial block at ``index`` was replaced by ``dst`` and the worker must copy
+        ``src -> dst`` before writing (copy-on-write after fork). None when it does not fit.
+        """
+        req = self._get(req_id)
+        if num_tokens < req.num_tokens or lookahead < 0:
+            raise PoolError("bad_count", f"num_tokens {num_tokens} < current {req.num_tokens}")
+        bs, bp = self.block_size, self.blocks
+        cow_index = req.num_tokens // bs if req.num_tokens % bs and num_tokens > req.num_tokens else -1
+        cow = cow_index >= 0 and bp.ref_cnt[req.blocks[cow_index]] > 1
+        num_new = max(0, _cdiv(num_tokens + lookahead, bs) - len(req.blocks)) + cow
+        if num_new > bp.num_free:
+            self.stats.no_space += 1
+            return None
+        new = bp.get_new_blocks(num_new)
+        copies: list[tuple[int, int, int]] = []
+        if cow:
+            dst = new.pop()
+            src = req.blocks[cow_index]
+            bp.free_blocks((src,))  # ref > 1, so it stays in use by its other holders
+            req.blocks[cow_index] = dst
+            copies.append((cow_index, src, dst))
+            self.stats.cow_copies += 1
+        req.blocks.extend(new)
+        req.num_tokens = num_tokens
+        req.hashes.extend(new_hashes)
+        self._cache_full(req)
+        return new, copies
+
+    def free(self, req_id: object) -> None:
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            raise PoolError("unknown_request", f"request {req_id!r} holds no blocks")
+        self.blocks.free_blocks(reversed(req.blocks))
+        self.stats.freed += 1
+
+    def fork(self, parent_id: object, child_id: object) -> list[int]:
+        """The child shares the parent's written blocks (not its empty lookahead blocks).
+
+        A shared partial last block is copied on the first write by either (see ``extend``).
+        """
+        parent = self._get(parent_id)
+        if child_id in self.requests:
+            raise PoolError("duplicate_request", f"request {child_id!r} already holds blocks")
+        blocks = parent.blocks[: _cdiv(parent.num_tokens, self.block_size)]
+        self.blocks.touch(blocks)
+        self.requests[child_id] = Request(list(blocks), parent.num_tokens, list(parent.hashes), parent.num_cached)
+        self.stats.forks += 1
+        return list(blocks)
+
+    # -- admin -----------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        return self.blocks.reset_prefix_cache()
+
+    def evict(self, n: int) -> int:
+        if n < 0:
+            raise PoolError("bad_count", f"cannot evict {n} blocks")
+        return self.blocks.evict(n)
+
+    def free_all(self) -> int:
+        """Frees every request (a dead session or a new epoch); returns how many."""
+        ids = list(self.requests)
+        for rid in ids:
+            self.free(rid)
+        return len(ids)
+
+    def snapshot_stats(self) -> dict:
+        bp, s = self.blocks, self.stats
+        usable = bp.num_blocks - 1
+        return {
+            "num_blocks": bp.num_blocks,
+            "block_size": self.block_size,
+            "free_blocks": bp.num_free,
+            "used_blocks": bp.num_used,
+            "cached_blocks": len(bp.cached),
+            "usage": bp.num_used / usable,
+            "requests": len(self.requests),
+            "lookup_tokens": s.lookup_tokens,
+            "hit_tokens": s.hit_tokens,
+            "prefix_hit_rate": s.hit_tokens / s.lookup_tokens if s.lookup_tokens else 0.0,
+            "allocations": s.allocations,
+            "no_space": s.no_space,
+            "evictions": bp.num_evictions,
+            "freed": s.freed,
+            "forks": s.forks,
+            "cow_copies": s.cow_copies,
+        }
+
+    def check_invariants(self) -> None:
+        self.blocks.check_invariants()
+        holdings: dict[int, int] = {}
+        for req in self.requests.values():
+            assert len(req.blocks) >= _cdiv(req.num_tokens, self.block_size), "request lacks slots"
+            for b in req.blocks:
+                holdings[b] = holdings.get(b, 0) + 1
+        ref = self.blocks.ref_cnt
+        for b in range(1, self.blocks.num_blocks):
+            assert ref[b] == holdings.get(b, 0), f"block {b}: ref_cnt {ref[b]} != holders {holdings.get(b, 0)}"
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _get(self, req_id: object) -> Request:
+        req = self.requests.get(req_id)
+        if req is None:
+            raise PoolError("unknown_request", f"request {req_id!r} holds no blocks")
+        return req
+
+    def _cache_full(self, req: Request) -> None:
+        n_full = min(req.num_tokens // self.block_size, len(req.hashes))
+        start = req.num_cached
+        if n_full > start:
+            parent = req.hashes[start - 1] if start else None
+            self.blocks.cache_blocks(req.blocks[start:n_full], req.hashes[start:n_full], parent)
+            req.num_cached = n_full

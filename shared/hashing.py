@@ -1,0 +1,145 @@
+"""Chained block hashing: the prefix-cache key of every full KV block.
+
+    h_i = SHA-256( h_{i-1} || u32le(len(extra_i)) || extra_i || tokens_i )
+
+- ``h_{-1}`` is ``SEED = SHA-256(b"kvpool/block-hash/v1")``.
+- ``tokens_i`` are the ``block_size`` token ids of block ``i`` as little-endian uint32.
+- ``extra_i`` is the canonical encoding of the extra keys of block ``i`` (empty when there are
+  none): a sequence of items ``tag (1 byte) || u32le(len(payload)) || payload``, in tag order:
+  ``0x01`` cache salt (UTF-8; block 0 only), ``0x02`` LoRA name (UTF-8; every block),
+  ``0x03`` a multimodal input's identifier (UTF-8; every block the input's placeholder tokens
+  overlap, in input order).
+
+Only full blocks are hashed. The exact byte layout and test vectors are in PROTOCOL.md, so an
+engine in another language produces identical hashes. Stdlib only: never ``hash()``, never pickle.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from hashlib import sha256
+
+HASH_BYTES = 32
+SEED: bytes = sha256(b"kvpool/block-hash/v1").digest()
+TAG_SALT, TAG_LORA, TAG_MM = 0x01, 0x02, 0x03
+_NO_EXTRA = b"\x00\x00\x00\x00"  # u32le(0): the length prefix of an empty extra section
+
+
+@dataclass(frozen=True)
+class MMInput:
+    """A multimodal input occupying token positions [offset, offset + length)."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+def tokens_to_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32; raises OverflowError for ids outside [0, 2**32)."""
+    arr = array("I", tokens)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def _item(tag: int, payload: bytes) -> bytes:
+    return struct.pack("<BI", tag, len(payload)) + payload
+
+
+def extra_keys(
+    block_index: int,
+    block_size: int,
+    cache_salt: str | None = None,
+    lora: str | None = None,
+    mm_inputs: Sequence[MMInput] = (),
+) -> bytes:
+    """The canonical ``extra_i`` of block ``block_index`` (b"" when it has no extra keys)."""
+    parts = []
+    if cache_salt is not None and block_index == 0:
+        parts.append(_item(TAG_SALT, cache_salt.encode()))
+    if lora is not None:
+        parts.append(_item(TAG_LORA, lora.encode()))
+    start, end = block_index * block_size, (block_index + 1) * block_size
+    for mm in mm_inputs:
+        if mm.offset < end and mm.offset + mm.length > start:
+            parts.append(_item(TAG_MM, mm.identifier.encode()))
+    return b"".join(parts)
+
+
+def hash_block(parent: bytes, token_bytes: bytes, extra: bytes = b"") -> bytes:
+    """One link of the chain; ``token_bytes`` already little-endian uint32."""
+    if extra:
+        return sha256(parent + struct.pack("<I", len(extra)) + extra + token_bytes).digest()
+    return sha256(parent + _NO_EXTRA + token_bytes).digest()
+
+
+def hash_blocks(
+    tokens: Sequence[int],
+    block_size: int,
+    *,
+    parent: bytes = SEED,
+    first_block: int = 0,
+    cache_salt: str | None = None,
+    lora: str | None = None,
+    mm_inputs: Sequence[MMInput] = (),
+) -> list[bytes]:
+    """Hashes of every full block of ``tokens``.
+
+    ``tokens`` starts at block ``first_block`` of the sequence and ``parent`` is the hash of the
+    block before it (SEED for block 0), so a caller can continue a chain incrementally.
+    """
+    data = tokens_to_bytes(tokens)
+    step = block_size * 4
+    n_full = len(tokens) // block_size
+    plain = cache_salt is None and lora is None and not mm_inputs
+    out: list[bytes] = []
+    for i in range(n_full):
+        chunk = data[i * step : (i + 1) * step]
+        if plain or (extra := extra_keys(first_block + i, block_size, cache_salt, lora, mm_inputs)) == b"":
+            parent = sha256(parent + _NO_EXTRA + chunk).digest()
+        else:
+            parent = sha256(parent + struct.pack("<I", len(extra)) + extra + chunk).digest()
+        out.append(parent)
+    return out
+
+
+class BlockHasher:
+    """Incremental hashes of one request: appending tokens hashes only blocks that became full."""
+
+    def __init__(
+        self,
+        block_size: int,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+        mm_inputs: Sequence[MMInput] = (),
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.cache_salt, self.lora, self.mm_inputs = cache_salt, lora, tuple(mm_inputs)
+        self.hashes: list[bytes] = []
+        self._pending: list[int] = []  # tokens of the current partial block
+
+    def append(self, tokens: Sequence[int]) -> list[bytes]:
+        """Adds tokens; returns the hashes of the blocks they completed."""
+        self._pending.extend(tokens)
+        n_full = len(self._pending) // self.block_size
+        if n_full == 0:
+            return []
+        cut = n_full * self.block_size
+        new = hash_blocks(
+            self._pending[:cut],
+            self.block_size,
+            parent=self.hashes[-1] if self.hashes else SEED,
+            first_block=len(self.hashes),
+            cache_salt=self.cache_salt,
+            lora=self.lora,
+            mm_inputs=self.mm_inputs,
+        )
+        del self._pending[:cut]
+        self.hashes.extend(new)
+        return new
