@@ -1,0 +1,112 @@
+"""Executes the sub-ops of one scheduler step against a pool (pure, no I/O).
+
+The same code serves the daemon (``manager/server.py``) and in-process use (the worker's local
+block manager, benchmarks), so a step means the same thing everywhere. Sub-ops run in order;
+each is atomic; a bad sub-op gets an error result and changes nothing, the others still run.
+
+Sub-op schemas (msgpack maps; PROTOCOL.md is the reference):
+  {"op": "alloc",  "req": R, "hashes": [bytes32...], "prompt_len": int, "max_new": int,
+   "lookahead": int = 0}
+      -> {"ok": true, "cached": int, "blocks": [int...]}        (cached = tokens found cached)
+  {"op": "extend", "req": R, "num_tokens": int, "hashes": [bytes32...] = [], "lookahead": int = 0}
+      -> {"ok": true, "blocks": [new int...], "copies": [[index, src, dst]...]}
+  {"op": "free",   "req": R}                    -> {"ok": true}
+  {"op": "fork",   "req": R, "child": R}        -> {"ok": true, "blocks": [int...]}
+  no space: {"ok": false, "code": "no_space", "msg": ...}; bad input: another code.
+R is an int in [0, 2**63) or a str of at most 128 bytes; ids are scoped by ``owner``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvpool.manager.pool import Pool, PoolError
+from kvpool.shared.hashing import HASH_BYTES
+
+MAX_COUNT = 1 << 31  # bound on token and block counts in one sub-op
+MAX_REQ_ID_LEN = 128
+NO_SPACE = {"ok": False, "code": "no_space", "msg": "not enough free blocks"}
+OK = {"ok": True}
+
+
+def _int(op: dict, key: str, default: int | None = None) -> int:
+    v = op.get(key, default)
+    if type(v) is not int or not 0 <= v < MAX_COUNT:
+        raise PoolError("bad_field", f"field {key!r} must be an int in [0, 2**31), got {v!r}")
+    return v
+
+
+def _req(op: dict, key: str = "req") -> int | str:
+    v = op.get(key)
+    if type(v) is int and 0 <= v < (1 << 63):
+        return v
+    if type(v) is str and 0 < len(v) <= MAX_REQ_ID_LEN:
+        return v
+    raise PoolError("bad_field", f"field {key!r} must be an int >= 0 or a str of 1-128 chars, got {v!r}")
+
+
+def _hashes(op: dict) -> list[bytes]:
+    hs = op.get("hashes", ())
+    if type(hs) not in (list, tuple):
+        raise PoolError("bad_field", "field 'hashes' must be a list of 32-byte strings")
+    for h in hs:
+        if type(h) is not bytes or len(h) != HASH_BYTES:
+            raise PoolError("bad_hash", f"every hash must be {HASH_BYTES} bytes, got {h!r:.40}")
+    return hs  # type: ignore[return-value]
+
+
+def _alloc(pool: Pool, owner: object, op: dict) -> dict:
+    res = pool.allocate(
+        (owner, _req(op)), _hashes(op), _int(op, "prompt_len"), _int(op, "max_new"), _int(op, "lookahead", 0)
+    )
+    if res is None:
+        return NO_SPACE
+    return {"ok": True, "cached": res[0], "blocks": res[1]}
+
+
+def _extend(pool: Pool, owner: object, op: dict) -> dict:
+    res = pool.extend((owner, _req(op)), _int(op, "num_tokens"), _hashes(op), _int(op, "lookahead", 0))
+    if res is None:
+        return NO_SPACE
+    return {"ok": True, "blocks": res[0], "copies": [list(c) for c in res[1]]}
+
+
+def _free(pool: Pool, owner: object, op: dict) -> dict:
+    pool.free((owner, _req(op)))
+    return OK
+
+
+def _fork(pool: Pool, owner: object, op: dict) -> dict:
+    return {"ok": True, "blocks": pool.fork((owner, _req(op)), (owner, _req(op, "child")))}
+
+
+SUB_OPS: dict[str, Callable[[Pool, object, dict], dict]] = {
+    "alloc": _alloc,
+    "extend": _extend,
+    "free": _free,
+    "fork": _fork,
+}
+
+
+def run_step(pool: Pool, owner: object, ops: list, allow_alloc: bool = True) -> list[dict]:
+    """Runs ``ops`` in order for requests owned by ``owner``; one result per sub-op.
+
+    ``allow_alloc=False`` (a draining manager) refuses alloc and fork with code "draining".
+    """
+    results: list[dict] = []
+    for op in ops:
+        try:
+            if type(op) is not dict:
+                raise PoolError("bad_sub_op", f"a sub-op must be a map, got {type(op).__name__}")
+            name = op.get("op")
+            handler = SUB_OPS.get(name)  # type: ignore[arg-type]
+            if handler is None:
+                raise PoolError("unknown_sub_op", f"unknown sub-op {name!r}; known: {sorted(SUB_OPS)}")
+            if not allow_alloc and name in ("alloc", "fork"):
+                raise PoolError("draining", "the manager is draining: no new allocations")
+            results.append(handler(pool, owner, op))
+        except PoolError as e:
+            results.append({"ok": False, "code": e.code, "msg": str(e)})
+        except TypeError as e:  # e.g. an unhashable request id inside a malformed map
+            results.append({"ok": False, "code": "bad_sub_op", "msg": f"malformed sub-op: {e}"})
+    return results
