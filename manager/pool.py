@@ -162,9 +162,12 @@ class Pool:
         parent = self._get(parent_id)
         if child_id in self.requests:
             raise PoolError("duplicate_request", f"request {child_id!r} already holds blocks")
+        n_full = parent.num_tokens // self.block_size
         blocks = parent.blocks[: _cdiv(parent.num_tokens, self.block_size)]
         self.blocks.touch(blocks)
-        self.requests[child_id] = Request(list(blocks), parent.num_tokens, list(parent.hashes), parent.num_cached)
+        # the child knows only the hashes of blocks it holds written (not the parent's prompt tail)
+        hashes = parent.hashes[:n_full]
+        self.requests[child_id] = Request(list(blocks), parent.num_tokens, hashes, min(parent.num_cached, n_full))
         self.stats.forks += 1
         return list(blocks)
 

@@ -1,0 +1,131 @@
+"""Random operation sequences against the pool, with a simulated KV cache as the model.
+
+The machine plays the worker: it "writes" each request's token ids into the slots of its block
+table, performs copy-on-write copies, and after every step checks that
+- every DESIGN.md invariant holds (``check_invariants``);
+- every request reads back exactly its own tokens through its block table (so prefix hits,
+  forks and copies never serve another request's data);
+- no slot is written while its block is shared.
+"""
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvpool.manager.pool import Pool
+from kvpool.shared.hashing import hash_blocks
+
+BS = 4
+NUM_BLOCKS = 12
+
+prompt_st = st.lists(st.integers(0, 2), min_size=1, max_size=18)
+prefix_st = st.sampled_from([[], [0, 1, 2, 0], [0, 1, 2, 0, 1, 1, 2, 2]])
+
+
+class PoolMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.pool = Pool(NUM_BLOCKS, BS, enable_events=True)
+        self.kv: dict[int, list] = {b: [None] * BS for b in range(NUM_BLOCKS)}
+        self.tokens: dict[int, list[int]] = {}  # the model: every live request's token ids
+        self.next_id = 0
+        self.content: dict[bytes, list[int]] = {}  # block hash -> the tokens it stands for
+
+    def _write(self, rid, start, end):
+        req = self.pool.requests[rid]
+        for pos in range(start, end):
+            b = req.blocks[pos // BS]
+            assert self.pool.blocks.ref_cnt[b] == 1, f"write into shared block {b}"
+            self.kv[b][pos % BS] = self.tokens[rid][pos]
+
+    def _hashes(self, rid, upto):
+        tokens = self.tokens[rid][:upto]
+        hashes = hash_blocks(tokens, BS)
+        for i, h in enumerate(hashes):
+            self.content[h] = tokens[i * BS : (i + 1) * BS]
+        return hashes
+
+    @rule(prefix=prefix_st, prompt=prompt_st, chunk=st.integers(1, 20), lookahead=st.integers(0, 5))
+    def allocate(self, prefix, prompt, chunk, lookahead):
+        rid, self.next_id = self.next_id, self.next_id + 1
+        tokens = prefix + prompt
+        self.tokens[rid] = tokens
+        res = self.pool.allocate(rid, self._hashes(rid, len(tokens)), len(tokens), chunk, lookahead)
+        if res is None:
+            del self.tokens[rid]
+            return
+        cached, blocks = res
+        assert cached % BS == 0 and cached < len(tokens)
+        assert len(blocks) * BS >= min(len(tokens), cached + chunk) + lookahead
+        self._write(rid, cached, self.pool.requests[rid].num_tokens)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), grow=st.integers(1, 9), lookahead=st.integers(0, 3))
+    def extend(self, data, grow, lookahead):
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        req = self.pool.requests[rid]
+        old = req.num_tokens
+        toks = self.tokens[rid]
+        new_len = old + grow
+        if new_len > len(toks):  # decode: generate tokens
+            toks.extend(data.draw(st.lists(st.integers(0, 2), min_size=new_len - len(toks), max_size=new_len - len(toks))))
+        known = len(req.hashes)
+        new_hashes = self._hashes(rid, new_len)[known:] if new_len // BS > known else []
+        res = self.pool.extend(rid, new_len, new_hashes, lookahead)
+        if res is None:
+            return
+        _, copies = res
+        for index, src, dst in copies:
+            assert self.pool.requests[rid].blocks[index] == dst
+            self.kv[dst] = list(self.kv[src])
+        self._write(rid, old, new_len)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.pool.free(rid)
+        del self.tokens[rid]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        child, self.next_id = self.next_id, self.next_id + 1
+        n = self.pool.requests[parent].num_tokens
+        self.pool.fork(parent, child)
+        self.tokens[child] = self.tokens[parent][:n]
+
+    @rule(n=st.integers(0, 5))
+    def evict(self, n):
+        free_hashed = self.pool.blocks.free_queue.num_hashed()
+        assert self.pool.evict(n) == min(n, free_hashed)
+
+    @rule()
+    def reset(self):
+        in_use = self.pool.blocks.num_used > 0
+        assert self.pool.reset_prefix_cache() is (not in_use)
+
+    @invariant()
+    def invariants_hold(self):
+        self.pool.check_invariants()
+
+    @invariant()
+    def every_request_reads_its_own_tokens(self):
+        for rid, req in self.pool.requests.items():
+            for pos in range(req.num_tokens):
+                b = req.blocks[pos // BS]
+                assert self.kv[b][pos % BS] == self.tokens[rid][pos], f"request {rid} pos {pos}"
+
+    @invariant()
+    def cached_blocks_hold_their_tokens(self):
+        # a later hit on any cached block (map entry or duplicate) must find the right K/V
+        bp = self.pool.blocks
+        for b in range(1, NUM_BLOCKS):
+            h = bp.block_hash[b]
+            if h is not None:
+                assert self.kv[b] == self.content[h], f"block {b} holds other tokens than its hash"
+
+
+PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPoolMachine = PoolMachine.TestCase
