@@ -1,0 +1,81 @@
+import time
+
+import msgpack
+import zmq
+
+from kvpool.manager.events import END_SEQ, EventPublisher, decode_batch, encode_events
+from kvpool.manager.pool import Pool
+from kvpool.shared.hashing import hash_blocks
+
+
+def apply(cached: set, events: list) -> None:
+    """What a KV-aware router does with vLLM-format events."""
+    for ev in events:
+        if ev[0] == "BlockStored":
+            cached.update(ev[1])
+        elif ev[0] == "BlockRemoved":
+            cached.difference_update(ev[1])
+        elif ev[0] == "AllBlocksCleared":
+            cached.clear()
+
+
+def test_encoding_is_vllm_array_like_tagged():
+    h = hash_blocks(list(range(8)), 4)
+    enc = encode_events([("stored", h, None), ("removed", [h[1]]), ("cleared",)], 4)
+    assert enc == [["BlockStored", h, None, [], 4, None, "GPU"], ["BlockRemoved", [h[1]], "GPU"], ["AllBlocksCleared"]]
+
+
+def test_subscriber_rebuilds_cached_set_and_replay(tmp_path):
+    ctx = zmq.Context()
+    pub_ep, replay_ep = f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/replay.sock"
+    publisher = EventPublisher(ctx, pub_ep, replay_ep)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub_ep)
+    time.sleep(0.3)  # slow joiner
+    pool = Pool(9, 4, enable_events=True)
+    for i in range(12):  # churn: allocations evict older cached chains
+        tokens = [i % 5] * 4 + list(range(100 * i, 100 * i + 8))
+        pool.allocate(i, hash_blocks(tokens, 4), len(tokens), len(tokens))
+        if i % 2:
+            pool.free(i - 1)
+            pool.free(i)
+        if i == 6:
+            pool.reset_prefix_cache() or None
+        publisher.publish("pool-a", pool.blocks.events, 4)
+        pool.blocks.events.clear()
+    pool.evict(100)
+    publisher.publish("pool-a", pool.blocks.events, 4)
+    seen, cached, last = [], set(), -1
+    while sub.poll(2000):
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"pool-a"
+        seq = int.from_bytes(seq, "big")
+        assert seq == last + 1
+        last = seq
+        apply(cached, decode_batch(payload)[1])
+        seen.append(payload)
+        if seq == publisher.next_seq - 1:
+            break
+    assert cached == set(pool.blocks.cached), "events alone rebuild the manager's cached set"
+    # replay from seq 3 on
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(replay_ep)
+    dealer.send_multipart([b"", (3).to_bytes(8, "big")])
+    got = []
+    for _ in range(200):
+        if publisher.replay.poll(10):
+            publisher.serve_replay()
+        if dealer.poll(10):
+            frames = dealer.recv_multipart()
+            seq = int.from_bytes(frames[-2], "big")
+            if seq == END_SEQ:
+                break
+            got.append((seq, frames[-1]))
+    assert [s for s, _ in got] == list(range(3, publisher.next_seq))
+    assert [p for _, p in got] == seen[3:]
+    assert isinstance(msgpack.unpackb(got[0][1])[0], float)
+    publisher.close()
+    sub.close(0)
+    dealer.close(0)
+    ctx.term()
