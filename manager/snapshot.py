@@ -1,0 +1,114 @@
+"""A pool's complete state as msgpack-ready plain data, and back (pure, no I/O).
+
+Used by the Redis store's snapshots and by ``kvpool snapshot`` / ``restore``. Integer arrays
+travel as little-endian uint32 bytes and hashes as concatenated 32-byte strings, so a 1M-block
+pool is a few tens of MB that msgpack handles without per-element objects. Restoring verifies
+every invariant before the pool is handed out: corrupt or partial state raises
+``CorruptState``, never a half-loaded pool.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections import OrderedDict
+from dataclasses import asdict
+
+from kvpool.manager.pool import Pool, PoolStats, Request
+from kvpool.shared.hashing import HASH_BYTES
+
+FORMAT = 1
+
+
+class CorruptState(ValueError):
+    """Persisted state that cannot be loaded as it is; says what is wrong."""
+
+
+def _ints(values) -> bytes:
+    arr = array("I", values)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def _unints(data: bytes, what: str) -> list[int]:
+    if type(data) is not bytes or len(data) % 4:
+        raise CorruptState(f"{what}: expected uint32 bytes")
+    arr = array("I")
+    arr.frombytes(data)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tolist()
+
+
+def _split_hashes(data: bytes, what: str) -> list[bytes]:
+    if type(data) is not bytes or len(data) % HASH_BYTES:
+        raise CorruptState(f"{what}: expected concatenated {HASH_BYTES}-byte hashes")
+    return [data[i : i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
+
+
+def dump_pool(pool: Pool) -> dict:
+    bp = pool.blocks
+    hashed = [b for b in range(bp.num_blocks) if bp.block_hash[b] is not None]
+    return {
+        "format": FORMAT,
+        "num_blocks": bp.num_blocks,
+        "block_size": pool.block_size,
+        "enable_caching": bp.enable_caching,
+        "ref_cnt": _ints(bp.ref_cnt),
+        "hashed_ids": _ints(hashed),
+        "hashes": b"".join(bp.block_hash[b] for b in hashed),  # type: ignore[misc]
+        "primary": _ints(bp.cached.values()),  # map entries, in map order
+        "dups": [[h, _ints(ids)] for h, ids in bp._dups.items()],
+        "front": _ints(bp.free_queue._front),
+        "lru": _ints(bp.free_queue._lru),
+        "num_evictions": bp.num_evictions,
+        "requests": [
+            [key[0], key[1], _ints(r.blocks), r.num_tokens, b"".join(r.hashes), r.num_cached]
+            if type(key) is tuple
+            else [None, key, _ints(r.blocks), r.num_tokens, b"".join(r.hashes), r.num_cached]
+            for key, r in pool.requests.items()
+        ],
+        "stats": asdict(pool.stats),
+    }
+
+
+def load_pool(d: dict, enable_events: bool = False) -> Pool:
+    """Rebuilds a pool from ``dump_pool`` output; raises CorruptState unless it is whole."""
+    try:
+        return _load(d, enable_events)
+    except CorruptState:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AssertionError) as e:
+        raise CorruptState(f"pool snapshot is not loadable: {type(e).__name__}: {e}") from None
+
+
+def _load(d: dict, enable_events: bool) -> Pool:
+    if d.get("format") != FORMAT:
+        raise CorruptState(f"pool snapshot format {d.get('format')!r}, expected {FORMAT}")
+    n = d["num_blocks"]
+    pool = Pool(n, d["block_size"], enable_caching=d["enable_caching"], enable_events=enable_events)
+    bp = pool.blocks
+    bp.ref_cnt = _unints(d["ref_cnt"], "ref_cnt")
+    if len(bp.ref_cnt) != n:
+        raise CorruptState(f"ref_cnt has {len(bp.ref_cnt)} entries for {n} blocks")
+    ids = _unints(d["hashed_ids"], "hashed_ids")
+    hashes = _split_hashes(d["hashes"], "hashes")
+    if len(ids) != len(hashes):
+        raise CorruptState("hashed_ids and hashes differ in length")
+    for b, h in zip(ids, hashes):
+        bp.block_hash[b] = h
+    bp.cached = {bp.block_hash[b]: b for b in _unints(d["primary"], "primary")}  # type: ignore[misc]
+    bp._dups = {h: _unints(raw, "dups") for h, raw in d["dups"]}
+    bp.free_queue._front = _unints(d["front"], "front")
+    bp.free_queue._lru = OrderedDict.fromkeys(_unints(d["lru"], "lru"))
+    bp.num_evictions = d["num_evictions"]
+    for owner, rid, blocks, num_tokens, hs, num_cached in d["requests"]:
+        key = rid if owner is None else (owner, rid)
+        pool.requests[key] = Request(_unints(blocks, "request blocks"), num_tokens, _split_hashes(hs, "request hashes"), num_cached)
+    pool.stats = PoolStats(**d["stats"])
+    try:
+        pool.check_invariants()
+    except AssertionError as e:
+        raise CorruptState(f"pool snapshot breaks an invariant: {e}") from None
+    return pool
