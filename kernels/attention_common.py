@@ -32,13 +32,13 @@ def _attend_tile(
     k_base,  # cache pointer at K, this kv head
     v_base,  # cache pointer at V, this kv head
     bt_row,  # block-table row of this sequence
-    block_size,
     stride_c_blk,
     stride_c_off,
     scale,
     softcap,
     window,
     TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # cache block size: divisions become shifts
     HEAD_SIZE: tl.constexpr,
     HEAD_P2: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
@@ -49,8 +49,8 @@ def _attend_tile(
     n_mask = n < hi
     d = tl.arange(0, HEAD_P2)
     d_mask = d < HEAD_SIZE
-    blk = tl.load(bt_row + n // block_size, mask=n_mask, other=0).to(tl.int64)
-    kv_off = blk * stride_c_blk + (n % block_size) * stride_c_off  # [TILE_N]
+    blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    kv_off = blk * stride_c_blk + (n % BLOCK_SIZE) * stride_c_off  # [TILE_N]
     k = tl.load(  # [HEAD_P2, TILE_N]
         k_base + kv_off[None, :] + d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0
     )
@@ -75,6 +75,11 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
+def dot_dim(n: int) -> int:
+    """A block dimension holding n: a power of two, and at least 16 as tl.dot requires."""
+    return max(16, triton.next_power_of_2(n))
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 caches get exact fp32 dots (tf32 would cost ~1e-3 relative error)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -87,8 +92,10 @@ def check_attention_args(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     out: torch.Tensor,
+    tile_n: int,
 ) -> None:
     """Assert the shapes, dtypes, strides and devices both attention launch wrappers rely on."""
+    assert tile_n >= 16 and tile_n & (tile_n - 1) == 0, f"tile_n {tile_n} must be 2**k >= 16"
     assert query.dim() == 3, f"query must be [num_tokens, num_heads, head_size], got {tuple(query.shape)}"
     num_heads, head_size = query.shape[1:]
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, (

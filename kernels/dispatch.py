@@ -1,0 +1,166 @@
+"""Public kernel entry points: pick the Triton kernel or the torch reference for each call.
+
+Backends: "auto" (default): Triton for CUDA tensors, the torch reference otherwise; "triton":
+always Triton (CPU tensors then run under the interpreter, TRITON_INTERPRET=1 set before triton
+is imported); "torch": always the reference. KVPOOL_KERNEL_BACKEND sets the initial backend.
+Triton is imported on first use only, so this module imports where triton cannot; "auto" then
+falls back to the reference with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from types import SimpleNamespace
+
+import torch
+
+from . import reference
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "triton", "torch")
+
+# Split-KV heuristic (flash-decoding); see choose_num_splits.
+_PROGRAMS_PER_SM = 4  # resident programs per SM wanted to keep HBM busy
+_MIN_SPLIT_CONTEXT = 512  # fewer positions per split cost more in merging than they gain
+_MAX_SPLITS = 64
+_INTERPRETER_SMS = 16  # nominal SM count when the interpreter stands in for a GPU
+
+
+def _validate(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+_backend = _validate(os.environ.get("KVPOOL_KERNEL_BACKEND", "auto"))
+
+
+def set_backend(name: str) -> None:
+    """Select "auto", "triton" or "torch" for every later kernel call in this process."""
+    global _backend
+    _backend = _validate(name)
+
+
+def get_backend() -> str:
+    return _backend
+
+
+@functools.cache
+def _triton_ops() -> SimpleNamespace | None:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        from .copy_blocks import copy_blocks
+        from .decode_split_kv import decode_split_kv
+        from .paged_attention import _paged_attention_kernel, paged_attention
+        from .reshape_and_cache import reshape_and_cache
+    except Exception as exc:  # any import failure means: no Triton on this machine
+        logger.warning("Triton kernels unavailable (%s); using the torch reference", exc)
+        return None
+    return SimpleNamespace(
+        reshape_and_cache=reshape_and_cache,
+        paged_attention=paged_attention,
+        decode_split_kv=decode_split_kv,
+        copy_blocks=copy_blocks,
+        # Decided when the kernels were decorated, i.e. by TRITON_INTERPRET at their import.
+        interpret=isinstance(_paged_attention_kernel, InterpretedFunction),
+    )
+
+
+def _ops_for(t: torch.Tensor) -> SimpleNamespace | None:
+    """The Triton ops to use for a call on tensors like t, or None for the reference."""
+    if _backend == "torch" or (_backend == "auto" and not t.is_cuda):
+        return None
+    ops = _triton_ops()
+    if ops is None:
+        if _backend == "triton":
+            raise RuntimeError("kernel backend 'triton' was requested but triton cannot be imported")
+        return None
+    if not t.is_cuda and not ops.interpret:
+        raise RuntimeError(
+            "Triton kernels got CPU tensors: set TRITON_INTERPRET=1 before triton is imported, "
+            "or use set_backend('torch')"
+        )
+    return ops
+
+
+def choose_num_splits(
+    num_seqs: int, num_tokens: int, num_kv_heads: int, max_context: int, num_sms: int
+) -> int:
+    """How many ways to split each context for decode (1 = use the one-pass kernel).
+
+    Split only decode-only batches (num_tokens == num_seqs, every sequence having at least one
+    new token) whose (sequence, kv head) programs cannot fill _PROGRAMS_PER_SM per SM: split
+    enough to reach that, but keep at least _MIN_SPLIT_CONTEXT positions per split.
+    max_context is an upper bound (block_table width * block_size) so no device sync is needed.
+    """
+    programs = num_seqs * num_kv_heads
+    if num_tokens != num_seqs or programs == 0:
+        return 1
+    wanted = -(-_PROGRAMS_PER_SM * num_sms // programs)
+    splits = min(wanted, max_context // _MIN_SPLIT_CONTEXT, _MAX_SPLITS)
+    return splits if splits >= 2 else 1
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _INTERPRETER_SMS
+
+
+def decode_splits(
+    query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor
+) -> int:
+    """choose_num_splits for this batch on this device (what the Triton path will launch)."""
+    return choose_num_splits(
+        seq_lens.shape[0], query.shape[0], kv_cache.shape[3],
+        block_table.shape[1] * kv_cache.shape[2], _num_sms(query.device),
+    )
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_size] into kv_cache slots (-1 = skip)."""
+    ops = _ops_for(kv_cache)
+    (ops.reshape_and_cache if ops else reference.reshape_and_cache_ref)(
+        key, value, kv_cache, slot_mapping
+    )
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Copy whole blocks (K and V) for each (src, dst) row of block_mapping, in every layer."""
+    ops = _ops_for(kv_caches[0]) if kv_caches else None
+    (ops.copy_blocks if ops else reference.copy_blocks_ref)(kv_caches, block_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal paged attention for a mixed prefill + decode batch -> [num_tokens, heads, head].
+
+    Sequence s's query token j (of q_len) sits at position seq_lens[s] - q_len + j and sees the
+    positions <= its own (and > pos - sliding_window); softcap c maps logits to c*tanh(x/c).
+    """
+    args = (query, kv_cache, query_start_loc, seq_lens, block_table, scale)
+    kwargs = dict(sliding_window=sliding_window, softcap=softcap, out=out)
+    ops = _ops_for(query)
+    if ops is None:
+        return reference.paged_attention_ref(*args, **kwargs)
+    num_splits = decode_splits(query, kv_cache, seq_lens, block_table)
+    if num_splits > 1:
+        return ops.decode_split_kv(*args, num_splits, **kwargs)
+    return ops.paged_attention(*args, **kwargs)
