@@ -1,0 +1,161 @@
+"""scripts/bench_memory.py: the allocator, the simulator's accounting and structural facts.
+
+Every simulation here runs with ``check=True``: after each step the written, reserved-unwritten
+and free slots must add up to the pool, the written slots are recounted block by block, and the
+real Pool's invariants are checked. No timed assertions.
+"""
+
+import importlib.util
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "scripts" / "bench_memory.py"
+_spec = importlib.util.spec_from_file_location("bench_memory", _PATH)
+bm = importlib.util.module_from_spec(_spec)
+sys.modules["bench_memory"] = bm  # dataclasses look their module up while the file executes
+_spec.loader.exec_module(bm)
+
+TINY = bm.SimConfig(num_requests=60, budget_tokens=16384, max_model_len=4096, seed=3)
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return bm.make_trace(TINY)
+
+
+@pytest.fixture(scope="module")
+def results(trace):
+    return {name: bm.simulate(TINY, trace, name, check=True) for name in bm.STRATEGIES}
+
+
+def test_first_fit_reuses_the_first_hole_and_coalesces():
+    heap = bm.FirstFit(100)
+    assert [heap.alloc(n) for n in (10, 20, 30)] == [0, 10, 30]
+    heap.release(10, 20)
+    assert (heap.starts, heap.lens, heap.free) == ([10, 60], [20, 40], 60)
+    assert heap.alloc(25) == 60  # the first hole is too small: first fit skips it
+    assert heap.alloc(5) == 10
+    heap.release(0, 10)  # merges with the hole after it: [0, 10) + [15, 30) are not adjacent
+    assert (heap.starts, heap.lens) == ([0, 15, 85], [10, 15, 15])
+    heap.release(10, 5)  # fills the gap: both neighbours merge
+    assert (heap.starts, heap.lens, heap.free) == ([0, 85], [30, 15], 45)
+    heap.release(30, 30)
+    heap.release(60, 25)
+    assert (heap.starts, heap.lens, heap.free) == ([0], [100], 100)
+    assert heap.alloc(101) is None
+
+
+def test_trace_is_seeded_and_shaped_as_configured(trace):
+    assert bm.make_trace(TINY) == trace
+    assert bm.make_trace(replace(TINY, seed=4)) != trace
+    assert all(len(r.prompt) + max(r.out_lens) <= TINY.max_model_len for r in trace)
+    ns = {len(r.out_lens) for r in trace}
+    assert ns == {1, TINY.parallel_n}
+    arrivals = [r.arrival for r in trace]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 0
+    burst = bm.make_trace(replace(TINY, arrival_rate=0.0))
+    assert {r.arrival for r in burst} == {0}
+
+
+def test_every_strategy_completes_every_sequence(results, trace):
+    total = sum(sum(r.out_lens) for r in trace)
+    for name, r in results.items():
+        assert r["useful_decode_tokens"] == total, name
+        assert r["decode_tokens"] >= total
+        pct = r["written_pct"] + r["internal_waste_pct"] + r["free_pct"]
+        assert pct == pytest.approx(100.0), name  # the per-step identity, averaged
+
+
+def test_bytes_copied_only_by_doubling_and_copy_on_write(results):
+    kvb, bs = TINY.kv_bytes_per_token, TINY.block_size
+    assert results["static"]["bytes_copied"] == 0
+    assert results["paged"]["bytes_copied"] == 0
+    dbl, cow = results["doubling"], results["paged+prefix"]
+    assert dbl["copies"] > 0 and dbl["bytes_copied"] > 0
+    assert cow["copies"] > 0  # forked samples copy their shared partial prompt block
+    assert cow["bytes_copied"] == cow["copies"] * bs * kvb
+    assert cow["bytes_copied"] < dbl["bytes_copied"]
+
+
+def test_waste_and_fragmentation_ordering(results):
+    st, dbl, pg, pp = (results[n] for n in bm.STRATEGIES)
+    assert pp["internal_waste_pct"] < dbl["internal_waste_pct"] < st["internal_waste_pct"]
+    assert pg["internal_waste_pct"] < dbl["internal_waste_pct"]
+    assert pg["ext_frag_pct"] == pp["ext_frag_pct"] == 0.0
+    assert st["ext_frag_pct"] == 0.0  # equal-sized regions leave no hole too small for the next one
+    assert dbl["frag_refusals"] > 0  # enough free slots, no extent big enough
+    # a paged sequence wastes less than one block: its partly written last block
+    for r in (pg, pp):
+        assert r["internal_waste_pct"] / 100 * TINY.budget_tokens < r["mean_seqs"] * TINY.block_size
+
+
+def test_concurrency_ordering_and_static_bound(results):
+    st, dbl, pg, pp = (results[n] for n in bm.STRATEGIES)
+    assert st["peak_seqs"] == TINY.budget_tokens // TINY.max_model_len
+    assert st["preemptions"] == 0
+    assert st["mean_requests"] < dbl["mean_requests"] < pg["mean_requests"] <= pp["mean_requests"]
+    assert st["peak_requests"] < pg["peak_requests"] <= pp["peak_requests"]
+    assert st["steps"] > dbl["steps"] > pg["steps"] >= pp["steps"]
+
+
+def test_prefix_hits_only_with_prefix_caching(results):
+    assert results["paged+prefix"]["prefix_hit_rate"] > 0.2
+    for name in ("static", "doubling", "paged"):
+        assert results[name]["prefix_hit_rate"] == 0.0
+
+
+@pytest.mark.parametrize("name", bm.STRATEGIES)
+def test_growth_past_the_pool_preempts_newest_and_still_finishes(name):
+    # 8 short prompts fit at once; after 500 steps their 20 samples need > 8192 slots even with
+    # shared prompts, so growing strategies must preempt (static admits 4 sequences, never does)
+    cfg = replace(TINY, budget_tokens=8192, max_model_len=2048, system_max=1000, arrival_rate=0.0)
+    trace = [bm.TraceRequest(i, 0, tuple(range(i, i + 100)), (1500,) if i % 2 else (500,) * 4)
+             for i in range(8)]
+    r = bm.simulate(cfg, trace, name, check=True)
+    assert r["useful_decode_tokens"] == 4 * 1500 + 4 * 4 * 500
+    if name == "static":
+        assert r["preemptions"] == 0 and r["peak_seqs"] == 4
+    else:
+        assert r["preemptions"] > 0 and r["discarded_tokens"] > 0
+        assert r["decode_tokens"] > r["useful_decode_tokens"]
+
+
+def test_block_size_sweep_trades_waste_for_table_size(trace):
+    rows = bm.sweep_block_sizes(TINY, trace, sizes=(8, 32, 128))
+    entries = [r["block_table_entries_per_seq"] for r in rows]
+    assert entries[0] > entries[1] > entries[2]
+    assert [r["block_table_width"] for r in rows] == [512, 128, 32]
+    assert rows[0]["internal_waste_pct"] < rows[2]["internal_waste_pct"]
+
+
+def test_config_errors_say_what_to_change():
+    with pytest.raises(ValueError, match="raise --budget-tokens"):
+        bm.SimConfig(budget_tokens=8192, max_model_len=4096)
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        bm.SimConfig(budget_tokens=65536 + 8, block_size=16)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        bm.make_strategy("buddy", TINY)
+
+
+def test_main_writes_json_and_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    report = bm.main(["--quick", "--requests", "40", "--out", str(tmp_path)])
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["bench_memory.json", "block_size.png", "concurrency.png", "waste.png"]
+    assert set(report["strategies"]) == set(bm.STRATEGIES)
+    assert [r["block_size"] for r in report["sweep"]] == list(bm.SWEEP_BLOCK_SIZES)
+    out = capsys.readouterr().out
+    assert "paged+prefix" in out and "target:" in out
+
+
+def test_a_request_that_cannot_grow_alone_is_an_error_not_a_livelock():
+    # doubling keeps the old region while copying: four samples at 2048 slots cannot all reach 4096
+    # in 4 * 4096 slots (the last reallocation needs 3 * 4096 + 2048 + 4096)
+    cfg = replace(TINY, budget_tokens=4 * 4096)
+    trace = [bm.TraceRequest(0, 0, tuple(range(1500)), (2500,) * 4)]
+    with pytest.raises(RuntimeError, match="raise --budget-tokens"):
+        bm.simulate(cfg, trace, "doubling")
+    assert bm.simulate(cfg, trace, "paged", check=True)["preemptions"] == 0
