@@ -14,3 +14,22 @@ def cli(verbose: int) -> None:
     """kvpool: a PagedAttention KV-cache memory system."""
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+from kvpool.cli import admin  # noqa: E402  (manager daemon + admin commands)
+
+cli.add_command(admin.manager)
+cli.add_command(admin.status)
+cli.add_command(admin.pools)
+cli.add_command(admin.sessions)
+cli.add_command(admin.requests)
+cli.add_command(admin.stats)
+cli.add_command(admin.reset_cache)
+cli.add_command(admin.drain)
+cli.add_command(admin.shutdown)
+
+from kvpool.cli import serve  # noqa: E402  (worker, generate, demo)
+
+cli.add_command(serve.worker)
+cli.add_command(serve.generate)
+cli.add_command(serve.demo)

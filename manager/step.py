@@ -18,6 +18,7 @@ R is an int in [0, 2**63) or a str of at most 128 bytes; ids are scoped by ``own
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from kvpool.manager.pool import Pool, PoolError
@@ -61,7 +62,7 @@ def _alloc(pool: Pool, owner: object, op: dict) -> dict:
     )
     if res is None:
         return NO_SPACE
-    return {"ok": True, "cached": res[0], "blocks": res[1]}
+    return {"ok": True, "cached": res[0], "blocks": list(res[1])}  # a copy: a later sub-op may grow it
 
 
 def _extend(pool: Pool, owner: object, op: dict) -> dict:
@@ -88,6 +89,11 @@ SUB_OPS: dict[str, Callable[[Pool, object, dict], dict]] = {
 }
 
 
+def _public(msg: str, owner: object) -> str:
+    """Pool messages name requests by their internal (owner, req) key; show only req."""
+    return re.sub(rf"\({re.escape(repr(owner))}, ([^)]*)\)", r"\1", msg)
+
+
 def run_step(pool: Pool, owner: object, ops: list, allow_alloc: bool = True) -> list[dict]:
     """Runs ``ops`` in order for requests owned by ``owner``; one result per sub-op.
 
@@ -106,7 +112,7 @@ def run_step(pool: Pool, owner: object, ops: list, allow_alloc: bool = True) -> 
                 raise PoolError("draining", "the manager is draining: no new allocations")
             results.append(handler(pool, owner, op))
         except PoolError as e:
-            results.append({"ok": False, "code": e.code, "msg": str(e)})
+            results.append({"ok": False, "code": e.code, "msg": _public(str(e), owner)})
         except TypeError as e:  # e.g. an unhashable request id inside a malformed map
             results.append({"ok": False, "code": "bad_sub_op", "msg": f"malformed sub-op: {e}"})
     return results

@@ -1,0 +1,271 @@
+"""Manager commands: `kvpool manager` runs the daemon; the others ask it (tables, or --json).
+
+Exit status: 0 on success, 1 when the manager answers with an error, 3 when it cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import click
+
+from kvpool.shared.protocol import ManagerError, ManagerUnavailable, default_endpoint
+
+EXIT_UNREACHABLE = 3
+
+
+class Unreachable(click.ClickException):
+    exit_code = EXIT_UNREACHABLE
+
+
+def manager_option(f: Callable) -> Callable:
+    return click.option(
+        "--manager", "-m", "endpoint", envvar="KVPOOL_MANAGER", default=default_endpoint, show_default=True,
+        help="Manager endpoint (ipc://PATH or tcp://HOST:PORT); env KVPOOL_MANAGER.",
+    )(f)
+
+
+def client_options(f: Callable) -> Callable:
+    f = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(f)
+    f = click.option("--timeout", "timeout_s", default=3.0, show_default=True, help="Seconds to wait for a reply.")(f)
+    f = click.option("--admin-key", envvar="KVPOOL_ADMIN_KEY", default=None, help="Admin key; env KVPOOL_ADMIN_KEY.")(f)
+    return manager_option(f)
+
+
+@contextmanager
+def connect(endpoint: str, timeout_s: float, admin_key: str | None) -> Iterator:
+    from kvpool.worker.manager_client import ManagerClient
+
+    client = ManagerClient(endpoint, role="admin", identity="kvpool-cli", timeout_s=timeout_s, admin_key=admin_key)
+    try:
+        yield client
+        try:
+            client.deregister()
+        except ManagerError:
+            pass
+    except ManagerUnavailable as e:
+        raise Unreachable(f"cannot reach the manager: {e.message}") from None
+    except ManagerError as e:
+        raise click.ClickException(f"the manager refused: {e.code}: {e.message}") from None
+    finally:
+        client.close()
+
+
+def ask(endpoint: str, timeout_s: float, admin_key: str | None, op: str, **args: object) -> dict:
+    with connect(endpoint, timeout_s, admin_key) as client:
+        return client.call(op, **args)
+
+
+def emit(data: object, as_json: bool, human: Callable[[], None]) -> None:
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        human()
+
+
+def table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
+    """Prints ``rows`` under ``columns`` = [(header, key)], left-aligned, one space-padded."""
+    if not rows:
+        click.echo("(none)")
+        return
+    cells = [[_fmt(r.get(k)) for _, k in columns] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _) in enumerate(columns)]
+    click.echo("  ".join(h.ljust(w) for (h, _), w in zip(columns, widths)).rstrip())
+    for c in cells:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip())
+
+
+def _fmt(v: object) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
+
+
+# -- the daemon ----------------------------------------------------------------------------
+
+
+@click.command("manager")
+@manager_option
+@click.option("--session-timeout", "session_timeout_s", type=float, default=None,
+              help="Seconds of silence after which a session is dead and its requests freed [10].")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="Config file (.toml with a [manager] table, or .json); options given here win.")
+@click.option("--admin-key", envvar="KVPOOL_ADMIN_KEY", default=None, help="Require this key for admin ops.")
+@click.pass_context
+def manager(ctx: click.Context, endpoint: str, session_timeout_s: float | None, config_path: str | None,
+            admin_key: str | None) -> None:
+    """Run the manager daemon (SIGTERM stops it cleanly)."""
+    from kvpool.manager.config import ManagerConfig
+    from kvpool.manager.server import serve
+
+    explicit = ctx.get_parameter_source("endpoint") != click.core.ParameterSource.DEFAULT
+    overrides = {"endpoint": endpoint if explicit or not config_path else None,
+                 "session_timeout_s": session_timeout_s, "admin_key": admin_key}
+    try:
+        if config_path:
+            cfg = ManagerConfig.from_file(config_path, **overrides)
+        else:
+            cfg = ManagerConfig(**{k: v for k, v in overrides.items() if v is not None})
+        rc = serve(cfg)
+    except (ValueError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from None
+    ctx.exit(rc)
+
+
+# -- queries -------------------------------------------------------------------------------
+
+
+@click.command("status")
+@client_options
+def status(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool) -> None:
+    """Is the manager up? Its incarnation, uptime, sessions, pools and traffic."""
+    m = ask(endpoint, timeout_s, admin_key, "stats")["manager"]
+
+    def human() -> None:
+        click.echo(f"manager {endpoint}: up {m['uptime_s']:.0f}s, incarnation {m['incarnation']}, "
+                   f"protocol v{m['version']}{', DRAINING' if m['draining'] else ''}")
+        click.echo(f"  {m['sessions']} sessions, {m['pools']} pools, {m['requests']} requests")
+        errors = sum(m["errors"].values())
+        click.echo(f"  {m['messages']} messages, {errors} errors, {m['dropped']} dropped, "
+                   f"step p50 <= {m['step_latency']['p50'] * 1e6:.0f}us p99 <= {m['step_latency']['p99'] * 1e6:.0f}us")
+
+    emit(m, as_json, human)
+
+
+@click.command("pools")
+@client_options
+def pools(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool) -> None:
+    """Pools with their epoch, shards and block usage."""
+    rows = ask(endpoint, timeout_s, admin_key, "pools")["pools"]
+    for r in rows:
+        r["shards_up"] = f"{r['registered']}/{r['shard_count']}"
+    cols = [("POOL", "pool"), ("STATE", "state"), ("EPOCH", "epoch"), ("SHARDS", "shards_up"),
+            ("BLOCKS", "num_blocks"), ("FREE", "free_blocks"), ("CACHED", "cached_blocks"),
+            ("REQUESTS", "requests"), ("BLOCK_SIZE", "block_size")]
+    emit(rows, as_json, lambda: table(rows, cols))
+
+
+@click.command("sessions")
+@client_options
+def sessions(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool) -> None:
+    """Connected clients (this command's own session included)."""
+    rows = ask(endpoint, timeout_s, admin_key, "sessions")["sessions"]
+    cols = [("SESSION", "session"), ("IDENTITY", "identity"), ("ROLE", "role"), ("AGE_S", "age_s"),
+            ("IDLE_S", "idle_s"), ("REQUESTS", "requests")]
+    emit(rows, as_json, lambda: table(rows, cols))
+
+
+@click.command("requests")
+@click.option("--pool", "-p", required=True, help="Pool name.")
+@click.option("--limit", default=1000, show_default=True, help="At most this many rows.")
+@client_options
+def requests(pool: str, limit: int, endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool) -> None:
+    """Requests holding blocks in one pool."""
+    body = ask(endpoint, timeout_s, admin_key, "requests", pool=pool, limit=limit)
+    cols = [("SESSION", "session"), ("IDENTITY", "identity"), ("REQ", "req"), ("TOKENS", "num_tokens"),
+            ("BLOCKS", "blocks"), ("CACHED_BLOCKS", "cached_blocks")]
+
+    def human() -> None:
+        click.echo(f"pool {body['pool']} epoch {body['epoch']}: {body['total']} requests")
+        table(body["requests"], cols)
+
+    emit(body, as_json, human)
+
+
+def _print_stats(body: dict) -> None:
+    m = body["manager"]
+    click.echo(f"manager: {m['sessions']} sessions, {m['requests']} requests, {m['messages']} messages, "
+               f"{m['sub_ops']} sub-ops, errors {m['errors'] or 0}, dropped {m['dropped']}")
+    rows = [{"pool": name, **p} for name, p in body["pools"].items()]
+    for r in rows:
+        r["usage"] = f"{r.get('usage', 0):.1%}"
+        r["hit_rate"] = f"{r.get('prefix_hit_rate', 0):.1%}"
+    table(rows, [("POOL", "pool"), ("EPOCH", "epoch"), ("USAGE", "usage"), ("HIT_RATE", "hit_rate"),
+                 ("REQUESTS", "requests"), ("ALLOCS", "allocations"), ("NO_SPACE", "no_space"),
+                 ("EVICTIONS", "evictions"), ("FORKS", "forks")])
+
+
+@click.command("stats")
+@click.option("--watch", is_flag=True, help="Refresh until Ctrl-C.")
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
+@client_options
+def stats(watch: bool, interval: float, endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool) -> None:
+    """Manager counters and per-pool usage, hit rate, allocations, evictions."""
+    if not watch:
+        body = ask(endpoint, timeout_s, admin_key, "stats")
+        emit(body, as_json, lambda: _print_stats(body))
+        return
+    with connect(endpoint, timeout_s, admin_key) as client:
+        try:
+            while True:
+                body = client.call("stats")
+                if as_json:
+                    click.echo(json.dumps(body, sort_keys=True), nl=True)
+                else:
+                    click.clear()
+                    click.echo(f"{time.strftime('%H:%M:%S')}  {endpoint}  (Ctrl-C to stop)")
+                    _print_stats(body)
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            pass
+
+
+# -- actions -------------------------------------------------------------------------------
+
+
+@click.command("reset-cache")
+@click.option("--pool", "-p", required=True, help="Pool name.")
+@client_options
+def reset_cache(pool: str, endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool) -> None:
+    """Forget every cached block hash of a pool (refused while blocks are in use)."""
+    body = ask(endpoint, timeout_s, admin_key, "reset_cache", pool=pool)
+    emit(body, as_json, lambda: click.echo(f"pool {pool}: prefix cache reset"))
+
+
+@click.command("drain")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until every request is freed.")
+@click.option("--wait-timeout", default=600.0, show_default=True, help="Give up waiting after this many seconds.")
+@click.option("--cancel", is_flag=True, help="Accept new allocations again.")
+@client_options
+def drain(wait: bool, wait_timeout: float, cancel: bool, endpoint: str, timeout_s: float, admin_key: str | None,
+          as_json: bool) -> None:
+    """Refuse new allocations; wait until the running requests are freed."""
+    with connect(endpoint, timeout_s, admin_key) as client:
+        body = client.call("drain", enable=not cancel)
+        if cancel or not wait:
+            emit(body, as_json, lambda: click.echo(f"draining: {body['draining']}, {body['requests']} requests left"))
+            return
+        if body["requests"]:
+            _wait_drained(client, body["requests"], wait_timeout, quiet=as_json)
+        emit({"draining": True, "requests": 0}, as_json, lambda: click.echo("drained: no requests left"))
+
+
+def _wait_drained(client, total: int, wait_timeout: float, quiet: bool) -> None:
+    from tqdm import tqdm
+
+    deadline = time.monotonic() + wait_timeout
+    with tqdm(total=total, desc="freed", unit="req", disable=quiet) as bar:
+        while (left := client.call("drain", enable=True)["requests"]) > 0:
+            bar.update(max(0, total - left - bar.n))
+            if time.monotonic() > deadline:
+                raise click.ClickException(f"{left} requests still running after {wait_timeout}s")
+            time.sleep(0.2)
+        bar.update(total - bar.n)
+
+
+@click.command("shutdown")
+@client_options
+def shutdown(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool) -> None:
+    """Stop the manager (it finishes the current iteration and exits 0)."""
+    with connect(endpoint, timeout_s, admin_key) as client:
+        body = client.call("shutdown")
+        client.sid = None  # the manager is going away: no deregister
+    emit(body, as_json, lambda: click.echo(f"manager {endpoint}: shutting down"))
+
+
+COMMANDS = [manager, status, pools, sessions, requests, stats, reset_cache, drain, shutdown]

@@ -1,0 +1,238 @@
+"""One function per manager op: validate ``args``, act on the registry, return the reply body.
+
+Handlers raise ``ManagerError(code, message)`` for bad input; the server turns it into an error
+reply. Each takes ``(session, args, now)``; ``session`` is None only for hello. The dispatch
+table (which op needs a session, which is an admin op) is in manager/server.py.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Callable
+
+from kvpool.manager.registry import PoolEntry, Registry, Session
+from kvpool.manager.stats import ServerStats
+from kvpool.manager.step import run_step
+from kvpool.manager.store import GLOBAL
+from kvpool.shared.protocol import (
+    MAX_HASHES,
+    POOL_NAME,
+    PROTOCOL_VERSION,
+    ROLES,
+    SUPPORTED_VERSIONS,
+    ManagerError,
+    bad_field,
+    check_spec,
+    get_hashes,
+    get_int,
+    get_map,
+    get_str,
+)
+
+U63 = (1 << 63) - 1
+
+
+def pool_info(entry: PoolEntry) -> dict:
+    pool = entry.pool
+    return {
+        "pool": entry.name,
+        "state": entry.state,
+        "epoch": entry.epoch,
+        "registered": len(entry.shards),
+        "shard_count": entry.shard_count,
+        "num_blocks": pool.blocks.num_blocks if pool else 0,
+        "block_size": entry.spec["block_size"],
+    }
+
+
+class Handlers:
+    def __init__(
+        self,
+        registry: Registry,
+        stats: ServerStats,
+        *,
+        max_sub_ops: int,
+        max_message_bytes: int,
+        admin_key: str | None,
+        request_stop: Callable[[], None],
+    ) -> None:
+        self.reg, self.counters = registry, stats
+        self.max_sub_ops, self.max_message_bytes = max_sub_ops, max_message_bytes
+        self.admin_key = admin_key
+        self.request_stop = request_stop
+        self.started = time.monotonic()
+
+    # -- sessions --------------------------------------------------------------------------
+
+    def hello(self, sess: Session | None, args: dict, now: float) -> dict:
+        identity = get_str(args, "identity", 128, default="anonymous")
+        role = args.get("role", "worker")
+        if role not in ROLES:
+            raise bad_field("role", f"one of {list(ROLES)}", role)
+        versions = args.get("versions", [PROTOCOL_VERSION])
+        if type(versions) is not list or not 0 < len(versions) <= 16:
+            raise bad_field("versions", "a list of 1-16 ints", versions)
+        common = [v for v in SUPPORTED_VERSIONS if v in versions]
+        if not common:
+            raise ManagerError("unsupported_version", f"manager speaks versions {list(SUPPORTED_VERSIONS)}, "
+                               f"client {versions!r:.60}", {"versions": list(SUPPORTED_VERSIONS)})
+        sess = self.reg.open_session(identity, role, self._admin_ok(role, args.get("admin_key")), max(common), now)
+        timeout = float(self.reg.session_timeout_s)
+        return {
+            "sid": sess.sid,
+            "session": sess.num,
+            "incarnation": self.reg.incarnation,
+            "version": sess.version,
+            "admin": sess.admin,
+            "session_timeout_s": timeout,
+            "heartbeat_interval_s": timeout / 3,
+            "limits": {"max_message_bytes": self.max_message_bytes, "max_sub_ops": self.max_sub_ops,
+                       "max_hashes": MAX_HASHES},
+        }
+
+    def _admin_ok(self, role: str, key: object) -> bool:
+        if self.admin_key is None:
+            return True  # no key configured: every client may run admin ops
+        if role != "admin":
+            return False
+        if type(key) is not str or not hmac.compare_digest(key.encode(), self.admin_key.encode()):
+            raise ManagerError("forbidden", "role 'admin' needs the manager's admin key (admin_key)")
+        return True
+
+    def heartbeat(self, sess: Session, args: dict, now: float) -> dict:
+        return {}
+
+    def deregister(self, sess: Session, args: dict, now: float) -> dict:
+        return {"freed": self.reg.end_session(sess.sid)}
+
+    # -- pools -----------------------------------------------------------------------------
+
+    def register(self, sess: Session, args: dict, now: float) -> dict:
+        entry = self.reg.register(
+            sess,
+            get_str(args, "pool", 64, pattern=POOL_NAME),
+            get_int(args, "shard_rank", 0, 4095),
+            get_int(args, "shard_count", 1, 4096),
+            get_str(args, "incarnation", 128),
+            check_spec(get_map(args, "spec")),
+            get_int(args, "available_kv_bytes", 0, U63),
+        )
+        return pool_info(entry)
+
+    def step(self, sess: Session, args: dict, now: float) -> dict:
+        entry, pool = self.reg.ready_pool(args.get("pool"), get_int(args, "epoch", 1, U63))
+        ops = args.get("ops")
+        if type(ops) is not list:
+            raise bad_field("ops", "a list of sub-op maps", ops)
+        if len(ops) > self.max_sub_ops:
+            raise ManagerError("too_many_sub_ops", f"{len(ops)} sub-ops; at most {self.max_sub_ops} per step")
+        t0 = time.perf_counter()
+        results = run_step(pool, sess.sid, ops, allow_alloc=not self.reg.draining)
+        self.counters.step_latency.observe(time.perf_counter() - t0)
+        self.counters.sub_ops += len(ops)
+        if ops:
+            self.reg.dirty.add(entry.name)
+        return {"results": results}
+
+    def lookup(self, sess: Session, args: dict, now: float) -> dict:
+        epoch = get_int(args, "epoch", 1, U63) if "epoch" in args else None
+        _, pool = self.reg.ready_pool(args.get("pool"), epoch)
+        return {"blocks": pool.lookup(get_hashes(args))}
+
+    def locate(self, sess: Session, args: dict, now: float) -> dict:
+        hashes = get_hashes(args)
+        return {"pools": {name: e.pool.lookup(hashes) for name, e in self.reg.pools.items() if e.pool is not None}}
+
+    def stats(self, sess: Session, args: dict, now: float) -> dict:
+        reg = self.reg
+        manager = {
+            "incarnation": reg.incarnation,
+            "version": PROTOCOL_VERSION,
+            "uptime_s": time.monotonic() - self.started,
+            "sessions": len(reg.sessions),
+            "pools": len(reg.pools),
+            "requests": reg.total_requests(),
+            "draining": reg.draining,
+            **self.counters.snapshot(),
+        }
+        pools = {}
+        for name, entry in reg.pools.items():
+            snap = entry.pool.snapshot_stats() if entry.pool is not None else {}
+            pools[name] = {**snap, "state": entry.state, "epoch": entry.epoch}
+        return {"manager": manager, "pools": pools}
+
+    # -- admin -----------------------------------------------------------------------------
+
+    def pools(self, sess: Session, args: dict, now: float) -> dict:
+        out = []
+        live = self.reg.sessions
+        for entry in self.reg.pools.values():
+            info = pool_info(entry)
+            pool = entry.pool
+            info.update(
+                spec=entry.spec,
+                free_blocks=pool.blocks.num_free if pool else 0,
+                cached_blocks=len(pool.blocks.cached) if pool else 0,
+                requests=len(pool.requests) if pool else 0,
+                shards=[{"rank": s.rank, "incarnation": s.incarnation, "num_blocks": s.num_blocks,
+                         "num_kv_heads": s.spec["num_kv_heads"], "session": live[s.sid].num if s.sid in live else None}
+                        for s in sorted(entry.shards.values(), key=lambda s: s.rank)],
+            )
+            out.append(info)
+        return {"pools": out}
+
+    def sessions(self, sess: Session, args: dict, now: float) -> dict:
+        counts = self.reg.request_counts()
+        rows = [{"session": s.num, "identity": s.identity, "role": s.role, "admin": s.admin,
+                 "age_s": now - s.created, "idle_s": now - s.last_seen, "requests": counts.get(s.sid, 0)}
+                for s in self.reg.sessions.values()]
+        return {"sessions": rows}
+
+    def requests(self, sess: Session, args: dict, now: float) -> dict:
+        entry, pool = self.reg.ready_pool(args.get("pool"))
+        limit = get_int(args, "limit", 1, 1 << 20, default=10_000)
+        live = self.reg.sessions
+        rows = []
+        for (sid, rid), req in pool.requests.items():  # type: ignore[misc]
+            if len(rows) >= limit:
+                break
+            owner = live.get(sid)
+            rows.append({"session": owner.num if owner else None, "identity": owner.identity if owner else None,
+                         "req": rid, "num_tokens": req.num_tokens, "blocks": len(req.blocks),
+                         "cached_blocks": req.num_cached})
+        return {"pool": entry.name, "epoch": entry.epoch, "total": len(pool.requests), "requests": rows}
+
+    def reset_cache(self, sess: Session, args: dict, now: float) -> dict:
+        entry, pool = self.reg.ready_pool(args.get("pool"))
+        if not pool.reset_prefix_cache():
+            raise ManagerError("in_use", f"pool {entry.name!r} has {pool.blocks.num_used} blocks in use; "
+                               "drain it first (kvpool drain), then reset")
+        self.reg.dirty.add(entry.name)
+        return {"reset": True}
+
+    def evict(self, sess: Session, args: dict, now: float) -> dict:
+        entry, pool = self.reg.ready_pool(args.get("pool"))
+        evicted = pool.evict(get_int(args, "n", 0, U63))
+        self.reg.dirty.add(entry.name)
+        return {"evicted": evicted}
+
+    def drain(self, sess: Session, args: dict, now: float) -> dict:
+        enable = args.get("enable", True)
+        if type(enable) is not bool:
+            raise bad_field("enable", "a bool", enable)
+        self.reg.draining = enable
+        self.reg.dirty.add(GLOBAL)
+        return {"draining": enable, "requests": self.reg.total_requests()}
+
+    def shutdown(self, sess: Session, args: dict, now: float) -> dict:
+        self.request_stop()
+        return {"stopping": True}
+
+    def check(self, sess: Session, args: dict, now: float) -> dict:
+        try:
+            self.reg.check_invariants()
+        except AssertionError as e:
+            raise ManagerError("invariant_broken", str(e)) from e
+        return {"pools": len(self.reg.pools), "sessions": len(self.reg.sessions),
+                "requests": self.reg.total_requests()}

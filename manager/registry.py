@@ -1,0 +1,241 @@
+"""Every piece of the manager's state, in one object: pools (with their shards) and sessions.
+
+The loop owns the registry; nothing else mutates it. A store snapshots it (manager/store.py).
+
+- A *session* is one connected client (hello .. deregister or expiry). Its secret ``sid`` is
+  the owner of its requests inside every pool (``run_step``'s owner), so one client can never
+  touch another's requests; lists show its public number ``num`` instead of the sid.
+- A *pool* is one model replica's block space, registered by ``shard_count`` shards. Once all
+  have registered it gets a ``Pool`` of ``min`` over the shards' block counts and an epoch.
+  A shard registering with a new incarnation (its process restarted: its KV tensors are new)
+  replaces the Pool: cached hashes and requests are dropped and the epoch moves on.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass, field
+
+from kvpool.manager.pool import Pool
+from kvpool.manager.store import GLOBAL
+from kvpool.shared.protocol import ManagerError, block_bytes
+
+logger = logging.getLogger(__name__)
+
+COMMON_SPEC = ("block_size", "num_layers", "head_size", "dtype")  # shards agree on these
+
+
+@dataclass
+class Session:
+    sid: str
+    num: int
+    identity: str
+    role: str
+    admin: bool
+    version: int
+    created: float
+    last_seen: float
+
+
+@dataclass
+class Shard:
+    rank: int
+    incarnation: str
+    spec: dict
+    available_kv_bytes: int
+    num_blocks: int
+    sid: str | None  # the session that registered it; None once that session is gone
+
+
+@dataclass
+class PoolEntry:
+    name: str
+    shard_count: int
+    shards: dict[int, Shard] = field(default_factory=dict)
+    epoch: int = 0  # 0 until every shard has registered
+    pool: Pool | None = None
+
+    @property
+    def spec(self) -> dict:
+        any_shard = next(iter(self.shards.values()))
+        return {k: any_shard.spec[k] for k in COMMON_SPEC}
+
+    @property
+    def state(self) -> str:
+        return "ready" if self.pool is not None else "pending"
+
+
+class Registry:
+    def __init__(
+        self,
+        incarnation: str,
+        *,
+        session_timeout_s: float,
+        max_sessions: int = 4096,
+        max_pools: int = 256,
+        max_blocks: int = 1 << 22,
+    ) -> None:
+        self.incarnation = incarnation
+        self.session_timeout_s = session_timeout_s
+        self.max_sessions, self.max_pools, self.max_blocks = max_sessions, max_pools, max_blocks
+        self.sessions: dict[str, Session] = {}
+        self.pools: dict[str, PoolEntry] = {}
+        self.draining = False
+        self.dirty: set[str] = set()  # pool names (and GLOBAL) changed this iteration
+        self._next_num = 1
+
+    # -- sessions --------------------------------------------------------------------------
+
+    def open_session(self, identity: str, role: str, admin: bool, version: int, now: float) -> Session:
+        if len(self.sessions) >= self.max_sessions:
+            raise ManagerError("too_many_sessions", f"{self.max_sessions} sessions are open; retry later")
+        sess = Session(secrets.token_hex(16), self._next_num, identity, role, admin, version, now, now)
+        self._next_num += 1
+        self.sessions[sess.sid] = sess
+        self.dirty.add(GLOBAL)
+        return sess
+
+    def end_session(self, sid: str) -> int:
+        """Closes a session: frees its requests in every pool; returns how many."""
+        self.sessions.pop(sid, None)
+        self.dirty.add(GLOBAL)
+        freed = 0
+        for entry in self.pools.values():
+            for shard in entry.shards.values():
+                if shard.sid == sid:
+                    shard.sid = None
+            pool = entry.pool
+            if pool is None:
+                continue
+            mine = [key for key in pool.requests if key[0] == sid]  # type: ignore[index]
+            for key in mine:
+                pool.free(key)
+            if mine:
+                self.dirty.add(entry.name)
+                freed += len(mine)
+        return freed
+
+    def expire(self, now: float) -> list[tuple[Session, int]]:
+        """Ends every session silent past the timeout; returns (session, requests freed)."""
+        limit = self.session_timeout_s
+        dead = [s for s in self.sessions.values() if now - s.last_seen > limit]
+        return [(s, self.end_session(s.sid)) for s in dead]
+
+    def request_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for entry in self.pools.values():
+            if entry.pool is not None:
+                for key in entry.pool.requests:
+                    counts[key[0]] = counts.get(key[0], 0) + 1  # type: ignore[index]
+        return counts
+
+    # -- pools -----------------------------------------------------------------------------
+
+    def register(
+        self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: dict, available: int
+    ) -> PoolEntry:
+        """Registers one shard (idempotent for the same incarnation); see the module docstring."""
+        if rank >= count:
+            raise ManagerError("bad_field", f"shard_rank {rank} must be < shard_count {count}")
+        per_block = block_bytes(spec)
+        num_blocks = available // per_block
+        if num_blocks < 2:
+            raise ManagerError(
+                "insufficient_memory",
+                f"shard {rank} of pool {name!r}: {available} KV bytes hold {num_blocks} blocks of "
+                f"{per_block} bytes; at least 2 are needed: free memory or use a smaller block_size",
+            )
+        entry = self.pools.get(name)
+        if entry is None:
+            if len(self.pools) >= self.max_pools:
+                raise ManagerError("too_many_pools", f"{self.max_pools} pools exist; no room for {name!r}")
+            entry = self.pools[name] = PoolEntry(name, count)
+        elif not self._compatible(entry, rank, count, spec):
+            entry = self.pools[name] = PoolEntry(name, count, epoch=entry.epoch)
+        old = entry.shards.get(rank)
+        if old is not None and old.incarnation == incarnation:
+            if old.spec != spec or old.available_kv_bytes != available:
+                raise ManagerError(
+                    "shard_conflict",
+                    f"shard {rank} of pool {name!r} is registered as incarnation {incarnation!r} with "
+                    "another spec or size; a restarted shard must register with a new incarnation",
+                )
+            old.sid = sess.sid
+            return entry
+        entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid)
+        if len(entry.shards) == entry.shard_count:
+            self._new_epoch(entry)
+        self.dirty.add(name)
+        return entry
+
+    def _compatible(self, entry: PoolEntry, rank: int, count: int, spec: dict) -> bool:
+        """False when every other shard is gone (a new deployment replaces the pool); raises
+        spec_mismatch when a live shard disagrees."""
+        others = [s for r, s in entry.shards.items() if r != rank]
+        if not others:
+            if count != entry.shard_count:
+                entry.shard_count = count
+            return True
+        want = {k: others[0].spec[k] for k in COMMON_SPEC}
+        have = {k: spec[k] for k in COMMON_SPEC}
+        if have == want and count == entry.shard_count:
+            return True
+        if all(s.sid is None or s.sid not in self.sessions for s in others):
+            logger.warning("pool %s: shards %s are gone and shard %d disagrees; replacing the pool",
+                           entry.name, [s.rank for s in others], rank)
+            return False
+        diffs = [f"{k} {have[k]!r} (pool: {want[k]!r})" for k in COMMON_SPEC if have[k] != want[k]]
+        if count != entry.shard_count:
+            diffs.append(f"shard_count {count} (pool: {entry.shard_count})")
+        raise ManagerError(
+            "spec_mismatch",
+            f"shard {rank} of pool {entry.name!r} disagrees with the registered shards "
+            f"{sorted(r for r in entry.shards if r != rank)}: {', '.join(diffs)}; every shard of a "
+            "pool must run the same model, block_size, dtype and shard_count",
+        )
+
+    def _new_epoch(self, entry: PoolEntry) -> None:
+        num_blocks = min(s.num_blocks for s in entry.shards.values())
+        if num_blocks > self.max_blocks:
+            logger.warning("pool %s: %d blocks clamped to max_blocks %d", entry.name, num_blocks, self.max_blocks)
+            num_blocks = self.max_blocks
+        restarted = entry.epoch > 0  # an earlier Pool of this name had cached hashes
+        entry.epoch += 1
+        entry.pool = Pool(num_blocks, entry.spec["block_size"], enable_events=True)
+        if restarted:
+            entry.pool.blocks.events.append(("cleared",))  # type: ignore[union-attr]
+            logger.warning("pool %s: a shard restarted; epoch %d, cache and requests dropped", entry.name, entry.epoch)
+        else:
+            logger.info("pool %s ready: %d blocks, epoch %d", entry.name, num_blocks, entry.epoch)
+
+    def get_pool(self, name: object) -> PoolEntry:
+        entry = self.pools.get(name) if type(name) is str else None  # type: ignore[arg-type]
+        if entry is None:
+            raise ManagerError("unknown_pool", f"no pool named {name!r:.80}; known: {sorted(self.pools)[:20]}")
+        return entry
+
+    def ready_pool(self, name: object, epoch: int | None = None) -> tuple[PoolEntry, Pool]:
+        entry = self.get_pool(name)
+        if entry.pool is None:
+            raise ManagerError(
+                "pool_not_ready", f"pool {entry.name!r}: {len(entry.shards)} of {entry.shard_count} shards registered"
+            )
+        if epoch is not None and epoch != entry.epoch:
+            raise ManagerError(
+                "stale_epoch", f"pool {entry.name!r} is at epoch {entry.epoch}, not {epoch}", {"epoch": entry.epoch}
+            )
+        return entry, entry.pool
+
+    def total_requests(self) -> int:
+        return sum(len(e.pool.requests) for e in self.pools.values() if e.pool is not None)
+
+    def check_invariants(self) -> None:
+        """Every pool's invariants, and no request without a live session."""
+        for entry in self.pools.values():
+            if entry.pool is None:
+                continue
+            entry.pool.check_invariants()
+            for key in entry.pool.requests:
+                assert key[0] in self.sessions, f"pool {entry.name}: request {key[1]!r} of a dead session"  # type: ignore[index]
+            assert len(entry.shards) == entry.shard_count, f"pool {entry.name}: ready without all shards"

@@ -1,0 +1,307 @@
+"""The manager daemon: one single-threaded loop over a ROUTER socket owns every pool.
+
+Each iteration: wait for a message (or the next expiry check), read every ready message (up to
+``max_batch``), handle them in arrival order, expire silent sessions, commit the iteration's
+mutations to the store, hand the pools' KV events to the publisher, then send the replies.
+Nothing a client sends can kill the loop: bad input becomes an error reply (or, with a
+malformed envelope, a counted drop) and changes nothing. Framing: shared/protocol.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import time
+import uuid
+
+import zmq
+
+from kvpool.manager.config import ManagerConfig
+from kvpool.manager.handlers import Handlers
+from kvpool.manager.registry import Registry, Session
+from kvpool.manager.stats import ServerStats
+from kvpool.manager.store import EventPublisher, MemoryStore, NullPublisher, StateStore
+from kvpool.shared.protocol import (
+    SUPPORTED_VERSIONS,
+    ManagerError,
+    error_reply,
+    ok_reply,
+    unpack,
+)
+
+logger = logging.getLogger(__name__)
+
+# The dispatch table. op -> (handler method, needs a session, admin op).
+OPS: dict[str, tuple[str, bool, bool]] = {
+    "hello": ("hello", False, False),
+    "register": ("register", True, False),
+    "step": ("step", True, False),
+    "lookup": ("lookup", True, False),
+    "locate": ("locate", True, False),
+    "heartbeat": ("heartbeat", True, False),
+    "stats": ("stats", True, False),
+    "deregister": ("deregister", True, False),
+    "pools": ("pools", True, True),
+    "sessions": ("sessions", True, True),
+    "requests": ("requests", True, True),
+    "reset_cache": ("reset_cache", True, True),
+    "evict": ("evict", True, True),
+    "drain": ("drain", True, True),
+    "shutdown": ("shutdown", True, True),
+    "check": ("check", True, True),
+}
+MAX_POLL_MS = 100  # the loop wakes at least this often (expiry checks, stop requests)
+GC_EVERY_S = 30.0  # cyclic garbage is collected in an idle iteration at most this often
+Handler = tuple  # (bound method, needs_session, admin)
+
+
+class Server:
+    def __init__(
+        self,
+        cfg: ManagerConfig,
+        *,
+        store: StateStore | None = None,
+        publisher: EventPublisher | None = None,
+        incarnation: str | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.registry = Registry(
+            incarnation or uuid.uuid4().hex,
+            session_timeout_s=cfg.session_timeout_s,
+            max_sessions=cfg.max_sessions,
+            max_pools=cfg.max_pools,
+            max_blocks=cfg.max_blocks,
+        )
+        self.stats = ServerStats()
+        self.store: StateStore = store or MemoryStore()
+        self.publisher: EventPublisher = publisher or NullPublisher()
+        self.handlers = Handlers(
+            self.registry, self.stats, max_sub_ops=cfg.max_sub_ops, max_message_bytes=cfg.max_message_bytes,
+            admin_key=cfg.admin_key, request_stop=self.request_stop,
+        )
+        self._dispatch: dict[str, Handler] = {
+            op: (getattr(self.handlers, name), needs_session, admin) for op, (name, needs_session, admin) in OPS.items()
+        }
+        self._stop = False
+        self._expiry_every = min(cfg.session_timeout_s / 4, 1.0)
+        self._next_expiry = 0.0
+        self._next_gc = 0.0
+        self.ctx: zmq.Context | None = None
+        self.sock: zmq.Socket | None = None
+
+    @property
+    def incarnation(self) -> str:
+        return self.registry.incarnation
+
+    def request_stop(self) -> None:
+        """Stops after the current iteration (safe from a signal handler)."""
+        self._stop = True
+
+    # -- one message, no sockets -----------------------------------------------------------
+
+    def handle_payload(self, payload: bytes, now: float) -> bytes:
+        """Decodes, validates and dispatches one request; returns the encoded reply."""
+        self.stats.messages += 1
+        msg_id = None
+        inc = self.registry.incarnation
+        try:
+            if len(payload) > self.cfg.max_message_bytes:
+                raise ManagerError("too_large", f"{len(payload)} bytes; the limit is {self.cfg.max_message_bytes}")
+            try:
+                msg = unpack(payload)
+            except Exception as e:  # msgpack raises several types; none may escape
+                raise ManagerError("bad_message", f"payload is not one msgpack value: {e}") from None
+            if type(msg) is not dict:
+                raise ManagerError("bad_message", f"a request must be a msgpack map, got {type(msg).__name__}")
+            msg_id = msg.get("id")
+            if type(msg_id) is not int or not 0 <= msg_id < 1 << 64:
+                msg_id = None
+                raise ManagerError("bad_message", "field 'id' must be a uint64")
+            handler, sess, args = self._resolve(msg, now)
+            body = handler(sess, args, now)
+            return ok_reply(msg_id, inc, body)
+        except ManagerError as e:
+            self.stats.errors[e.code] += 1
+            return error_reply(msg_id, inc, e)
+        except Exception:
+            logger.exception("internal error handling a message")
+            self.stats.errors["internal"] += 1
+            return error_reply(msg_id, inc, ManagerError("internal", "manager error; see its log"))
+
+    def _resolve(self, msg: dict, now: float) -> tuple:
+        v = msg.get("v")
+        if type(v) is not int or v not in SUPPORTED_VERSIONS:
+            raise ManagerError("unsupported_version", f"version {v!r:.20} unsupported; manager speaks "
+                               f"{list(SUPPORTED_VERSIONS)}", {"versions": list(SUPPORTED_VERSIONS)})
+        op = msg.get("op")
+        entry = self._dispatch.get(op) if type(op) is str else None
+        if entry is None:
+            raise ManagerError("unknown_op", f"unknown op {op!r:.40}; known: {sorted(OPS)}")
+        args = msg.get("args", {})
+        if type(args) is not dict:
+            raise ManagerError("bad_message", f"field 'args' must be a map, got {type(args).__name__}")
+        handler, needs_session, admin = entry
+        sess: Session | None = None
+        if needs_session:
+            sid = msg.get("sid")
+            sess = self.registry.sessions.get(sid) if type(sid) is str else None
+            if sess is None:
+                raise ManagerError("unknown_session", "no such session (expired, ended, or the manager "
+                                   "restarted): hello again; requests of the old session are gone")
+            sess.last_seen = now
+            if admin and not sess.admin:
+                raise ManagerError("forbidden", f"op {op!r} is an admin op: hello with role 'admin' and the admin key")
+        self.stats.ops[op] += 1
+        return handler, sess, args
+
+    def handle_frames(self, frames: list[bytes], now: float) -> list[bytes] | None:
+        """[routing-id, payload] or [routing-id, b"", payload] -> reply frames; None to drop."""
+        if len(frames) == 2:
+            return [frames[0], self.handle_payload(frames[1], now)]
+        if len(frames) == 3 and not frames[1]:
+            return [frames[0], b"", self.handle_payload(frames[2], now)]
+        self.stats.dropped += 1
+        return None
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def bind(self) -> None:
+        cfg = self.cfg
+        if cfg.ipc_path:
+            os.makedirs(os.path.dirname(cfg.ipc_path) or ".", mode=0o700, exist_ok=True)
+        self.ctx = zmq.Context()
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot be queued raises: we count it
+        sock.setsockopt(zmq.SNDHWM, cfg.send_hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_message_bytes)  # beyond this the peer is cut off
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.bind(cfg.endpoint)
+        self.sock = sock
+        logger.info("manager %s listening on %s", self.incarnation, cfg.endpoint)
+
+    def run(self) -> None:
+        """Serves until ``request_stop`` (SIGTERM, the shutdown op); binds first if needed."""
+        if self.sock is None:
+            self.bind()
+        self.store.load(self.registry)
+        # The state is acyclic and large (per-block lists, the hash map): automatic collections
+        # would traverse all of it every few thousand allocations. Collect when idle instead.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            while not self._stop:
+                self._maybe_gc(idle=not self.run_once(MAX_POLL_MS))
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+            self.close()
+        logger.info("manager %s stopped", self.incarnation)
+
+    def run_once(self, timeout_ms: int) -> int:
+        """One iteration; returns how many messages it handled."""
+        sock = self.sock
+        assert sock is not None, "bind() first"
+        batch: list[list[bytes]] = []
+        if sock.poll(timeout_ms, zmq.POLLIN):
+            t0 = time.perf_counter()
+            while len(batch) < self.cfg.max_batch:
+                try:
+                    batch.append(sock.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+            now = time.monotonic()
+            replies = [self.handle_frames(frames, now) for frames in batch]
+        else:
+            now, replies = time.monotonic(), []
+        if now >= self._next_expiry:
+            self._expire(now)
+        self._commit()
+        self._send(replies)
+        if batch:
+            self.stats.iteration_latency.observe(time.perf_counter() - t0)
+        self.stats.iterations += 1
+        return len(batch)
+
+    def _maybe_gc(self, idle: bool) -> None:
+        """A full collection in an idle iteration, at most every GC_EVERY_S (10x that if never idle)."""
+        now = time.monotonic()
+        if now >= self._next_gc and (idle or now >= self._next_gc + 9 * GC_EVERY_S):
+            gc.collect()
+            self._next_gc = now + GC_EVERY_S
+
+    def _expire(self, now: float) -> None:
+        self._next_expiry = now + self._expiry_every
+        for sess, freed in self.registry.expire(now):
+            self.stats.sessions_expired += 1
+            self.stats.expired_requests_freed += freed
+            logger.warning("session %d (%s) silent for %.1fs: expired, %d requests freed",
+                           sess.num, sess.identity, now - sess.last_seen, freed)
+
+    def _commit(self) -> None:
+        """Store commit, then KV events: both before any reply of this iteration goes out."""
+        reg = self.registry
+        if reg.dirty:
+            self.store.commit(reg, reg.dirty)
+            reg.dirty = set()
+        for name, entry in reg.pools.items():
+            pool = entry.pool
+            if pool is not None and pool.blocks.events:
+                events = pool.blocks.events
+                pool.blocks.events = []
+                self.publisher.publish(name, entry.epoch, events)
+
+    def _send(self, replies: list[list[bytes] | None]) -> None:
+        sock = self.sock
+        for frames in replies:
+            if frames is None:
+                continue
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK)  # type: ignore[union-attr]
+                self.stats.replies += 1
+            except zmq.ZMQError:  # EAGAIN (client not reading) or EHOSTUNREACH (client gone)
+                self.stats.replies_dropped += 1
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+            if self.cfg.ipc_path and os.path.exists(self.cfg.ipc_path):
+                os.unlink(self.cfg.ipc_path)  # libzmq leaves the socket file behind
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+        self.store.close()
+        self.publisher.close()
+
+
+def already_running(endpoint: str, timeout_ms: int = 300) -> bool:
+    """True when a manager answers a hello at ``endpoint`` (binding an ipc path would steal it)."""
+    from kvpool.shared.protocol import encode_request
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(encode_request(0, "heartbeat", None, {}))  # answered (unknown_session), creates nothing
+        return bool(sock.poll(timeout_ms, zmq.POLLIN))
+    finally:
+        sock.close()
+
+
+def serve(cfg: ManagerConfig) -> int:
+    """The daemon's entry point: SIGTERM or SIGINT stops it after the current iteration."""
+    if cfg.ipc_path and os.path.exists(cfg.ipc_path) and already_running(cfg.endpoint):
+        raise RuntimeError(f"a manager is already running at {cfg.endpoint}; stop it or pick another endpoint")
+    server = Server(cfg)
+    try:
+        server.bind()
+    except (OSError, zmq.ZMQError) as e:
+        server.close()
+        raise RuntimeError(f"cannot bind {cfg.endpoint}: {e}") from None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.request_stop())
+    server.run()
+    return 0

@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""The reference trace (shared/trace.py) through the manager daemon, next to the in-process pool.
+
+A real daemon (`kvpool manager`) on ipc:// serves one pool; ``--clients`` worker processes each
+take every n-th request of the trace and drive it in scheduler steps: one ``step`` message per
+step, freeing the requests admitted by the previous step and admitting the next ``--batch``
+ones (``2 * batch`` sub-ops, 64 by default). Two comparisons, each measured in this run:
+
+1. hashing in the loop: clients SHA-256 their prompts as a worker would, against
+   bench_pool.run_trace (hash + allocate + free in one process), the figure bench_pool prints;
+2. hashes precomputed before the clock starts: the daemon against the very same steps run
+   through ``run_step`` in one process, which isolates the cost of the daemon itself.
+
+Prints requests/s, the ratio to in-process, and the step round trip p50/p99 the clients saw.
+
+    python scripts/bench_manager.py                    # the reference trace (100k requests)
+    python scripts/bench_manager.py --requests 20000 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_pool import run_trace  # noqa: E402
+
+from kvpool.manager.pool import Pool  # noqa: E402
+from kvpool.manager.step import run_step  # noqa: E402
+from kvpool.shared.hashing import hash_blocks  # noqa: E402
+from kvpool.shared.protocol import block_bytes  # noqa: E402
+from kvpool.shared.trace import TraceConfig, prompts  # noqa: E402
+from kvpool.worker.manager_client import ManagerClient  # noqa: E402
+
+POOL = "bench"
+SPEC = {"block_size": 16, "num_layers": 1, "num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
+
+
+# -- the step loop (shared by the client processes and the in-process baseline) --------------
+
+
+def load_share(shard_file: str) -> list[np.ndarray]:
+    data = np.load(shard_file)
+    tokens, offsets = data["tokens"], data["offsets"]
+    return [tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
+def alloc_ops(share: list[np.ndarray]) -> Iterator[dict]:
+    """The share's alloc sub-ops, hashing each prompt when it is pulled."""
+    bs = SPEC["block_size"]
+    for i, arr in enumerate(share):
+        toks = arr.tolist()
+        yield {"op": "alloc", "req": i, "hashes": hash_blocks(toks, bs), "prompt_len": len(toks), "max_new": len(toks)}
+
+
+def drive(allocs: Iterator[dict], batch: int, do_step: Callable[[list[dict]], list[dict]]) -> dict:
+    """Steps: free the previous step's requests, admit up to ``batch`` new ones; retries no_space."""
+    rtts: list[float] = []
+    alive: list[int] = []
+    waiting: list[dict] = []
+    cached = prompt_tokens = 0
+    clock = time.perf_counter
+    more = True
+    while more or alive or waiting:
+        ops: list[dict] = [{"op": "free", "req": r} for r in alive]
+        new = waiting
+        while more and len(new) < batch:
+            op = next(allocs, None)
+            more = op is not None
+            if more:
+                new.append(op)
+        t0 = clock()
+        results = do_step(ops + new)
+        rtts.append(clock() - t0)
+        alive, waiting = [], []
+        for op, res in zip(new, results[len(ops):]):
+            if res["ok"]:
+                alive.append(op["req"])
+                cached += res["cached"]
+                prompt_tokens += op["prompt_len"]
+            elif res["code"] == "no_space":
+                waiting.append(op)
+            else:
+                raise RuntimeError(f"alloc failed: {res}")
+    return {"rtts": rtts, "cached_tokens": cached, "prompt_tokens": prompt_tokens}
+
+
+def client_main(endpoint: str, shard_file: str, out_file: str, epoch: int, batch: int, prehash: bool) -> None:
+    share = load_share(shard_file)
+    allocs = iter(list(alloc_ops(share))) if prehash else alloc_ops(share)
+    client = ManagerClient(endpoint, identity=f"bench-client-{os.getpid()}", timeout_s=60.0)
+    client.hello()
+    print("ready", flush=True)
+    sys.stdin.readline()  # the parent's "go"
+    t_start = time.perf_counter()
+    res = drive(allocs, batch, lambda ops: client.step(POOL, epoch, ops))
+    t_end = time.perf_counter()
+    client.deregister()
+    client.close()
+    np.save(out_file, np.array(res.pop("rtts")))
+    print(json.dumps({"start": t_start, "end": t_end, "requests": len(share), **res}), flush=True)
+
+
+def in_process_steps(shard_files: list[str], batch: int) -> dict:
+    """The daemon run's exact steps, hashes precomputed, through run_step in this process."""
+    pool = Pool(TraceConfig.num_blocks, SPEC["block_size"])
+    shares = [list(alloc_ops(load_share(f))) for f in shard_files]
+    t0 = time.perf_counter()
+    for k, ops in enumerate(shares):
+        drive(iter(ops), batch, lambda sub_ops, k=k: run_step(pool, k, sub_ops))
+    seconds = time.perf_counter() - t0
+    n = sum(len(s) for s in shares)
+    return {"requests": n, "seconds": seconds, "requests_per_s": n / seconds}
+
+
+# -- the parent ----------------------------------------------------------------------------
+
+
+def write_shards(cfg: TraceConfig, clients: int, tmp: str) -> list[str]:
+    parts: list[list[np.ndarray]] = [[] for _ in range(clients)]
+    for i, toks in enumerate(prompts(cfg)):
+        parts[i % clients].append(np.asarray(toks, dtype=np.uint32))
+    files = []
+    for k, part in enumerate(parts):
+        offsets = np.zeros(len(part) + 1, dtype=np.int64)
+        np.cumsum([len(p) for p in part], out=offsets[1:])
+        tokens = np.concatenate(part) if part else np.zeros(0, np.uint32)
+        files.append(os.path.join(tmp, f"shard{k}.npz"))
+        np.savez(files[-1], tokens=tokens, offsets=offsets)
+    return files
+
+
+def start_daemon(endpoint: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-c", "from kvpool.cli.main import cli; cli()", "manager", "-m", endpoint,
+           "--session-timeout", "60"]
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with ManagerClient(endpoint, role="admin", timeout_s=1.0) as c:
+                c.hello()
+            return proc
+        except Exception:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("the manager daemon did not start") from None
+            time.sleep(0.2)
+
+
+def run_daemon(endpoint: str, shard_files: list[str], batch: int, prehash: bool, tmp: str) -> dict:
+    daemon = start_daemon(endpoint)
+    procs: list[subprocess.Popen] = []
+    try:
+        admin = ManagerClient(endpoint, role="admin", timeout_s=30.0)
+        reg = admin.register(POOL, shard_rank=0, shard_count=1, incarnation="bench", spec=SPEC,
+                             available_kv_bytes=TraceConfig.num_blocks * block_bytes(SPEC))
+        for k, shard in enumerate(shard_files):
+            cmd = [sys.executable, __file__, "--client", endpoint, shard, os.path.join(tmp, f"rtt{k}.npy"),
+                   str(reg["epoch"]), str(batch), str(int(prehash))]
+            procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready", "a client failed to start"
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = [json.loads(p.stdout.readline()) for p in procs]
+        for p in procs:
+            p.wait(60)
+        server = admin.stats()["manager"]
+        admin.call("shutdown")
+        admin.close()
+        daemon.wait(30)
+    finally:
+        for p in [*procs, daemon]:
+            if p.poll() is None:
+                p.kill()
+    rtts = np.concatenate([np.load(os.path.join(tmp, f"rtt{k}.npy")) for k in range(len(shard_files))])
+    n = sum(o["requests"] for o in outs)
+    wall = max(o["end"] for o in outs) - min(o["start"] for o in outs)
+    return {
+        "requests": n,
+        "seconds": wall,
+        "requests_per_s": n / wall,
+        "steps": len(rtts),
+        "rtt_p50_us": float(np.percentile(rtts, 50) * 1e6),
+        "rtt_p99_us": float(np.percentile(rtts, 99) * 1e6),
+        "prefix_hit_rate": sum(o["cached_tokens"] for o in outs) / sum(o["prompt_tokens"] for o in outs),
+        "manager_errors": server["errors"],
+        "manager_dropped": server["dropped"],
+    }
+
+
+def compare(inproc: dict, daemon: dict) -> dict:
+    return {"in_process": inproc, "daemon": daemon,
+            "throughput_ratio": daemon["requests_per_s"] / inproc["requests_per_s"],
+            "p99_over_p50": daemon["rtt_p99_us"] / daemon["rtt_p50_us"]}
+
+
+def report(title: str, r: dict) -> None:
+    d = r["daemon"]
+    print(f"  {title}")
+    print(f"    in-process : {r['in_process']['requests_per_s']:>9,.0f} requests/s")
+    print(f"    daemon     : {d['requests_per_s']:>9,.0f} requests/s = {r['throughput_ratio']:.2f}x in-process "
+          f"(target >= 0.50), hit rate {d['prefix_hit_rate']:.2%}")
+    print(f"    step round trip p50 {d['rtt_p50_us']:,.0f} us, p99 {d['rtt_p99_us']:,.0f} us: "
+          f"p99/p50 {r['p99_over_p50']:.2f} (target <= 2.00); {d['steps']:,} steps, "
+          f"manager errors {d['manager_errors'] or 'none'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=TraceConfig.num_requests)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32, help="requests admitted per step (sub-ops = 2x)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args()
+    cfg = TraceConfig(num_requests=args.requests, seed=args.seed)
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as tmp:
+        endpoint = f"ipc://{tmp}/manager.sock"
+        shards = write_shards(cfg, args.clients, tmp)
+        hashing = compare(run_trace(cfg, hashing=True), run_daemon(endpoint, shards, args.batch, False, tmp))
+        prehashed = compare(in_process_steps(shards, args.batch), run_daemon(endpoint, shards, args.batch, True, tmp))
+    out = {"hashing": hashing, "prehashed": prehashed, "clients": args.clients, "sub_ops_per_step": 2 * args.batch}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    print(f"reference trace: {cfg.num_requests} requests, block_size {cfg.block_size}, {cfg.num_blocks} blocks; "
+          f"daemon: {args.clients} client processes over ipc://, {2 * args.batch} sub-ops per step, "
+          f"{os.cpu_count()} CPUs")
+    report("SHA-256 hashing in the loop (in-process = bench_pool.run_trace; clients hash their prompts)", hashing)
+    report("hashes precomputed (in-process = the same steps through run_step, one process)", prehashed)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--client":
+        a = sys.argv[2:]
+        client_main(a[0], a[1], a[2], int(a[3]), int(a[4]), a[5] == "1")
+    else:
+        main()

@@ -1,0 +1,227 @@
+"""The manager wire contract: framing, envelopes, limits, error codes, argument validation.
+
+PROTOCOL.md sections 2-7 are the normative text; this module is its one implementation.
+
+Transport: ZeroMQ. The manager binds a ROUTER socket; clients connect DEALER sockets (a REQ
+socket also works). Frames as the manager sees them::
+
+    [routing-id, payload]          a DEALER sends exactly one frame: the payload
+    [routing-id, b"", payload]     a REQ socket (or a DEALER mimicking one) adds an empty delimiter
+
+The reply mirrors the request's framing. ``payload`` is one msgpack map (str keys, bytes as
+msgpack bin, strings as msgpack str)::
+
+    request {"v": 1, "id": uint64, "op": str, "sid": str (every op but hello), "args": map}
+    reply   {"id": uint64 | nil, "status": "ok" | <error code>, "inc": str,
+             "body": map (ok, and some errors), "msg": str (errors only)}
+
+``inc`` is the manager's incarnation id: when it changes, the manager restarted and every
+session, registration and request of the old one is gone. Never pickle, never msgpack ext types.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import msgpack
+
+from kvpool.shared.hashing import HASH_BYTES
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+MAX_MESSAGE_BYTES = 8 << 20  # a larger request gets "too_large"
+MAX_SUB_OPS = 1024  # sub-ops in one step message
+MAX_HASHES = 1 << 17  # hashes in one lookup/locate, or one sub-op (2M tokens at block_size 16)
+ROLES = ("worker", "admin", "router", "observer")
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}\Z")
+
+# Error codes of whole messages (sub-op codes are listed in manager/step.py and PROTOCOL.md).
+ERROR_CODES = {
+    "bad_message": "not msgpack, not a map, or a bad envelope field (v, id, op, sid, args)",
+    "too_large": "the payload exceeds max_message_bytes",
+    "unsupported_version": "no protocol version in common; body.versions lists the manager's",
+    "unknown_op": "the op is not in the dispatch table",
+    "bad_field": "an argument is missing, of the wrong type or out of range",
+    "bad_hash": "a block hash is not a 32-byte bin",
+    "unknown_session": "sid unknown or expired: hello again (requests of the old session are gone)",
+    "forbidden": "an admin op or role without the configured admin key",
+    "too_many_sessions": "the manager's session limit is reached",
+    "too_many_pools": "the manager's pool limit is reached",
+    "unknown_pool": "no pool of that name",
+    "pool_not_ready": "not every shard of the pool has registered yet",
+    "stale_epoch": "the pool restarted since the client learned its epoch; body.epoch is current",
+    "spec_mismatch": "a shard's KV spec or shard_count disagrees with the pool's",
+    "shard_conflict": "the same shard incarnation registered again with a different spec or size",
+    "insufficient_memory": "the KV bytes hold fewer than 2 blocks",
+    "too_many_sub_ops": "a step carries more than max_sub_ops sub-ops",
+    "in_use": "reset refused: blocks of the pool are in use",
+    "invariant_broken": "the check op found a broken pool invariant (a manager bug)",
+    "internal": "a manager bug; the message was logged",
+}
+
+
+class ManagerError(Exception):
+    """An error reply (client side) or the error a handler raises (manager side)."""
+
+    def __init__(self, code: str, message: str, body: dict | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.body = body or {}
+
+
+class ManagerUnavailable(ManagerError):
+    """No reply within the timeout (manager down, unreachable or overloaded)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("unavailable", message)
+
+
+class StaleEpoch(ManagerError):
+    """The pool's epoch moved on: its requests are gone; register again to learn ``epoch``."""
+
+    @property
+    def epoch(self) -> int | None:
+        return self.body.get("epoch")
+
+
+class ManagerRestarted(ManagerError):
+    """The manager's incarnation changed: sessions, registrations and requests are gone.
+
+    The client has already dropped its session; the caller aborts its running requests and
+    registers again (``hello`` happens automatically on the next call).
+    """
+
+    def __init__(self, old: str | None, new: str | None, message: str = "") -> None:
+        super().__init__("manager_restarted", message or f"manager incarnation {old} -> {new}")
+        self.old, self.new = old, new
+
+
+class SessionExpired(ManagerRestarted):
+    """The manager timed this session out (silent past session_timeout): its requests are freed."""
+
+    def __init__(self, incarnation: str | None, message: str = "") -> None:
+        ManagerError.__init__(self, "session_expired", message or "the manager expired this session")
+        self.old = self.new = incarnation
+
+
+# -- codec ---------------------------------------------------------------------------------
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(payload: bytes) -> Any:
+    """Decodes one payload; raises (ValueError and friends) on anything that is not msgpack."""
+    return msgpack.unpackb(payload, raw=False, strict_map_key=True)
+
+
+def encode_request(msg_id: int, op: str, sid: str | None, args: dict) -> bytes:
+    msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": msg_id, "op": op, "args": args}
+    if sid is not None:
+        msg["sid"] = sid
+    return pack(msg)
+
+
+def ok_reply(msg_id: int | None, inc: str, body: dict) -> bytes:
+    return pack({"id": msg_id, "status": "ok", "inc": inc, "body": body})
+
+
+def error_reply(msg_id: int | None, inc: str, err: ManagerError) -> bytes:
+    reply: dict[str, Any] = {"id": msg_id, "status": err.code, "inc": inc, "msg": err.message}
+    if err.body:
+        reply["body"] = err.body
+    return pack(reply)
+
+
+def raise_for_reply(reply: dict) -> dict:
+    """The reply's body, or the matching ManagerError subclass raised."""
+    status = reply.get("status")
+    if status == "ok":
+        body = reply.get("body")
+        return body if isinstance(body, dict) else {}
+    code = status if isinstance(status, str) else "bad_message"
+    msg = reply.get("msg") if isinstance(reply.get("msg"), str) else ""
+    body = reply.get("body") if isinstance(reply.get("body"), dict) else None
+    cls = StaleEpoch if code == "stale_epoch" else ManagerError
+    raise cls(code, msg, body)
+
+
+# -- endpoints -----------------------------------------------------------------------------
+
+
+def default_endpoint() -> str:
+    """ipc://$XDG_RUNTIME_DIR/kvpool/manager.sock, else ipc:///tmp/kvpool-$UID/manager.sock."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = os.path.join(runtime, "kvpool") if runtime else f"/tmp/kvpool-{os.getuid()}"
+    return f"ipc://{os.path.join(base, 'manager.sock')}"
+
+
+# -- argument validation (the manager's boundary) ------------------------------------------
+
+_MISSING: Any = object()
+
+
+def bad_field(key: str, want: str, got: Any) -> ManagerError:
+    return ManagerError("bad_field", f"field {key!r} must be {want}, got {got!r:.60}")
+
+
+def get_int(args: dict, key: str, lo: int, hi: int, default: Any = _MISSING) -> int:
+    """An int in ``[lo, hi]`` (bools and floats are refused)."""
+    v = args.get(key, default)
+    if type(v) is not int or not lo <= v <= hi:
+        if v is _MISSING:
+            v = "nothing"
+        raise bad_field(key, f"an int in [{lo}, {hi}]", v)
+    return v
+
+
+def get_str(args: dict, key: str, max_len: int, default: Any = _MISSING, pattern: re.Pattern | None = None) -> str:
+    v = args.get(key, default)
+    if type(v) is not str or not 0 < len(v) <= max_len or (pattern and not pattern.match(v)):
+        if v is _MISSING:
+            v = "nothing"
+        want = f"a str of 1-{max_len} chars" + (f" matching {pattern.pattern}" if pattern else "")
+        raise bad_field(key, want, v)
+    return v
+
+
+def get_map(args: dict, key: str) -> dict:
+    v = args.get(key)
+    if type(v) is not dict:
+        raise bad_field(key, "a map", v)
+    return v
+
+
+def get_hashes(args: dict, key: str = "hashes") -> list[bytes]:
+    hs = args.get(key)
+    if type(hs) is not list or len(hs) > MAX_HASHES:
+        raise bad_field(key, f"a list of at most {MAX_HASHES} {HASH_BYTES}-byte bins", hs)
+    for h in hs:
+        if type(h) is not bytes or len(h) != HASH_BYTES:
+            raise ManagerError("bad_hash", f"every hash must be a {HASH_BYTES}-byte bin, got {h!r:.40}")
+    return hs
+
+
+def check_spec(spec: dict) -> dict:
+    """A validated KV spec: {block_size, num_layers, num_kv_heads, head_size, dtype}."""
+    out = {
+        "block_size": get_int(spec, "block_size", 1, 1 << 16),
+        "num_layers": get_int(spec, "num_layers", 1, 1 << 12),
+        "num_kv_heads": get_int(spec, "num_kv_heads", 1, 1 << 12),
+        "head_size": get_int(spec, "head_size", 1, 1 << 12),
+        "dtype": spec.get("dtype"),
+    }
+    if out["dtype"] not in DTYPE_BYTES:
+        raise bad_field("dtype", f"one of {sorted(DTYPE_BYTES)}", out["dtype"])
+    return out
+
+
+def block_bytes(spec: dict) -> int:
+    """KV bytes one block takes on one shard, over all layers (K and V)."""
+    per_layer = 2 * spec["block_size"] * spec["num_kv_heads"] * spec["head_size"] * DTYPE_BYTES[spec["dtype"]]
+    return per_layer * spec["num_layers"]

@@ -1,0 +1,131 @@
+"""ManagerClient against a live server thread: registration, steps, restarts, expiry, timeouts."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from manager_helpers import SPEC, LiveServer, kv_bytes
+
+from kvpool.worker.manager_client import (
+    ManagerClient,
+    ManagerError,
+    ManagerRestarted,
+    ManagerUnavailable,
+    SessionExpired,
+    StaleEpoch,
+)
+
+
+def reg(c: ManagerClient, rank=0, count=1, inc="i", blocks=64, **kw) -> dict:
+    return c.register("p", shard_rank=rank, shard_count=count, incarnation=inc, spec=SPEC,
+                      available_kv_bytes=kv_bytes(blocks), **kw)
+
+
+def test_register_blocks_until_every_shard_has_registered(live_server):
+    live = live_server()
+    out: dict[int, dict] = {}
+    c0, c1 = ManagerClient(live.endpoint), ManagerClient(live.endpoint)
+    t = threading.Thread(target=lambda: out.setdefault(0, reg(c0, 0, 2, "a", 100)))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive()  # shard 0 waits for shard 1
+    out[1] = reg(c1, 1, 2, "b", 60)
+    t.join(20)
+    assert out[0]["num_blocks"] == out[1]["num_blocks"] == 60
+    assert out[0]["epoch"] == out[1]["epoch"] == 1 and out[0]["block_size"] == SPEC["block_size"]
+    with pytest.raises(ManagerError) as ei:
+        c0.register("q", shard_rank=0, shard_count=2, incarnation="a", spec=SPEC,
+                    available_kv_bytes=kv_bytes(8), wait_s=0.2)
+    assert ei.value.code == "register_timeout" and "1 of 2" in ei.value.message
+    c0.close()
+    c1.close()
+
+
+def test_a_step_is_one_round_trip_and_a_stale_epoch_raises(live_server):
+    live = live_server()
+    c = ManagerClient(live.endpoint)
+    epoch = reg(c)["epoch"]
+    before = live.server.stats.messages
+    ops = [{"op": "alloc", "req": i, "hashes": [], "prompt_len": 3, "max_new": 3} for i in range(50)]
+    results = c.step("p", epoch, ops)
+    assert live.server.stats.messages == before + 1
+    assert [r["blocks"] for r in results[:2]] == [[1], [2]] and all(r["ok"] for r in results)
+    reg(c, inc="restarted")
+    with pytest.raises(StaleEpoch) as ei:
+        c.step("p", epoch, [])
+    assert ei.value.epoch == 2 and ei.value.code == "stale_epoch"
+    assert c.lookup("p", []) == 0 and c.locate([]) == {"p": 0}
+    c.close()
+
+
+def test_a_manager_restart_is_reported_once_then_the_client_rejoins(sock_dir):
+    endpoint = f"ipc://{sock_dir}/r.sock"
+    first = LiveServer(endpoint)
+    seen = []
+    c = ManagerClient(endpoint, timeout_s=10)
+    c.on_restart = lambda old, new: seen.append((old, new))
+    try:
+        reg(c)
+        old = c.incarnation
+        first.stop()
+        second = LiveServer(endpoint)
+        try:
+            with pytest.raises(ManagerRestarted) as ei:
+                c.heartbeat()
+            assert (ei.value.old, ei.value.new) == (old, second.server.incarnation) and seen == [(old, ei.value.new)]
+            assert reg(c)["epoch"] == 1 and c.incarnation == second.server.incarnation  # hello again, implicitly
+            assert c.restarts == 1
+        finally:
+            second.stop()
+    finally:
+        first.server.request_stop()
+        c.close()
+
+
+def test_an_expired_session_raises_session_expired(live_server):
+    live = live_server(session_timeout_s=0.3)
+    c = ManagerClient(live.endpoint)
+    epoch = reg(c)["epoch"]
+    c.step("p", epoch, [{"op": "alloc", "req": 1, "hashes": [], "prompt_len": 3, "max_new": 3}])
+    time.sleep(1.0)
+    with pytest.raises(SessionExpired) as ei:
+        c.step("p", epoch, [])
+    assert ei.value.code == "session_expired" and isinstance(ei.value, ManagerRestarted)
+    assert live.server.stats.expired_requests_freed == 1
+    c.heartbeat()  # a new session
+    c.close()
+
+
+def test_maybe_heartbeat_only_when_idle(live_server):
+    live = live_server(session_timeout_s=3.0)
+    c = ManagerClient(live.endpoint)
+    c.hello()
+    assert c.heartbeat_interval_s == pytest.approx(1.0)
+    assert not c.maybe_heartbeat()
+    c._last_call -= 2.0
+    assert c.maybe_heartbeat()
+    c.close()
+
+
+def test_unreachable_manager_times_out_and_failover_uses_the_next_endpoint(live_server, sock_dir):
+    dead = f"ipc://{sock_dir}/nobody.sock"
+    c = ManagerClient(dead, timeout_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(ManagerUnavailable, match="nobody.sock"):
+        c.stats()
+    assert 0.25 < time.monotonic() - t0 < 5
+    c.close()
+    live = live_server()
+    c = ManagerClient([dead, live.endpoint], timeout_s=0.3)
+    assert c.hello()["incarnation"] == live.server.incarnation and c.endpoint == live.endpoint
+    c.close()
+
+
+def test_context_manager_deregisters(live_server):
+    live = live_server()
+    with ManagerClient(live.endpoint) as c:
+        epoch = reg(c)["epoch"]
+        c.step("p", epoch, [{"op": "alloc", "req": 1, "hashes": [], "prompt_len": 3, "max_new": 3}])
+    assert live.server.registry.sessions == {} and live.server.registry.total_requests() == 0

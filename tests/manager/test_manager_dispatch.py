@@ -1,0 +1,216 @@
+"""The server's dispatch without sockets: every op, its error codes, and what it must not change."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from manager_helpers import SPEC, call, hello, make_server, ok, register
+
+from kvpool.manager.server import OPS
+from kvpool.shared.hashing import hash_blocks
+from kvpool.shared.protocol import ERROR_CODES, pack, unpack
+
+H = hash_blocks(list(range(64)), SPEC["block_size"])  # 16 full blocks
+
+
+def alloc(req, n_tokens=16, hashes=None):
+    return {"op": "alloc", "req": req, "hashes": H[: n_tokens // 4] if hashes is None else hashes,
+            "prompt_len": n_tokens, "max_new": n_tokens}
+
+
+def ready_server(**cfg):
+    srv = make_server(**cfg)
+    sid = hello(srv)
+    ok(register(srv, sid, blocks=32))
+    return srv, sid
+
+
+def test_hello_negotiates_the_highest_common_version_and_reports_the_incarnation():
+    srv = make_server()
+    body = ok(call(srv, "hello", identity="w0", role="worker", versions=[1, 7]))
+    assert body["version"] == 1 and body["incarnation"] == srv.incarnation
+    assert body["limits"]["max_sub_ops"] == srv.cfg.max_sub_ops and len(body["sid"]) == 32
+    bad = call(srv, "hello", versions=[2, 3])
+    assert bad["status"] == "unsupported_version" and bad["body"]["versions"] == [1]
+
+
+def test_every_reply_carries_id_and_incarnation_and_the_envelope_is_checked():
+    srv = make_server()
+    r = unpack(srv.handle_payload(pack({"v": 1, "id": 42, "op": "nope", "args": {}}), 0.0))
+    assert (r["id"], r["status"], r["inc"]) == (42, "unknown_op", srv.incarnation)
+    for msg, code in [
+        (b"\xc1", "bad_message"),  # never-used msgpack byte
+        (pack([1, 2]), "bad_message"),
+        (pack({"v": 1, "id": -1, "op": "hello"}), "bad_message"),
+        (pack({"v": 9, "id": 1, "op": "hello"}), "unsupported_version"),
+        (pack({"v": 1, "id": 1, "op": "hello", "args": [1]}), "bad_message"),
+        (pack({"v": 1, "id": 1, "op": "stats"}), "unknown_session"),
+        (pack({"v": 1, "id": 1, "op": "stats", "sid": "f" * 32}), "unknown_session"),
+        (b"\x00" * (srv.cfg.max_message_bytes + 1), "too_large"),
+    ]:
+        assert unpack(srv.handle_payload(msg, 0.0))["status"] == code, msg[:20]
+    assert all(code in ERROR_CODES for code in srv.stats.errors)
+
+
+def test_frames_with_a_bad_envelope_are_dropped_and_counted():
+    srv = make_server()
+    assert srv.handle_frames([b"id"], 0.0) is None
+    assert srv.handle_frames([b"id", b"x", b"y"], 0.0) is None
+    req = pack({"v": 1, "id": 5, "op": "hello", "args": {}})
+    assert srv.handle_frames([b"id", b"", req], 0.0)[:2] == [b"id", b""]  # REQ-style framing mirrored
+    assert srv.stats.dropped == 2 and srv.stats.messages == 1
+
+
+def test_step_runs_sub_ops_in_order_and_reports_each():
+    srv, sid = ready_server()
+    first = ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1)]))["results"]
+    assert first == [{"ok": True, "cached": 0, "blocks": [1, 2, 3, 4]}]
+    res = ok(call(srv, "step", sid, pool="p", epoch=1, ops=[
+        alloc(2), {"op": "extend", "req": 1, "num_tokens": 18}, {"op": "fork", "req": 1, "child": 3},
+        {"op": "free", "req": 9}, {"op": "bogus"},
+    ]))["results"]
+    res.insert(0, first[0])
+    assert res[1] == {"ok": True, "cached": 12, "blocks": [1, 2, 3, 5]}  # the last block is recomputed
+    assert res[2] == {"ok": True, "blocks": [6], "copies": []}
+    assert res[3] == {"ok": True, "blocks": [1, 2, 3, 4, 6]}
+    assert [r.get("code") for r in res[4:]] == ["unknown_request", "unknown_sub_op"]
+    ok(call(srv, "check", sid))
+
+
+def test_requests_are_scoped_per_session():
+    srv, a = ready_server()
+    b = hello(srv)
+    ok(call(srv, "step", a, pool="p", epoch=1, ops=[alloc(1)]))
+    res = ok(call(srv, "step", b, pool="p", epoch=1, ops=[{"op": "free", "req": 1}, alloc(1)]))["results"]
+    assert res[0]["code"] == "unknown_request" and res[1]["ok"]  # b's request 1 is another request
+    assert ok(call(srv, "requests", a, pool="p"))["total"] == 2
+
+
+def test_step_errors_change_nothing():
+    srv, sid = ready_server(max_sub_ops=4)
+    before = ok(call(srv, "stats", sid))["pools"]["p"]
+    for args, code in [
+        ({"pool": "q", "epoch": 1, "ops": []}, "unknown_pool"),
+        ({"pool": "p", "epoch": 2, "ops": [alloc(1)]}, "stale_epoch"),
+        ({"pool": "p", "epoch": 1, "ops": [alloc(i) for i in range(5)]}, "too_many_sub_ops"),
+        ({"pool": "p", "epoch": 1, "ops": {"op": "alloc"}}, "bad_field"),
+        ({"pool": "p", "epoch": True, "ops": []}, "bad_field"),
+        ({"pool": ["p"], "epoch": 1, "ops": []}, "unknown_pool"),
+    ]:
+        assert call(srv, "step", sid, **args)["status"] == code, args
+    assert call(srv, "step", sid, pool="p", epoch=2, ops=[])["body"] == {"epoch": 1}
+    after = ok(call(srv, "stats", sid))["pools"]["p"]
+    assert after == before
+
+
+def test_a_pool_is_not_ready_until_all_shards_register_and_epoch_moves_on_restart():
+    srv = make_server()
+    sid = hello(srv)
+    assert ok(register(srv, sid, count=2))["state"] == "pending"
+    assert call(srv, "step", sid, pool="p", epoch=1, ops=[])["status"] == "pool_not_ready"
+    assert ok(register(srv, sid, rank=1, count=2, inc="i1", blocks=40)) | {} == {
+        "pool": "p", "state": "ready", "epoch": 1, "registered": 2, "shard_count": 2, "num_blocks": 40,
+        "block_size": 4}
+    ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1)]))
+    assert ok(register(srv, sid, rank=1, count=2, inc="i1-restarted", blocks=40))["epoch"] == 2
+    assert call(srv, "step", sid, pool="p", epoch=1, ops=[])["status"] == "stale_epoch"
+    assert ok(call(srv, "stats", sid))["pools"]["p"]["requests"] == 0
+    bad = register(srv, sid, rank=0, count=2, inc="x", spec={**SPEC, "dtype": "float32"})
+    assert bad["status"] == "spec_mismatch" and "dtype" in bad["msg"]
+
+
+@pytest.mark.parametrize("spec_patch", [{"dtype": "int4"}, {"block_size": 0}, {"head_size": 1.5}, {"num_layers": None}])
+def test_register_validates_the_spec(spec_patch):
+    srv = make_server()
+    sid = hello(srv)
+    assert register(srv, sid, spec={**SPEC, **spec_patch})["status"] == "bad_field"
+    assert ok(call(srv, "pools", sid))["pools"] == []
+
+
+def test_lookup_and_locate_have_no_side_effects_and_stay_within_a_pool():
+    srv, sid = ready_server()
+    ok(register(srv, sid, pool="other", blocks=32))
+    ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1, 32)]))
+    before = ok(call(srv, "stats", sid))["pools"]
+    assert ok(call(srv, "lookup", sid, pool="p", hashes=H))["blocks"] == 8
+    assert ok(call(srv, "lookup", sid, pool="other", hashes=H))["blocks"] == 0
+    assert ok(call(srv, "locate", sid, hashes=H[:3]))["pools"] == {"p": 3, "other": 0}
+    assert call(srv, "lookup", sid, pool="p", hashes=[b"short"])["status"] == "bad_hash"
+    assert call(srv, "lookup", sid, pool="p", hashes=H, epoch=5)["status"] == "stale_epoch"
+    assert ok(call(srv, "stats", sid))["pools"] == before
+
+
+def test_admin_key_gates_admin_ops():
+    srv = make_server(admin_key="sesame-1234")
+    worker = hello(srv, role="worker")
+    assert call(srv, "pools", worker)["status"] == "forbidden"
+    assert call(srv, "hello", role="admin", admin_key="wrong-key")["status"] == "forbidden"
+    admin = hello(srv, role="admin", admin_key="sesame-1234")
+    assert ok(call(srv, "pools", admin)) == {"pools": []}
+    ok(call(srv, "stats", worker))  # stats is not an admin op
+
+
+def test_admin_ops_without_a_key_are_open_to_everyone():
+    srv, sid = ready_server()
+    assert {name for name, (_, _, admin) in OPS.items() if admin} == {
+        "pools", "sessions", "requests", "reset_cache", "evict", "drain", "shutdown", "check"}
+    ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1, 32)]))
+    assert call(srv, "reset_cache", sid, pool="p")["status"] == "in_use"
+    assert ok(call(srv, "sessions", sid))["sessions"][0]["requests"] == 1
+    ok(call(srv, "step", sid, pool="p", epoch=1, ops=[{"op": "free", "req": 1}]))
+    assert ok(call(srv, "evict", sid, pool="p", n=3)) == {"evicted": 3}
+    assert ok(call(srv, "reset_cache", sid, pool="p")) == {"reset": True}
+    assert ok(call(srv, "lookup", sid, pool="p", hashes=H))["blocks"] == 0
+
+
+def test_drain_refuses_new_allocations_but_serves_frees():
+    srv, sid = ready_server()
+    ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1)]))
+    assert ok(call(srv, "drain", sid)) == {"draining": True, "requests": 1}
+    res = ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(2), {"op": "free", "req": 1}]))["results"]
+    assert res == [{"ok": False, "code": "draining", "msg": "the manager is draining: no new allocations"},
+                   {"ok": True}]
+    assert ok(call(srv, "drain", sid, enable=False)) == {"draining": False, "requests": 0}
+
+
+def test_deregister_frees_the_sessions_requests_and_ends_it():
+    srv, sid = ready_server()
+    ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1), alloc(2, 8, [])]))
+    assert ok(call(srv, "deregister", sid)) == {"freed": 2}
+    assert call(srv, "heartbeat", sid)["status"] == "unknown_session"
+
+
+def test_silent_sessions_expire_in_the_loop_and_are_counted():
+    srv, sid = ready_server(session_timeout_s=1.0)
+    live = hello(srv)
+    ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1)], now=100.0))
+    ok(call(srv, "heartbeat", live, now=100.9))
+    srv._expire(101.5)
+    assert srv.stats.sessions_expired == 1 and srv.stats.expired_requests_freed == 1
+    assert call(srv, "heartbeat", sid)["status"] == "unknown_session"
+    assert ok(call(srv, "check", live))["requests"] == 0
+
+
+def test_commit_and_events_run_once_per_iteration_before_replies():
+    srv, sid = ready_server()
+    ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1, 32)]))
+    assert "p" in srv.registry.dirty
+    srv._commit()
+    assert srv.store.commits == 1 and srv.registry.dirty == set()
+    assert srv.publisher.events == 1  # one "stored" event for the 7 cached blocks
+    assert srv.registry.pools["p"].pool.blocks.events == []
+
+
+def test_an_internal_error_is_answered_and_counted(monkeypatch):
+    srv, sid = ready_server()
+    monkeypatch.setattr(srv.registry, "total_requests", lambda: 1 / 0)
+    assert call(srv, "drain", sid)["status"] == "internal"
+    assert srv.stats.errors["internal"] == 1
+    assert ok(call(srv, "heartbeat", sid)) == {}
+
+
+def test_msgpack_ext_types_and_str_hashes_are_refused():
+    srv, sid = ready_server()
+    ext = msgpack.ExtType(1, b"x" * 32)
+    assert call(srv, "lookup", sid, pool="p", hashes=[ext])["status"] == "bad_hash"
+    assert call(srv, "lookup", sid, pool="p", hashes=["a" * 32])["status"] == "bad_hash"

@@ -1,0 +1,139 @@
+"""Registry: shard registration (min unification, epochs, spec checks) and session lifetimes."""
+
+from __future__ import annotations
+
+import pytest
+from manager_helpers import SPEC, kv_bytes
+
+from kvpool.manager.registry import Registry
+from kvpool.manager.store import GLOBAL
+from kvpool.shared.protocol import ManagerError
+
+
+def make_registry(**kw) -> Registry:
+    kw.setdefault("session_timeout_s", 10.0)
+    return Registry("inc-1", **kw)
+
+
+def reg_shard(r: Registry, sess, rank=0, count=1, inc="a", blocks=64, spec=SPEC, pool="p"):
+    return r.register(sess, pool, rank, count, inc, dict(spec), kv_bytes(blocks, spec))
+
+
+def test_pool_is_pending_until_every_shard_registers_then_takes_the_min():
+    r = make_registry()
+    s0, s1 = r.open_session("w0", "worker", True, 1, 0.0), r.open_session("w1", "worker", True, 1, 0.0)
+    e = reg_shard(r, s0, rank=0, count=2, blocks=100)
+    assert (e.state, e.epoch, e.pool) == ("pending", 0, None)
+    # shard 1 holds twice the heads per block: the bytes of 70 two-head blocks hold 35 of its own
+    e = r.register(s1, "p", 1, 2, "b", {**SPEC, "num_kv_heads": 4}, kv_bytes(70))
+    assert (e.state, e.epoch, e.pool.blocks.num_blocks) == ("ready", 1, 35)
+    assert e.shards[0].num_blocks == 100 and e.shards[1].num_blocks == 35
+
+
+def test_same_incarnation_is_idempotent_new_one_bumps_epoch_and_drops_state():
+    r = make_registry()
+    s = r.open_session("w", "worker", True, 1, 0.0)
+    e = reg_shard(r, s, blocks=16)
+    pool = e.pool
+    pool.allocate((s.sid, 1), [b"h" * 32], 8, 8)
+    assert reg_shard(r, s, blocks=16).pool is pool and e.epoch == 1
+    e = reg_shard(r, s, inc="b", blocks=16)
+    assert e.epoch == 2 and e.pool is not pool
+    assert e.pool.requests == {} and e.pool.lookup([b"h" * 32]) == 0
+    assert e.pool.blocks.events == [("cleared",)]
+
+
+def test_same_incarnation_with_another_size_is_a_conflict():
+    r = make_registry()
+    s = r.open_session("w", "worker", True, 1, 0.0)
+    reg_shard(r, s, blocks=16)
+    with pytest.raises(ManagerError) as ei:
+        reg_shard(r, s, blocks=17)
+    assert ei.value.code == "shard_conflict"
+
+
+@pytest.mark.parametrize(
+    "field,value", [("block_size", 8), ("num_layers", 3), ("head_size", 16), ("dtype", "float32")]
+)
+def test_a_disagreeing_live_shard_gets_spec_mismatch_naming_the_field(field, value):
+    r = make_registry()
+    s0, s1 = r.open_session("a", "worker", True, 1, 0.0), r.open_session("b", "worker", True, 1, 0.0)
+    reg_shard(r, s0, rank=0, count=2)
+    with pytest.raises(ManagerError) as ei:
+        reg_shard(r, s1, rank=1, count=2, inc="b", spec={**SPEC, field: value})
+    assert ei.value.code == "spec_mismatch" and field in ei.value.message
+    assert len(r.pools["p"].shards) == 1  # nothing changed
+
+
+def test_shard_count_disagreement_is_a_mismatch():
+    r = make_registry()
+    s0, s1 = r.open_session("a", "worker", True, 1, 0.0), r.open_session("b", "worker", True, 1, 0.0)
+    reg_shard(r, s0, rank=0, count=2)
+    with pytest.raises(ManagerError, match="shard_count 4"):
+        reg_shard(r, s1, rank=1, count=4, inc="b")
+
+
+def test_a_new_deployment_replaces_a_pool_whose_shards_are_all_gone():
+    r = make_registry()
+    s0 = r.open_session("a", "worker", True, 1, 0.0)
+    reg_shard(r, s0, rank=0, count=2)
+    r.end_session(s0.sid)
+    s1 = r.open_session("b", "worker", True, 1, 0.0)
+    e = reg_shard(r, s1, rank=0, count=1, inc="new", spec={**SPEC, "block_size": 8})
+    assert e.state == "ready" and e.spec["block_size"] == 8 and e.shard_count == 1
+
+
+def test_rank_out_of_range_and_too_little_memory_are_refused():
+    r = make_registry()
+    s = r.open_session("a", "worker", True, 1, 0.0)
+    with pytest.raises(ManagerError) as ei:
+        reg_shard(r, s, rank=2, count=2)
+    assert ei.value.code == "bad_field"
+    with pytest.raises(ManagerError) as ei:
+        reg_shard(r, s, blocks=1)
+    assert ei.value.code == "insufficient_memory" and "at least 2" in ei.value.message
+    assert r.pools == {}
+
+
+def test_num_blocks_is_clamped_to_max_blocks():
+    r = make_registry(max_blocks=50)
+    s = r.open_session("a", "worker", True, 1, 0.0)
+    assert reg_shard(r, s, blocks=10_000).pool.blocks.num_blocks == 50
+
+
+def test_limits_on_sessions_and_pools():
+    r = make_registry(max_sessions=2, max_pools=1)
+    s = r.open_session("a", "worker", True, 1, 0.0)
+    r.open_session("b", "worker", True, 1, 0.0)
+    with pytest.raises(ManagerError, match="2 sessions"):
+        r.open_session("c", "worker", True, 1, 0.0)
+    reg_shard(r, s, pool="p1")
+    with pytest.raises(ManagerError) as ei:
+        reg_shard(r, s, pool="p2")
+    assert ei.value.code == "too_many_pools"
+
+
+def test_ending_or_expiring_a_session_frees_exactly_its_requests():
+    r = make_registry(session_timeout_s=5.0)
+    a, b = r.open_session("a", "worker", True, 1, 0.0), r.open_session("b", "worker", True, 1, 0.0)
+    pool = reg_shard(r, a, blocks=32).pool
+    pool.allocate((a.sid, 1), [], 8, 8)
+    pool.allocate((a.sid, 2), [], 8, 8)
+    pool.allocate((b.sid, 1), [], 8, 8)
+    b.last_seen = 4.0
+    r.dirty.clear()
+    expired = r.expire(now=5.5)  # a silent 5.5s > 5s; b silent 1.5s
+    assert [(s.identity, n) for s, n in expired] == [("a", 2)]
+    assert list(pool.requests) == [(b.sid, 1)] and r.dirty == {GLOBAL, "p"}
+    assert r.pools["p"].shards[0].sid is None  # the shard stays registered, unbound
+    r.check_invariants()
+    assert r.end_session(b.sid) == 1 and pool.blocks.num_free == 31
+
+
+def test_check_invariants_catches_a_request_of_a_dead_session():
+    r = make_registry()
+    a = r.open_session("a", "worker", True, 1, 0.0)
+    pool = reg_shard(r, a).pool
+    pool.allocate(("not-a-session", 1), [], 8, 8)
+    with pytest.raises(AssertionError, match="dead session"):
+        r.check_invariants()

@@ -1,0 +1,45 @@
+"""Factories for worker tests: the `tiny` preset in fp32 on CPU, an in-process manager."""
+
+from __future__ import annotations
+
+import random
+
+from kvpool.worker.block_manager import LocalBlockManager
+from kvpool.worker.config import PRESETS, WorkerConfig
+from kvpool.worker.engine import Engine
+from kvpool.worker.reference import reference_generate
+from kvpool.worker.sampler import SamplingParams
+from kvpool.worker.startup import build_engine
+
+TINY = PRESETS["tiny"]
+BLOCK_BYTES = 2 * 16 * TINY.num_kv_heads * TINY.head_size * 4 * TINY.num_layers  # fp32, block 16
+
+
+def make_engine(num_blocks: int = 256, *, max_blocks: int | None = None, caching: bool = True,
+                **cfg: object) -> Engine:
+    cfg.setdefault("max_model_len", 256)
+    wc = WorkerConfig(model="tiny", dtype="float32", device="cpu", kv_cache_memory=num_blocks * BLOCK_BYTES,
+                      **cfg)  # type: ignore[arg-type]
+    return build_engine(wc, LocalBlockManager("test", enable_caching=caching, max_blocks=max_blocks))
+
+
+def make_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, TINY.vocab_size) for _ in range(n)]  # never EOS (1)
+
+
+def reference(engine: Engine, prompt: list[int], max_tokens: int) -> list[int]:
+    return reference_generate(engine.model, prompt, max_tokens, engine.model.config.eos_token_id)
+
+
+def greedy(max_tokens: int, n: int = 1) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, n=n)
+
+
+def assert_drained(engine: Engine) -> None:
+    """Nothing left to do and every block back at the manager, invariants intact."""
+    assert not engine.has_work()
+    pool = engine.bm.core
+    pool.check_invariants()
+    stats = pool.snapshot_stats()
+    assert stats["requests"] == 0 and stats["used_blocks"] == 0

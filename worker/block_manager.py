@@ -1,0 +1,154 @@
+"""Where the scheduler's block decisions are made: the manager, local or remote.
+
+The scheduler only needs ``step(ops) -> results`` (one round trip per scheduler step, schemas as
+in ``kvpool.manager.step``) plus registration around it. ``LocalBlockManager`` embeds a real
+``Pool`` and runs steps through ``run_step`` (tests, benchmarks); ``RemoteBlockManager`` talks to
+the manager daemon through ``ManagerClient``. Both raise ``ManagerReset`` when the manager no
+longer holds this worker's requests: the engine then re-registers and recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Protocol
+
+from kvpool.manager.pool import Pool
+from kvpool.manager.step import run_step
+from kvpool.shared.protocol import ManagerRestarted, ManagerUnavailable, StaleEpoch
+from kvpool.worker.manager_client import ManagerClient
+
+logger = logging.getLogger(__name__)
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class ManagerReset(Exception):
+    """The manager forgot this worker's requests (restart, new epoch): re-register, recompute."""
+
+
+def spec_num_blocks(spec: dict, available_kv_bytes: int) -> int:
+    """Blocks of ``spec`` that fit ``available_kv_bytes`` (the same arithmetic as the profiler)."""
+    page = 2 * spec["block_size"] * spec["num_kv_heads"] * spec["head_size"] * DTYPE_BYTES[spec["dtype"]]
+    return available_kv_bytes // (page * spec["num_layers"])
+
+
+class BlockManager(Protocol):
+    pool: str
+
+    def register(self, spec: dict, available_kv_bytes: int) -> dict: ...
+
+    def step(self, ops: list[dict]) -> list[dict]: ...
+
+    def heartbeat(self) -> None: ...
+
+    def stats(self) -> dict: ...
+
+    def deregister(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalBlockManager:
+    """An in-process manager of one pool: the same Pool and step executor as the daemon."""
+
+    def __init__(self, pool: str = "local", *, enable_caching: bool = True, max_blocks: int | None = None):
+        self.pool = pool
+        self.enable_caching = enable_caching
+        self.max_blocks = max_blocks  # cap (tests that want memory pressure)
+        self.epoch = 0
+        self._pool: Pool | None = None
+        self.steps = 0
+
+    def register(self, spec: dict, available_kv_bytes: int) -> dict:
+        num_blocks = spec_num_blocks(spec, available_kv_bytes)
+        if self.max_blocks is not None:
+            num_blocks = min(num_blocks, self.max_blocks)
+        self._pool = Pool(num_blocks, spec["block_size"], enable_caching=self.enable_caching)
+        self.epoch += 1
+        return {"num_blocks": num_blocks, "block_size": spec["block_size"], "epoch": self.epoch}
+
+    def step(self, ops: list[dict]) -> list[dict]:
+        if self._pool is None:
+            raise ManagerReset(f"pool {self.pool!r} is not registered (manager restarted)")
+        self.steps += 1
+        return run_step(self._pool, "local", ops)
+
+    def simulate_restart(self) -> None:
+        """Forget everything, as a manager restarted without persistence would."""
+        self._pool = None
+
+    @property
+    def core(self) -> Pool:
+        if self._pool is None:
+            raise ManagerReset("not registered")
+        return self._pool
+
+    def heartbeat(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return self._pool.snapshot_stats() if self._pool is not None else {}
+
+    def deregister(self) -> None:
+        if self._pool is not None:
+            self._pool.free_all()
+        self._pool = None
+
+    def close(self) -> None:
+        pass
+
+
+class RemoteBlockManager:
+    """The manager daemon over ``ManagerClient``: one round trip per step, heartbeats, re-joins.
+
+    ``ManagerRestarted``/``SessionExpired``/``StaleEpoch`` become ``ManagerReset``. A step that
+    got no reply (``ManagerUnavailable``) may or may not have run, so it is treated the same way,
+    and the next registration opens a fresh session: the old one's blocks are freed when the
+    manager expires it, and its request ids can never collide with the new ones.
+    ``ManagerUnavailable`` from register/heartbeat propagates: the caller retries later.
+    """
+
+    def __init__(self, endpoints: str | list[str], pool: str, *, shard_rank: int = 0, shard_count: int = 1,
+                 incarnation: str | None = None, timeout_s: float = 5.0, register_wait_s: float = 30.0,
+                 identity: str | None = None) -> None:
+        self.client = ManagerClient(endpoints, role="worker", identity=identity, timeout_s=timeout_s)
+        self.pool = pool
+        self.shard_rank, self.shard_count = shard_rank, shard_count
+        self.incarnation = incarnation or uuid.uuid4().hex  # new tensors, new incarnation
+        self.register_wait_s = register_wait_s
+        self.epoch = 0
+        self._fresh_session = False
+
+    def register(self, spec: dict, available_kv_bytes: int) -> dict:
+        if self._fresh_session:
+            self.client.hello()
+            self._fresh_session = False
+        info = self.client.register(self.pool, shard_rank=self.shard_rank, shard_count=self.shard_count,
+                                    incarnation=self.incarnation, spec=spec,
+                                    available_kv_bytes=available_kv_bytes, wait_s=self.register_wait_s)
+        self.epoch = int(info["epoch"])
+        return info
+
+    def step(self, ops: list[dict]) -> list[dict]:
+        try:
+            return self.client.step(self.pool, self.epoch, ops)
+        except (ManagerRestarted, StaleEpoch) as e:
+            raise ManagerReset(str(e)) from e
+        except ManagerUnavailable as e:
+            self._fresh_session = True
+            raise ManagerReset(str(e)) from e
+
+    def heartbeat(self) -> None:
+        try:
+            self.client.maybe_heartbeat()
+        except ManagerRestarted as e:
+            raise ManagerReset(str(e)) from e
+
+    def stats(self) -> dict:
+        return self.client.stats()
+
+    def deregister(self) -> None:
+        self.client.deregister()
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,129 @@
+"""Worker and model configuration: dataclasses that validate themselves on construction.
+
+Only entry points (the CLI, the demo, benchmarks) build a ``WorkerConfig``; inner classes take
+explicit scalars. ``PRESETS`` names model shapes that get seeded random weights.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "float16", "bfloat16")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str | int) -> int:
+    """'512MiB', '2GiB', '1.5G', '4096' -> bytes (K/M/G/T are powers of 1024)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if m is None:
+        raise ValueError(f"cannot parse a memory size from {text!r}; write e.g. 512MiB or 2GiB")
+    scale = 1024 ** "_kmgt".index(m.group(2).lower() or "_")
+    return int(float(m.group(1)) * scale)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2 share it)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int = 0  # 0: hidden_size // num_heads
+    rope_theta: float = 10_000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    rms_norm_eps: float = 1e-5
+    max_position: int = 4096
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    sliding_window: int | None = None
+    eos_token_id: int | None = None
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                    "num_kv_heads", "max_position"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"model {self.name}: {key} must be positive, got {getattr(self, key)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model {self.name}: num_heads {self.num_heads} is not a multiple of "
+                f"num_kv_heads {self.num_kv_heads} (GQA groups must be whole)"
+            )
+        if self.head_size == 0:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"model {self.name}: set head_size; hidden_size % num_heads != 0")
+            object.__setattr__(self, "head_size", self.hidden_size // self.num_heads)
+        if self.head_size % 2:
+            raise ValueError(f"model {self.name}: head_size must be even for RoPE, got {self.head_size}")
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Fast on CPU: tests, the demo.
+    "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, max_position=2048, eos_token_id=1, name="tiny"),
+    # Big enough that batching pays on CPU: the worker benchmark.
+    "small": ModelConfig(vocab_size=2048, hidden_size=512, intermediate_size=1408, num_layers=4,
+                         num_heads=8, num_kv_heads=2, max_position=4096, eos_token_id=1,
+                         name="small"),
+    "llama-3-8b": ModelConfig(vocab_size=128_256, hidden_size=4096, intermediate_size=14_336,
+                              num_layers=32, num_heads=32, num_kv_heads=8, rope_theta=500_000.0,
+                              max_position=8192, eos_token_id=128_001, name="llama-3-8b"),
+    "llama-3.2-1b": ModelConfig(vocab_size=128_256, hidden_size=2048, intermediate_size=8192,
+                                num_layers=16, num_heads=32, num_kv_heads=8, head_size=64,
+                                rope_theta=500_000.0, max_position=131_072, tie_embeddings=True,
+                                eos_token_id=128_001, name="llama-3.2-1b"),
+    "qwen2-0.5b": ModelConfig(vocab_size=151_936, hidden_size=896, intermediate_size=4864,
+                              num_layers=24, num_heads=14, num_kv_heads=2, rope_theta=1_000_000.0,
+                              rms_norm_eps=1e-6, max_position=32_768, qkv_bias=True,
+                              tie_embeddings=True, eos_token_id=151_643, name="qwen2-0.5b"),
+}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str = "tiny"  # a preset name or a Hugging Face-format checkpoint directory
+    pool: str = "pool-0"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_model_len: int = 1024
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes of KV cache, skipping profiling
+    cpu_memory_budget: int = 2 << 30  # host memory treated as the CPU "device"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    static_prealloc: bool = False  # baseline: reserve max_model_len slots per request
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens < 1 or not 1 <= self.max_num_seqs <= 256:
+            # a step message carries at most ~3 sub-ops per sequence; the manager takes 1024
+            raise ValueError("need max_num_batched_tokens >= 1 and max_num_seqs in [1, 256]")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill a whole prompt must fit one step: raise "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) to max_model_len "
+                f"({self.max_model_len}) or enable chunked prefill"
+            )
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
+        if self.cpu_memory_budget <= 0:
+            raise ValueError(f"cpu_memory_budget must be positive bytes, got {self.cpu_memory_budget}")
+        if not self.pool or len(self.pool) > 128:
+            raise ValueError("pool must be a name of 1-128 characters")

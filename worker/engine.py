@@ -1,0 +1,245 @@
+"""The generate API: add requests, step, stream tokens. One scheduler step = one manager message.
+
+    engine = build_engine(WorkerConfig(model="tiny"), LocalBlockManager())   # worker/startup.py
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=8))
+    while engine.has_work():
+        for ev in engine.step(): ...                                          # TokenEvent
+
+The engine owns the KV tensors (allocated once from the num_blocks the manager returned at
+registration) and re-registers when the manager forgot its requests (``ManagerReset``): every
+request is then recomputed from its tokens, the sampled ones included.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.worker.block_manager import BlockManager, ManagerReset
+from kvpool.worker.kv_cache import allocate_kv_caches, kv_spec
+from kvpool.worker.model import LlamaForCausalLM
+from kvpool.worker.profiler import check_fits
+from kvpool.worker.request import Request
+from kvpool.worker.runner import ModelRunner
+from kvpool.worker.sampler import SampleKey, SamplingParams, sample
+from kvpool.worker.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenEvent:
+    request_id: str
+    index: int  # which of the request's n samples
+    token: int | None  # None: the request ended without a token (error, abort)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (EOS), "length", "abort", "error: ..."
+
+
+class Engine:
+    def __init__(self, model: LlamaForCausalLM, block_manager: BlockManager, scheduler: Scheduler,
+                 available_kv_bytes: int, *, seed: int = 0) -> None:
+        self.model = model
+        self.bm = block_manager
+        self.scheduler = scheduler
+        self.available_kv_bytes = available_kv_bytes
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.block_size = scheduler.block_size
+        self.spec = kv_spec(model.config, self.block_size, self.dtype)
+        self.num_blocks = 0
+        self.runner: ModelRunner | None = None
+        self.registrations = 0
+        self.resets = 0
+        self._lost = False
+        self._rng = random.Random(seed)
+        self._rids = itertools.count()
+        self._requests: dict[str, list[Request]] = {}  # client id -> its live samples
+        self.register()
+
+    # -- registration ----------------------------------------------------------------------
+
+    def register(self) -> None:
+        """(Re-)registers with the manager; allocates the KV tensors when their size changes."""
+        info = self.bm.register(self.spec, self.available_kv_bytes)
+        num_blocks = int(info["num_blocks"])
+        check_fits(num_blocks, self.block_size, self.scheduler.max_model_len)
+        if num_blocks != self.num_blocks:
+            cfg = self.model.config
+            self.runner = None  # drop the old tensors before allocating new ones
+            caches = allocate_kv_caches(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads,
+                                        cfg.head_size, self.dtype, self.device)
+            self.runner = ModelRunner(self.model, caches, self.block_size)
+            self.num_blocks = num_blocks
+        self.scheduler.num_blocks = num_blocks
+        self.registrations += 1
+        logger.info("registered pool %s: %d blocks of %d tokens", self.bm.pool, num_blocks, self.block_size)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add_request(self, prompt: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._rids)}"
+        vocab = self.model.config.vocab_size
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not 0 < len(prompt) < self.scheduler.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; it needs 1 to "
+                             f"{self.scheduler.max_model_len - 1} (max_model_len - 1)")
+        if any(type(t) is not int or not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        seed = params.seed if params.seed is not None else self._rng.randrange(1 << 31)
+        req = Request(next(self._rids), request_id, 0, list(prompt), len(prompt), params, seed,
+                      self.block_size)
+        self._requests[request_id] = [req]
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> list[TokenEvent]:
+        reqs = self._requests.pop(request_id, [])
+        for req in reqs:
+            self.scheduler.drop(req)
+        return [ev for r in reqs for ev in self._end_events(r, "abort")]
+
+    @staticmethod
+    def _end_events(req: Request, reason: str) -> list[TokenEvent]:
+        """Final events of a request ended without a token (its unspawned samples included)."""
+        indices = [req.index] if req.forked else range(req.params.n)
+        return [TokenEvent(req.client_id, i, None, True, reason) for i in indices]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self._lost
+
+    # -- one step --------------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        """One scheduler step. Raises ManagerUnavailable while the manager cannot be reached to
+        re-register (the caller retries later; requests wait, nothing is lost)."""
+        if self._lost:
+            self.register()
+            self._lost = False
+        sched = self.scheduler
+        ops = sched.schedule()
+        if not ops:
+            return []
+        try:
+            results = self.bm.step(ops)
+        except ManagerReset as e:
+            self._reset(e)
+            return []
+        plan = sched.commit(results)
+        events = self._collect_errors()
+        if plan.seqs:
+            logits = self.runner.execute(plan)
+            sched.advance()
+            events += self._sample(logits)
+        sched.end_step()
+        return events
+
+    def heartbeat(self) -> None:
+        """Keeps the manager session alive while idle; notices a restarted manager."""
+        try:
+            self.bm.heartbeat()
+        except ManagerReset as e:
+            self._reset(e)
+
+    def _reset(self, err: Exception) -> None:
+        logger.warning("manager lost our requests (%s): re-registering, recomputing", err)
+        self.scheduler.reset()
+        self.resets += 1
+        self._lost = True
+
+    def _collect_errors(self) -> list[TokenEvent]:
+        errored, self.scheduler.errored = self.scheduler.errored, []
+        for req in errored:
+            self._forget(req)
+        return [ev for r in errored for ev in self._end_events(r, r.finish_reason or "error")]
+
+    def _sample(self, logits: torch.Tensor) -> list[TokenEvent]:
+        sampling = [req for req, _ in self.scheduler.scheduled if req.num_computed == len(req.tokens)]
+        keys, owners = [], []
+        for row, req in enumerate(sampling):
+            count = 1 if req.forked else req.params.n
+            for i in range(count):
+                index = req.index if req.forked else i
+                keys.append(SampleKey(req.params, req.seed, index, req.num_output))
+                owners.append((row, req, i))
+        if not owners:
+            return []
+        rows = torch.tensor([row for row, _, _ in owners], dtype=torch.long, device=logits.device)
+        tokens = sample(logits[rows], keys)
+        events = []
+        for (_, req, i), tok in zip(owners, tokens):
+            target = req if i == 0 else self._child(req, i, tok)
+            events.append(self._accept(target, tok))
+            if i == 0:
+                target.forked = True
+        return events
+
+    def _child(self, parent: Request, index: int, token: int) -> Request:
+        child = Request(next(self._rids), parent.client_id, index, parent.tokens[: parent.num_prompt],
+                        parent.num_prompt, parent.params, parent.seed, self.block_size)
+        child.forked = True
+        self._requests.setdefault(parent.client_id, []).append(child)  # the parent may have ended
+        self.scheduler.spawn(parent, child)
+        return child
+
+    def _accept(self, req: Request, token: int) -> TokenEvent:
+        req.append(token)
+        reason = None
+        if token == self.model.config.eos_token_id and not req.params.ignore_eos:
+            reason = "stop"
+        elif req.num_output >= req.params.max_tokens or len(req.tokens) >= self.scheduler.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            self._forget(req)
+        return TokenEvent(req.client_id, req.index, token, reason is not None, reason)
+
+    def _forget(self, req: Request) -> None:
+        reqs = self._requests.get(req.client_id, [])
+        if req in reqs:
+            reqs.remove(req)
+        if not reqs:
+            self._requests.pop(req.client_id, None)
+
+    # -- running to completion, shutting down ----------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[list[list[int]]]:
+        """Runs ``prompts`` to completion; per prompt, the output tokens of each of its n samples."""
+        ids = [self.add_request(p, params) for p in prompts]
+        n = (params or SamplingParams()).n
+        out: dict[str, list[list[int]]] = {rid: [[] for _ in range(n)] for rid in ids}
+        while self.has_work():
+            for ev in self.step():
+                if ev.token is not None:
+                    out[ev.request_id][ev.index].append(ev.token)
+        return [out[rid] for rid in ids]
+
+    def shutdown(self) -> None:
+        """Frees every request's blocks and deregisters (SIGTERM path)."""
+        rids = [r.rid for r in self.scheduler.running] + self.scheduler.pending_frees
+        try:
+            if rids:
+                self.bm.step([{"op": "free", "req": rid} for rid in rids])
+            self.bm.deregister()
+        except ManagerReset:
+            pass  # the manager already forgot us
+        self.scheduler.running.clear()
+        self.scheduler.pending_frees.clear()
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats
+        return {
+            "num_blocks": self.num_blocks, "block_size": self.block_size,
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "steps": s.steps, "preemptions": s.preemptions, "prompt_tokens": s.prompt_tokens,
+            "cached_tokens": s.cached_tokens, "computed_tokens": s.computed_tokens,
+            "peak_blocks": s.peak_blocks, "peak_running": s.peak_running,
+            "registrations": self.registrations, "resets": self.resets,
+        }

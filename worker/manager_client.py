@@ -1,0 +1,238 @@
+"""The worker's side of the manager protocol (shared/protocol.py, PROTOCOL.md).
+
+One DEALER socket, one request in flight, one round trip per call: a scheduler step's sub-ops
+travel in a single ``step`` message. Not thread-safe; use one client per thread.
+
+Failures, as exceptions (all ``ManagerError``):
+- ``ManagerUnavailable``: no reply within ``timeout_s``. The socket is replaced (so a late reply
+  cannot be mistaken for a later call's) and the next endpoint is used. ``step`` is never
+  retried (it is not idempotent); read-only calls and register try each endpoint once.
+- ``ManagerRestarted``: the manager's incarnation changed, so this session, its registrations
+  and its requests are gone. ``SessionExpired`` (a subclass): the manager timed this session out.
+  Either way the caller aborts its running requests and calls ``register`` again (which says
+  hello first). ``on_restart(old, new)`` is called before the exception is raised (``old ==
+  new`` for an expired session); ``restarts`` counts incarnation changes.
+- ``StaleEpoch``: a shard of the pool restarted; call ``register`` again to learn the new epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from kvpool.shared.protocol import (
+    PROTOCOL_VERSION,
+    ManagerError,
+    ManagerRestarted,
+    ManagerUnavailable,
+    SessionExpired,
+    StaleEpoch,
+    encode_request,
+    raise_for_reply,
+    unpack,
+)
+
+__all__ = ["ManagerClient", "ManagerError", "ManagerRestarted", "ManagerUnavailable", "SessionExpired", "StaleEpoch"]
+
+logger = logging.getLogger(__name__)
+
+
+class ManagerClient:
+    def __init__(
+        self,
+        endpoints: str | list[str],
+        *,
+        role: str = "worker",
+        identity: str | None = None,
+        timeout_s: float = 5.0,
+        admin_key: str | None = None,
+    ) -> None:
+        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not self.endpoints:
+            raise ValueError("need at least one manager endpoint (ipc://PATH or tcp://HOST:PORT)")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.role, self.timeout_s, self.admin_key = role, timeout_s, admin_key
+        self.identity = identity or f"{socket.gethostname()}:{os.getpid()}"
+        self.sid: str | None = None
+        self.session: int | None = None  # the public session number the admin lists show
+        self.incarnation: str | None = None
+        self.hello_body: dict = {}
+        self.heartbeat_interval_s = 1.0
+        self.restarts = 0
+        self.on_restart: Callable[[str | None, str | None], None] | None = None
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._ep = 0
+        self._next_id = 1
+        self._last_call = 0.0
+
+    @property
+    def endpoint(self) -> str:
+        return self.endpoints[self._ep]
+
+    # -- the protocol ----------------------------------------------------------------------
+
+    def hello(self) -> dict:
+        """Opens a session (done automatically by the first call that needs one)."""
+        args: dict[str, Any] = {"identity": self.identity, "role": self.role, "versions": [PROTOCOL_VERSION]}
+        if self.admin_key is not None:
+            args["admin_key"] = self.admin_key
+        body = raise_for_reply(self._roundtrip("hello", args, None, retry=True))
+        old = self.incarnation
+        self.sid, self.session, self.incarnation = body["sid"], body["session"], body["incarnation"]
+        self.heartbeat_interval_s = body.get("heartbeat_interval_s", 1.0)
+        self.hello_body = body
+        if old is not None and old != self.incarnation:
+            self._notify(old, self.incarnation)  # noticed by hello itself: the caller is re-joining
+        return body
+
+    def register(
+        self,
+        pool: str,
+        *,
+        shard_rank: int,
+        shard_count: int,
+        incarnation: str,
+        spec: dict,
+        available_kv_bytes: int,
+        wait_s: float = 30.0,
+    ) -> dict:
+        """Registers one shard and waits until every shard of the pool has: returns
+        {"num_blocks", "block_size", "epoch", ...}. Idempotent for the same incarnation."""
+        args = {"pool": pool, "shard_rank": shard_rank, "shard_count": shard_count,
+                "incarnation": incarnation, "spec": spec, "available_kv_bytes": available_kv_bytes}
+        deadline = time.monotonic() + wait_s
+        pause = 0.02
+        while True:
+            body = self.call("register", retry=True, **args)
+            if body.get("state") == "ready":
+                return body
+            if time.monotonic() >= deadline:
+                raise ManagerError("register_timeout", f"pool {pool!r}: {body.get('registered')} of "
+                                   f"{shard_count} shards registered after {wait_s}s; start the other shards")
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.5)
+
+    def step(self, pool: str, epoch: int, ops: list[dict]) -> list[dict]:
+        """Runs one scheduler step's sub-ops (manager/step.py schemas) in one round trip."""
+        return self.call("step", pool=pool, epoch=epoch, ops=ops)["results"]
+
+    def lookup(self, pool: str, hashes: list[bytes]) -> int:
+        return self.call("lookup", retry=True, pool=pool, hashes=hashes)["blocks"]
+
+    def locate(self, hashes: list[bytes]) -> dict[str, int]:
+        return self.call("locate", retry=True, hashes=hashes)["pools"]
+
+    def heartbeat(self) -> None:
+        self.call("heartbeat", retry=True)
+
+    def maybe_heartbeat(self) -> bool:
+        """Heartbeats when nothing was sent for heartbeat_interval_s; call it from idle loops."""
+        if self.sid is not None and time.monotonic() - self._last_call < self.heartbeat_interval_s:
+            return False
+        self.heartbeat()
+        return True
+
+    def stats(self) -> dict:
+        return self.call("stats", retry=True)
+
+    def deregister(self) -> None:
+        """Ends the session: the manager frees every request it still holds."""
+        if self.sid is not None:
+            try:
+                self.call("deregister")
+            finally:
+                self.sid = None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self._ctx.term()
+
+    def __enter__(self) -> ManagerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.deregister()
+        except ManagerError:
+            pass
+        finally:
+            self.close()
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def call(self, op: str, *, retry: bool = False, **args: Any) -> dict:
+        """Any op by name (admin ops included); returns the reply body or raises."""
+        if self.sid is None:
+            self.hello()
+        reply = self._roundtrip(op, args, self.sid, retry=retry)
+        inc = reply.get("inc")
+        if inc != self.incarnation or reply.get("status") == "unknown_session":
+            old = self.incarnation
+            self.sid, self.incarnation = None, inc if isinstance(inc, str) else None
+            self._notify(old, inc)
+            if inc != old:
+                raise ManagerRestarted(old, inc)
+            raise SessionExpired(inc, "the manager expired this session: its requests were freed; register again")
+        return raise_for_reply(reply)
+
+    def _notify(self, old: str | None, new: str | None) -> None:
+        """The session is gone (old == new: it expired; else the manager restarted)."""
+        self.restarts += old != new
+        logger.warning("manager session lost (incarnation %s -> %s): requests must be aborted", old, new)
+        if self.on_restart is not None:
+            self.on_restart(old, new)
+
+    def _roundtrip(self, op: str, args: dict, sid: str | None, *, retry: bool) -> dict:
+        attempts = len(self.endpoints) if retry else 1
+        for attempt in range(attempts):
+            try:
+                return self._exchange(op, args, sid)
+            except ManagerUnavailable:
+                if attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _exchange(self, op: str, args: dict, sid: str | None) -> dict:
+        if self._sock is None:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(self.endpoint)
+        sock = self._sock
+        msg_id = self._next_id
+        self._next_id += 1
+        self._last_call = time.monotonic()
+        try:
+            sock.send(encode_request(msg_id, op, sid, args), zmq.NOBLOCK)
+        except zmq.Again:
+            self._give_up(op)
+        deadline = self._last_call + self.timeout_s
+        while (left := deadline - time.monotonic()) > 0 and sock.poll(left * 1000, zmq.POLLIN):
+            try:
+                reply = unpack(sock.recv())
+            except Exception:  # not msgpack: not from a manager; keep waiting
+                continue
+            if type(reply) is dict and reply.get("id") == msg_id:
+                return reply
+        self._give_up(op)
+
+    def _give_up(self, op: str) -> Any:
+        """Drops the socket (a late reply must not answer a later call) and moves on."""
+        endpoint = self.endpoint
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self._ep = (self._ep + 1) % len(self.endpoints)
+        raise ManagerUnavailable(
+            f"no reply to {op!r} from the manager at {endpoint} within {self.timeout_s}s: is it running? "
+            "(start it with `kvpool manager`, or point --manager / KVPOOL_MANAGER at it)"
+        )

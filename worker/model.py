@@ -1,0 +1,177 @@
+"""A Llama-family decoder in plain torch: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+
+Tokens are flattened across sequences (``[num_tokens, hidden]``, no batch dim): the caller gives
+each token its position and an ``attend`` function that owns the KV cache. The paged runner
+writes K/V into the paged cache and calls the kernels; the contiguous reference keeps one slab
+per request. Module and parameter names follow Hugging Face's Llama/Qwen2 checkpoints, so a
+checkpoint's state dict loads as is.
+
+Tensor parallelism (next issue) shards q/k/v/gate/up by output rows and o/down by input columns,
+then all-reduces after o_proj and down_proj: each Attention keeps its own head counts for that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpool.worker.config import ModelConfig
+
+# (layer index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_size: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_size // 2], with Llama-3 or linear scaling when configured."""
+    inv = 1.0 / theta ** (torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv
+    factor = float(scaling["factor"])  # type: ignore[index]
+    if kind == "linear":
+        return inv / factor
+    if kind != "llama3":
+        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3 are)")
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])  # type: ignore[index]
+    old_len = float(scaling["original_max_position_embeddings"])  # type: ignore[index]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (the Hugging Face layout) from a precomputed cos/sin table."""
+
+    def __init__(self, head_size: int, max_position: int, theta: float, scaling: dict | None):
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float64),
+                            rope_inv_freq(head_size, theta, scaling))
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)  # [max_pos, D/2]
+        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, D]; positions: [T]
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, num_heads: int, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, cfg.head_size
+        d = cfg.head_size
+        self.q_proj = nn.Linear(cfg.hidden_size, num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(num_heads * d, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                attend: AttendFn, layer: int) -> torch.Tensor:
+        t, d = x.shape[0], self.head_size
+        q = rope(positions, self.q_proj(x).view(t, self.num_heads, d))
+        k = rope(positions, self.k_proj(x).view(t, self.num_kv_heads, d))
+        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+        return self.o_proj(attend(layer, q, k, v).reshape(t, self.num_heads * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, cfg.num_heads, cfg.num_kv_heads)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, positions, rope, attend, layer):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attend, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaBackbone(cfg)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_size, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        # input_ids, positions: [T] -> final hidden states [T, hidden]
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, self.rotary, attend, i)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [R, hidden] -> fp32 logits [R, vocab]
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+@torch.no_grad()
+def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Seeded weights with unit-scale activations, so greedy outputs are not degenerate."""
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+            continue
+        gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
+        std = 1.0 if "embed_tokens" in name else (p.shape[-1] if p.dim() > 1 else 64) ** -0.5
+        p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * std)
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0):
+    """A model of ``cfg`` with seeded random weights, in ``dtype`` on ``device``, in eval mode."""
+    model = empty_model(cfg, dtype, device)
+    init_random_weights(model, seed)
+    return model
+
+
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
+    """Uninitialised weights of ``cfg`` allocated once, on ``device``; RoPE tables stay fp32."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.rotary = RotaryEmbedding(cfg.head_size, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+    return model.to(device).eval()

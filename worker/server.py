@@ -1,0 +1,158 @@
+"""The worker's generate service: a ZeroMQ ROUTER socket in front of one engine.
+
+Messages are msgpack maps (never pickle). Client -> worker::
+
+    {"op": "generate", "id": str, "prompt": [int...], "params": {max_tokens, temperature, top_p,
+     seed, n, ignore_eos}}                                  -> a stream of token messages
+    {"op": "abort", "id": str}                              -> the request's final messages
+    {"op": "stats", "id": str}                              -> {"id", "stats": {...}}
+    {"op": "ping", "id": str}                               -> {"id", "pong": pool name}
+
+Worker -> client, one per sampled token (``index``: which of the n samples)::
+
+    {"id": str, "index": int, "token": int | None, "finished": bool, "reason": str | None}
+    {"id": str, "error": str, "finished": true}             (refused request or bad message)
+
+The loop is single-threaded: drain the socket, run one engine step, send its tokens, heartbeat
+the manager. SIGTERM/SIGINT: abort every request, free everything at the manager, deregister.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import msgpack
+import zmq
+
+from kvpool.shared.protocol import ManagerError
+from kvpool.worker.engine import Engine, TokenEvent
+from kvpool.worker.sampler import SamplingParams
+
+logger = logging.getLogger(__name__)
+IDLE_POLL_MS = 100
+PARAM_KEYS = ("max_tokens", "temperature", "top_p", "seed", "n", "ignore_eos")
+MAX_MESSAGE_BYTES = 4 << 20
+
+
+def pack(obj: dict) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+class WorkerServer:
+    def __init__(self, engine: Engine, endpoint: str, pool: str) -> None:
+        self.engine = engine
+        self.endpoint = endpoint
+        self.pool = pool
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._clients: dict[str, tuple[bytes, str]] = {}  # engine id -> (routing id, client's id)
+        self._open: dict[str, int] = {}  # engine id -> samples not finished yet
+        self._next = 0
+        self._stop = False
+
+    def request_stop(self, *_: object) -> None:
+        self._stop = True
+
+    def serve(self) -> None:
+        self._sock.bind(self.endpoint)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.request_stop)
+        logger.info("worker for pool %s serving at %s", self.pool, self.endpoint)
+        try:
+            while not self._stop:
+                self.run_once()
+        finally:
+            self.shutdown()
+
+    def run_once(self) -> None:
+        busy = self.engine.has_work()
+        if self._sock.poll(0 if busy else IDLE_POLL_MS, zmq.POLLIN):
+            while True:
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._handle(frames[0], frames[-1])
+        if self.engine.has_work():
+            try:
+                self._send_events(self.engine.step())
+            except ManagerError as e:  # unreachable while re-registering: retry shortly
+                logger.warning("manager unavailable: %s", e)
+                time.sleep(0.2)
+        try:
+            self.engine.heartbeat()
+        except ManagerError as e:
+            logger.warning("heartbeat failed: %s", e)
+
+    def _handle(self, ident: bytes, payload: bytes) -> None:
+        cid = ""
+        try:
+            msg = msgpack.unpackb(payload, raw=False)
+            if type(msg) is not dict:
+                raise ValueError("a message must be a msgpack map")
+            op, cid = msg.get("op"), str(msg.get("id", ""))
+            if op == "generate":
+                self._generate(ident, cid, msg)
+            elif op == "abort":
+                self._abort(cid)
+            elif op == "stats":
+                self._reply(ident, {"id": cid, "stats": {"pool": self.pool, **self.engine.stats()}})
+            elif op == "ping":
+                self._reply(ident, {"id": cid, "pong": self.pool})
+            else:
+                raise ValueError(f"unknown op {op!r}; known: generate, abort, stats, ping")
+        except (ValueError, TypeError, msgpack.UnpackException) as e:
+            self._reply(ident, {"id": cid, "error": str(e), "finished": True})
+
+    def _generate(self, ident: bytes, cid: str, msg: dict) -> None:
+        raw = msg.get("params") or {}
+        if type(raw) is not dict:
+            raise ValueError("params must be a map")
+        params = SamplingParams(**{k: raw[k] for k in PARAM_KEYS if k in raw})
+        prompt = msg.get("prompt")
+        if type(prompt) is not list:
+            raise ValueError("prompt must be a list of token ids")
+        eid = f"c{self._next}"
+        self._next += 1
+        self.engine.add_request(prompt, params, request_id=eid)
+        self._clients[eid] = (ident, cid)
+        self._open[eid] = params.n
+
+    def _abort(self, cid: str) -> None:
+        for eid, (_, c) in list(self._clients.items()):
+            if c == cid:
+                self._send_events(self.engine.abort(eid))
+
+    def _send_events(self, events: list[TokenEvent]) -> None:
+        for ev in events:
+            ident, cid = self._clients.get(ev.request_id, (None, ""))
+            if ident is None:
+                continue
+            self._reply(ident, {"id": cid, "index": ev.index, "token": ev.token,
+                                "finished": ev.finished, "reason": ev.finish_reason})
+            if ev.finished:
+                self._open[ev.request_id] -= 1
+                if self._open[ev.request_id] == 0:
+                    del self._clients[ev.request_id], self._open[ev.request_id]
+
+    def _reply(self, ident: bytes, body: dict) -> None:
+        try:
+            self._sock.send_multipart([ident, pack(body)], zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("client %r is not reading; dropped a reply", ident)
+
+    def shutdown(self) -> None:
+        for eid in list(self._clients):
+            self._send_events(self.engine.abort(eid))
+        try:
+            self.engine.shutdown()
+        except ManagerError as e:
+            logger.warning("could not free at the manager on shutdown: %s", e)
+        self.engine.bm.close()
+        self._sock.close(linger=200)
+        self._ctx.term()
+        logger.info("worker for pool %s stopped", self.pool)
