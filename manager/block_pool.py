@@ -82,10 +82,10 @@ class BlockPool:
         """
         fq = self.free_queue
         blocks = fq.pop_unhashed(n)
-        while len(blocks) < n:
-            b = fq.pop_hashed()
-            self._drop_hash(b)
-            blocks.append(b)
+        if len(blocks) < n:
+            evicted = fq.pop_hashed(n - len(blocks))
+            self._drop_hashes(evicted)
+            blocks += evicted
         ref = self.ref_cnt
         for b in blocks:
             ref[b] = 1
@@ -96,15 +96,16 @@ class BlockPool:
 
         Callers pass a request's blocks tail-first so a hash chain is evicted from its end.
         """
-        ref, bhash, fq = self.ref_cnt, self.block_hash, self.free_queue
+        ref, bhash = self.ref_cnt, self.block_hash
+        push_front, set_lru = self.free_queue.releaser()
         for b in blocks_tail_first:
             r = ref[b] - 1
             ref[b] = r
             if r == 0:
                 if bhash[b] is None:
-                    fq.push_front(b)
+                    push_front(b)
                 else:
-                    fq.push_back(b)
+                    set_lru(b, None)
 
     def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[bytes], parent: bytes | None) -> None:
         """Records the hashes of blocks that became full (``parent`` precedes hashes[0])."""
@@ -127,12 +128,11 @@ class BlockPool:
     def evict(self, n: int) -> int:
         """Drops the hashes of up to ``n`` free cached blocks, LRU first; returns how many."""
         fq = self.free_queue
-        k = min(n, fq.num_hashed())
-        for _ in range(k):
-            b = fq.pop_hashed()
-            self._drop_hash(b)
+        evicted = fq.pop_hashed(min(n, fq.num_hashed()))
+        self._drop_hashes(evicted)
+        for b in evicted:
             fq.move_to_front(b)
-        return k
+        return len(evicted)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every hash; refused (False) while any block is in use."""
@@ -146,12 +146,22 @@ class BlockPool:
             self.events.append(("cleared",))
         return True
 
-    def _drop_hash(self, b: int) -> None:
-        h = self.block_hash[b]
-        if h is None:
-            return
-        self.block_hash[b] = None
-        self.num_evictions += 1
+    def _drop_hashes(self, blocks: list[int]) -> None:
+        """Lazy eviction: blocks leaving the free queue for reuse lose their hash."""
+        bhash, cached, dups, events = self.block_hash, self.cached, self._dups, self.events
+        for b in blocks:
+            h = bhash[b]
+            bhash[b] = None
+            if dups or cached[h] != b:  # type: ignore[index]
+                self._drop_shared(b, h)  # type: ignore[arg-type]
+                continue
+            del cached[h]  # type: ignore[arg-type]
+            if events is not None:
+                events.append(("removed", [h]))
+        self.num_evictions += len(blocks)
+
+    def _drop_shared(self, b: int, h: bytes) -> None:
+        """The slow path: ``h`` may have duplicates, or ``b`` may be one of them."""
         dups = self._dups.get(h)
         if self.cached[h] == b:
             if dups:

@@ -57,9 +57,14 @@ class FreeQueue:
         taken.reverse()
         return taken
 
-    def pop_hashed(self) -> int:
-        """The least recently freed hashed block (the caller drops its hash)."""
-        return self._lru.popitem(last=False)[0]
+    def pop_hashed(self, n: int) -> list[int]:
+        """The ``n`` least recently freed hashed blocks (the caller drops their hashes)."""
+        popitem = self._lru.popitem
+        return [popitem(False)[0] for _ in range(n)]
+
+    def releaser(self):
+        """The two push functions, bound once for a caller's loop (the free path is hot)."""
+        return self._front.append, self._lru.__setitem__
 
     def move_to_front(self, block_id: int) -> None:
         """A free block that just lost its hash joins the unhashed segment."""
