@@ -1,16 +1,17 @@
 """Manager daemon configuration: one dataclass, validated in ``__post_init__``.
 
-Sources, later ones winning: defaults, a config file (``.toml`` on Python 3.11+, or ``.json``),
-command-line options. Only entry points see this object; inner classes take explicit scalars.
+Sources, later ones winning (shared/config.py): defaults, a config file (``.toml`` with a
+``[manager]`` table, or ``.json``), ``KVPOOL_MANAGER_<FIELD>`` environment variables, command-line
+options. Only entry points see this object; inner classes take explicit scalars.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
+from kvpool.shared.logs import check_level
 from kvpool.shared.protocol import MAX_MESSAGE_BYTES, MAX_SUB_OPS, default_endpoint
 
 _IPC_PATH_MAX = 107  # sun_path is 108 bytes on Linux, NUL included
@@ -29,6 +30,23 @@ class ManagerConfig:
     max_blocks: int = 1 << 22  # per pool; a shard reporting more KV memory is clamped to this
     max_batch: int = 4096  # messages handled per loop iteration (bounds reply latency under flood)
     send_hwm: int = 1000  # replies queued per client; a client that does not read loses replies
+    # -- operations (docs/operating.md) --
+    metrics_port: int = 0  # Prometheus /metrics on this TCP port; 0: off (the packaged config: 9400)
+    metrics_host: str = "127.0.0.1"  # address the metrics endpoint binds (0.0.0.0: every interface)
+    events_endpoint: str | None = None  # KV events PUB socket (vLLM wire format), e.g. tcp://*:5557
+    events_replay_endpoint: str | None = None  # replay ROUTER for missed event batches
+    events_buffer: int = 10_000  # event batches kept for replay
+    curve_secret_key_file: str | None = None  # the manager's NAME.key_secret: CURVE on the control socket
+    curve_allowed_keys_dir: str | None = None  # one NAME.key per allowed client (SIGHUP reloads it)
+    json_logs: bool = False  # one JSON object per log line
+    log_level: str = "info"
+    # -- durability (manager/redis_store.py; PROTOCOL.md section 11) --
+    redis_url: str | None = None  # persist state in Redis (redis://, redis+sentinel://, redis+cluster://)
+    namespace: str = "default"  # the Redis key namespace: one state, one active manager
+    durability: str = "sync"  # sync: commit before replying; async: reply first (a crash may lose acks)
+    lease_ms: int = 3000  # the active manager's lease; a standby takes over this long after it dies
+    snapshot_bytes: int = 32 << 20  # journal bytes that trigger a snapshot (and a journal trim)
+    redis_timeout_s: float = 2.0  # a Redis call slower than this counts as Redis unavailable
 
     def __post_init__(self) -> None:
         ep = self.endpoint
@@ -46,10 +64,52 @@ class ManagerConfig:
         if self.admin_key is not None and len(self.admin_key) < 8:
             raise ValueError("admin_key must be at least 8 characters (or unset to allow every client)")
         for name, lo in (("max_message_bytes", 1024), ("max_sub_ops", 1), ("max_sessions", 1),
-                         ("max_pools", 1), ("max_blocks", 2), ("max_batch", 1), ("send_hwm", 1)):
+                         ("max_pools", 1), ("max_blocks", 2), ("max_batch", 1), ("send_hwm", 1),
+                         ("events_buffer", 1)):
             v = getattr(self, name)
             if type(v) is not int or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        self._check_ops()
+        self._check_durability()
+
+    def _check_durability(self) -> None:
+        if self.redis_url is not None:
+            from kvpool.manager.redis_url import parse_redis_url
+
+            parse_redis_url(self.redis_url)
+        if not re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", self.namespace or ""):
+            raise ValueError(f"namespace must be 1-64 of [A-Za-z0-9._:-] (no braces: it is the key hash tag), "
+                             f"got {self.namespace!r}")
+        if self.durability not in ("sync", "async"):
+            raise ValueError(f"durability must be 'sync' or 'async', got {self.durability!r}")
+        if type(self.lease_ms) is not int or not 200 <= self.lease_ms <= 600_000:
+            raise ValueError(f"lease_ms must be an int in [200, 600000], got {self.lease_ms!r}")
+        if self.lease_ms < 1000 * self.redis_timeout_s:
+            raise ValueError(f"lease_ms {self.lease_ms} must exceed redis_timeout_s ({self.redis_timeout_s}s), or a "
+                             "slow commit outlives the lease: raise lease_ms or lower redis_timeout_s")
+        if type(self.snapshot_bytes) is not int or self.snapshot_bytes < 1024:
+            raise ValueError(f"snapshot_bytes must be an int >= 1024, got {self.snapshot_bytes!r}")
+        if not 0.05 <= self.redis_timeout_s <= 60:
+            raise ValueError(f"redis_timeout_s must be in [0.05, 60], got {self.redis_timeout_s}")
+
+    def _check_ops(self) -> None:
+        if type(self.metrics_port) is not int or not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be a TCP port in 1..65535, or 0 for no metrics; got {self.metrics_port!r}")
+        for name in ("events_endpoint", "events_replay_endpoint"):
+            ep = getattr(self, name)
+            if ep is not None and not ep.startswith(("ipc://", "tcp://")):
+                raise ValueError(f"{name} must be ipc://PATH or tcp://HOST:PORT, got {ep!r}")
+        if self.events_replay_endpoint and not self.events_endpoint:
+            raise ValueError("events_replay_endpoint needs events_endpoint: set both, or neither")
+        key, allowed = self.curve_secret_key_file, self.curve_allowed_keys_dir
+        if bool(key) != bool(allowed):
+            raise ValueError("CURVE needs both curve_secret_key_file (the manager's NAME.key_secret) and "
+                             "curve_allowed_keys_dir (a directory of allowed clients' NAME.key files)")
+        if key and not os.path.isfile(key):
+            raise ValueError(f"curve_secret_key_file {key} does not exist; create it with `kvpool keygen`")
+        if allowed and not os.path.isdir(allowed):
+            raise ValueError(f"curve_allowed_keys_dir {allowed} is not a directory")
+        self.log_level = check_level(self.log_level)
 
     @property
     def ipc_path(self) -> str | None:
@@ -57,32 +117,8 @@ class ManagerConfig:
 
     @classmethod
     def from_file(cls, path: str, **overrides: object) -> ManagerConfig:
-        """Reads a .toml or .json file; ``overrides`` (not None) win over the file."""
-        values = _read(path)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown keys {unknown}; known keys: {sorted(known)}")
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        """Reads a .toml ([manager] table) or .json file; ``overrides`` (not None) win over it.
+        The environment is not read (``kvpool manager`` layers it in through shared/config.py)."""
+        from kvpool.shared.config import load
 
-
-def _read(path: str) -> dict:
-    if not os.path.exists(path):
-        raise ValueError(f"config file {path} does not exist")
-    with open(path, "rb") as f:
-        data = f.read()
-    if path.endswith(".json"):
-        values = json.loads(data)
-    elif path.endswith(".toml"):
-        try:
-            import tomllib
-        except ImportError as e:  # Python 3.10
-            raise ValueError(f"{path}: TOML needs Python 3.11+; use a .json config file") from e
-        values = tomllib.loads(data.decode())
-        values = values.get("manager", values)  # either a [manager] table or top-level keys
-    else:
-        raise ValueError(f"config file {path} must end in .toml or .json")
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: the top level must be a table/object")
-    return values
+        return load(cls, "manager", path, env={}, overrides=overrides)[0]

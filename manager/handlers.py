@@ -13,8 +13,6 @@ from collections.abc import Callable
 
 from kvpool.manager.registry import PoolEntry, Registry, Session
 from kvpool.manager.stats import ServerStats
-from kvpool.manager.step import run_step
-from kvpool.manager.store import GLOBAL
 from kvpool.shared.protocol import (
     MAX_HASHES,
     POOL_NAME,
@@ -62,6 +60,8 @@ class Handlers:
         self.admin_key = admin_key
         self.request_stop = request_stop
         self.started = time.monotonic()
+        self.msg_id = 0  # the id of the message being handled (set by the server): retried steps
+        self.store_stats: Callable[[], dict] = dict  # the state store's counters (set by the server)
 
     # -- sessions --------------------------------------------------------------------------
 
@@ -83,6 +83,8 @@ class Handlers:
             "sid": sess.sid,
             "session": sess.num,
             "incarnation": self.reg.incarnation,
+            "state_id": self.reg.state_id,
+            "durable": self.reg.durable,
             "version": sess.version,
             "admin": sess.admin,
             "session_timeout_s": timeout,
@@ -127,12 +129,16 @@ class Handlers:
             raise bad_field("ops", "a list of sub-op maps", ops)
         if len(ops) > self.max_sub_ops:
             raise ManagerError("too_many_sub_ops", f"{len(ops)} sub-ops; at most {self.max_sub_ops} per step")
+        last = sess.last_step_id
+        if self.reg.durable and last is not None and self.msg_id <= last:  # ids increase (PROTOCOL.md 11)
+            if self.msg_id == last:  # a retry (timeout, failover): the step ran once, answer again
+                return {"results": sess.last_step}
+            raise ManagerError("stale_request", f"step id {self.msg_id} is older than this session's last "
+                               f"step {last}: a late duplicate, not run")
         t0 = time.perf_counter()
-        results = run_step(pool, sess.sid, ops, allow_alloc=not self.reg.draining)
+        results = self.reg.step(sess, entry, ops, self.msg_id)
         self.counters.step_latency.observe(time.perf_counter() - t0)
         self.counters.sub_ops += len(ops)
-        if ops:
-            self.reg.dirty.add(entry.name)
         return {"results": results}
 
     def lookup(self, sess: Session, args: dict, now: float) -> dict:
@@ -148,6 +154,8 @@ class Handlers:
         reg = self.reg
         manager = {
             "incarnation": reg.incarnation,
+            "state_id": reg.state_id,
+            "durable": reg.durable,
             "version": PROTOCOL_VERSION,
             "uptime_s": time.monotonic() - self.started,
             "sessions": len(reg.sessions),
@@ -160,7 +168,7 @@ class Handlers:
         for name, entry in reg.pools.items():
             snap = entry.pool.snapshot_stats() if entry.pool is not None else {}
             pools[name] = {**snap, "state": entry.state, "epoch": entry.epoch}
-        return {"manager": manager, "pools": pools}
+        return {"manager": manager, "pools": pools, "store": self.store_stats()}
 
     # -- admin -----------------------------------------------------------------------------
 
@@ -192,6 +200,9 @@ class Handlers:
     def requests(self, sess: Session, args: dict, now: float) -> dict:
         entry, pool = self.reg.ready_pool(args.get("pool"))
         limit = get_int(args, "limit", 1, 1 << 20, default=10_000)
+        with_ids = args.get("block_ids", False)
+        if type(with_ids) is not bool:
+            raise bad_field("block_ids", "a bool", with_ids)
         live = self.reg.sessions
         rows = []
         for (sid, rid), req in pool.requests.items():  # type: ignore[misc]
@@ -201,28 +212,26 @@ class Handlers:
             rows.append({"session": owner.num if owner else None, "identity": owner.identity if owner else None,
                          "req": rid, "num_tokens": req.num_tokens, "blocks": len(req.blocks),
                          "cached_blocks": req.num_cached})
+            if with_ids:
+                rows[-1]["block_ids"] = list(req.blocks)
         return {"pool": entry.name, "epoch": entry.epoch, "total": len(pool.requests), "requests": rows}
 
     def reset_cache(self, sess: Session, args: dict, now: float) -> dict:
         entry, pool = self.reg.ready_pool(args.get("pool"))
-        if not pool.reset_prefix_cache():
+        if not self.reg.reset_cache(entry):
             raise ManagerError("in_use", f"pool {entry.name!r} has {pool.blocks.num_used} blocks in use; "
                                "drain it first (kvpool drain), then reset")
-        self.reg.dirty.add(entry.name)
         return {"reset": True}
 
     def evict(self, sess: Session, args: dict, now: float) -> dict:
-        entry, pool = self.reg.ready_pool(args.get("pool"))
-        evicted = pool.evict(get_int(args, "n", 0, U63))
-        self.reg.dirty.add(entry.name)
-        return {"evicted": evicted}
+        entry, _ = self.reg.ready_pool(args.get("pool"))
+        return {"evicted": self.reg.evict(entry, get_int(args, "n", 0, U63))}
 
     def drain(self, sess: Session, args: dict, now: float) -> dict:
         enable = args.get("enable", True)
         if type(enable) is not bool:
             raise bad_field("enable", "a bool", enable)
-        self.reg.draining = enable
-        self.reg.dirty.add(GLOBAL)
+        self.reg.set_draining(enable)
         return {"draining": enable, "requests": self.reg.total_requests()}
 
     def shutdown(self, sess: Session, args: dict, now: float) -> dict:
@@ -236,3 +245,11 @@ class Handlers:
             raise ManagerError("invariant_broken", str(e)) from e
         return {"pools": len(self.reg.pools), "sessions": len(self.reg.sessions),
                 "requests": self.reg.total_requests()}
+
+    def cached_hashes(self, sess: Session, args: dict, now: float) -> dict:
+        """The pool's prefix-cache keys (what a KV-event subscriber should hold), sorted."""
+        entry, pool = self.reg.ready_pool(args.get("pool"))
+        limit = get_int(args, "limit", 1, MAX_HASHES, default=MAX_HASHES)
+        cached = pool.blocks.cached
+        return {"pool": entry.name, "epoch": entry.epoch, "total": len(cached),
+                "hashes": sorted(cached)[:limit], "event_batches": self.counters.event_batches}

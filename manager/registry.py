@@ -9,6 +9,9 @@ The loop owns the registry; nothing else mutates it. A store snapshots it (manag
   have registered it gets a ``Pool`` of ``min`` over the shards' block counts and an epoch.
   A shard registering with a new incarnation (its process restarted: its KV tensors are new)
   replaces the Pool: cached hashes and requests are dropped and the epoch moves on.
+- A pool of several shards whose shard's session ends (deregister, expiry) loses that shard: its
+  slice of every block may be gone, so the Pool is dropped, the epoch moves on (older epochs get
+  ``stale_epoch``) and the pool is pending until the shard registers again.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from kvpool.manager.pool import Pool
+from kvpool.manager.step import run_step
 from kvpool.manager.store import GLOBAL
 from kvpool.shared.protocol import ManagerError, block_bytes
 
@@ -36,6 +40,10 @@ class Session:
     version: int
     created: float
     last_seen: float
+    # The last step's message id and results: a client retrying a step after a timeout or a
+    # failover (same id) gets these instead of running it twice (PROTOCOL.md section 10).
+    last_step_id: int | None = None
+    last_step: list | None = None
 
 
 @dataclass
@@ -83,28 +91,57 @@ class Registry:
         self.pools: dict[str, PoolEntry] = {}
         self.draining = False
         self.dirty: set[str] = set()  # pool names (and GLOBAL) changed this iteration
+        # KV events of pools dropped this iteration (a shard left): (pool, epoch, events)
+        self.orphan_events: list[tuple[str, int, list]] = []
         self._next_num = 1
+        # The identity of this state: the incarnation without persistence; a persistent store
+        # replaces it with the id it keeps with the state, so it survives restarts and failovers.
+        self.state_id = incarnation
+        self.durable = False  # a persistent store holds this state (set by the store)
+        # When a store journals (manager/journal.py): this iteration's mutations as records.
+        self.log: list[list] | None = None
+
+    def record(self, *rec: object) -> None:
+        if self.log is not None:
+            self.log.append(list(rec))
+
+    def adopt(self, other: Registry) -> None:
+        """Takes over the state a store loaded into ``other``; this object (which the loop,
+        the handlers and the metrics hold) stays, with its incarnation and limits."""
+        self.sessions, self.pools, self.draining = other.sessions, other.pools, other.draining
+        self._next_num, self.state_id, self.durable = other._next_num, other.state_id, other.durable
+        self.log, self.dirty = other.log, set()
+        self.orphan_events = []
+        for entry in self.pools.values():
+            if entry.pool is not None and entry.pool.blocks.events is not None:
+                # Subscribers resynchronise to the recovered cache, whatever they saw before.
+                cached = list(entry.pool.blocks.cached)
+                entry.pool.blocks.events = [("cleared",), *([("stored", cached, None)] if cached else [])]
 
     # -- sessions --------------------------------------------------------------------------
 
-    def open_session(self, identity: str, role: str, admin: bool, version: int, now: float) -> Session:
+    def open_session(self, identity: str, role: str, admin: bool, version: int, now: float,
+                     sid: str | None = None) -> Session:
+        """A new session; ``sid`` is given only when a journal is replayed."""
         if len(self.sessions) >= self.max_sessions:
             raise ManagerError("too_many_sessions", f"{self.max_sessions} sessions are open; retry later")
-        sess = Session(secrets.token_hex(16), self._next_num, identity, role, admin, version, now, now)
+        sess = Session(sid or secrets.token_hex(16), self._next_num, identity, role, admin, version, now, now)
         self._next_num += 1
         self.sessions[sess.sid] = sess
         self.dirty.add(GLOBAL)
+        self.record("open", sess.sid, identity, role, admin, version)
         return sess
 
     def end_session(self, sid: str) -> int:
         """Closes a session: frees its requests in every pool; returns how many."""
         self.sessions.pop(sid, None)
         self.dirty.add(GLOBAL)
+        self.record("end", sid)
         freed = 0
         for entry in self.pools.values():
-            for shard in entry.shards.values():
-                if shard.sid == sid:
-                    shard.sid = None
+            lost = [r for r, shard in entry.shards.items() if shard.sid == sid]
+            for r in lost:
+                entry.shards[r].sid = None
             pool = entry.pool
             if pool is None:
                 continue
@@ -114,7 +151,23 @@ class Registry:
             if mine:
                 self.dirty.add(entry.name)
                 freed += len(mine)
+            if lost and entry.shard_count > 1:
+                self._lose_shards(entry, lost)
         return freed
+
+    def _lose_shards(self, entry: PoolEntry, ranks: list[int]) -> None:
+        """Shards of a multi-shard pool are gone: no block of the pool is whole any more. When all
+        go, one stays (unbound) so the pool keeps its spec; the others' return re-forms it."""
+        for r in ranks if len(ranks) < len(entry.shards) else ranks[1:]:
+            del entry.shards[r]
+        if entry.pool is not None and entry.pool.blocks.events is not None:
+            # subscribers drop the pool's hashes now, not when it re-forms
+            self.orphan_events.append((entry.name, entry.epoch, [*entry.pool.blocks.events, ("cleared",)]))
+        entry.pool = None
+        entry.epoch += 1
+        self.dirty.add(entry.name)
+        logger.warning("pool %s: shards %s left; epoch %d, cache and requests dropped until they register again",
+                       entry.name, ranks, entry.epoch)
 
     def expire(self, now: float) -> list[tuple[Session, int]]:
         """Ends every session silent past the timeout; returns (session, requests freed)."""
@@ -136,6 +189,10 @@ class Registry:
         self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: dict, available: int
     ) -> PoolEntry:
         """Registers one shard (idempotent for the same incarnation); see the module docstring."""
+        # Journaled before anything can fail, with the limits in force: a replay fails or
+        # succeeds exactly as this call does, whatever the restarted manager is configured with.
+        self.record("register", sess.sid, name, rank, count, incarnation, spec, available,
+                    self.max_blocks, self.max_pools)
         if rank >= count:
             raise ManagerError("bad_field", f"shard_rank {rank} must be < shard_count {count}")
         per_block = block_bytes(spec)
@@ -217,6 +274,10 @@ class Registry:
 
     def ready_pool(self, name: object, epoch: int | None = None) -> tuple[PoolEntry, Pool]:
         entry = self.get_pool(name)
+        if epoch is not None and epoch != entry.epoch and (entry.pool is not None or entry.epoch > 0):
+            raise ManagerError(
+                "stale_epoch", f"pool {entry.name!r} is at epoch {entry.epoch}, not {epoch}", {"epoch": entry.epoch}
+            )
         if entry.pool is None:
             raise ManagerError(
                 "pool_not_ready", f"pool {entry.name!r}: {len(entry.shards)} of {entry.shard_count} shards registered"
@@ -226,6 +287,35 @@ class Registry:
                 "stale_epoch", f"pool {entry.name!r} is at epoch {entry.epoch}, not {epoch}", {"epoch": entry.epoch}
             )
         return entry, entry.pool
+
+    # -- pool mutations (each one journaled: replaying the records rebuilds the same state) -----
+
+    def step(self, sess: Session, entry: PoolEntry, ops: list, msg_id: int) -> list[dict]:
+        """Runs one step's sub-ops for ``sess`` (the caller checked the epoch); caches the
+        results under ``msg_id`` so a retried step is answered, not run twice."""
+        results = run_step(entry.pool, sess.sid, ops, allow_alloc=not self.draining)  # type: ignore[arg-type]
+        sess.last_step_id, sess.last_step = msg_id, results
+        if ops:
+            self.dirty.add(entry.name)
+            self.record("step", sess.sid, msg_id, entry.name, ops)
+        return results
+
+    def reset_cache(self, entry: PoolEntry) -> bool:
+        done = entry.pool.reset_prefix_cache()  # type: ignore[union-attr]
+        if done:
+            self.dirty.add(entry.name)
+            self.record("reset", entry.name)
+        return done
+
+    def evict(self, entry: PoolEntry, n: int) -> int:
+        self.dirty.add(entry.name)
+        self.record("evict", entry.name, n)
+        return entry.pool.evict(n)  # type: ignore[union-attr]
+
+    def set_draining(self, enable: bool) -> None:
+        self.draining = enable
+        self.dirty.add(GLOBAL)
+        self.record("drain", enable)
 
     def total_requests(self) -> int:
         return sum(len(e.pool.requests) for e in self.pools.values() if e.pool is not None)

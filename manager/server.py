@@ -5,6 +5,7 @@ Each iteration: wait for a message (or the next expiry check), read every ready 
 mutations to the store, hand the pools' KV events to the publisher, then send the replies.
 Nothing a client sends can kill the loop: bad input becomes an error reply (or, with a
 malformed envelope, a counted drop) and changes nothing. Framing: shared/protocol.py.
+CURVE, KV-event sockets, metrics and systemd notify hang off the loop in manager/operations.py.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import zmq
 
 from kvpool.manager.config import ManagerConfig
 from kvpool.manager.handlers import Handlers
+from kvpool.manager.operations import Operations
+from kvpool.manager.recovery import INACTIVE, activate, lost_store, open_store
 from kvpool.manager.registry import Registry, Session
+from kvpool.manager.snapshot import CorruptState
 from kvpool.manager.stats import ServerStats
-from kvpool.manager.store import EventPublisher, MemoryStore, NullPublisher, StateStore
+from kvpool.manager.store import EventPublisher, Fenced, NullPublisher, StateStore, StoreUnavailable
 from kvpool.shared.protocol import (
     SUPPORTED_VERSIONS,
     ManagerError,
@@ -51,6 +55,7 @@ OPS: dict[str, tuple[str, bool, bool]] = {
     "drain": ("drain", True, True),
     "shutdown": ("shutdown", True, True),
     "check": ("check", True, True),
+    "cached_hashes": ("cached_hashes", True, True),
 }
 MAX_POLL_MS = 100  # the loop wakes at least this often (expiry checks, stop requests)
 GC_EVERY_S = 30.0  # cyclic garbage is collected in an idle iteration at most this often
@@ -67,20 +72,20 @@ class Server:
         incarnation: str | None = None,
     ) -> None:
         self.cfg = cfg
-        self.registry = Registry(
-            incarnation or uuid.uuid4().hex,
-            session_timeout_s=cfg.session_timeout_s,
-            max_sessions=cfg.max_sessions,
-            max_pools=cfg.max_pools,
-            max_blocks=cfg.max_blocks,
-        )
+        self.registry = self.new_registry(incarnation or uuid.uuid4().hex)
         self.stats = ServerStats()
-        self.store: StateStore = store or MemoryStore()
+        self.store: StateStore = store or open_store(cfg)
+        # "active" serves; "recovering" (the store failed), "standby" (no lease) and "fenced"
+        # (lost the lease) answer every message with an INACTIVE error and change nothing.
+        self.mode = "active" if not self.store.durable else "starting"
+        self.exit_code = 0
+        self._next_activate = 0.0
         self.publisher: EventPublisher = publisher or NullPublisher()
         self.handlers = Handlers(
             self.registry, self.stats, max_sub_ops=cfg.max_sub_ops, max_message_bytes=cfg.max_message_bytes,
             admin_key=cfg.admin_key, request_stop=self.request_stop,
         )
+        self.handlers.store_stats = self.store.stats
         self._dispatch: dict[str, Handler] = {
             op: (getattr(self.handlers, name), needs_session, admin) for op, (name, needs_session, admin) in OPS.items()
         }
@@ -90,6 +95,12 @@ class Server:
         self._next_gc = 0.0
         self.ctx: zmq.Context | None = None
         self.sock: zmq.Socket | None = None
+        self.ops = Operations(cfg, self.registry, self.stats)
+
+    def new_registry(self, incarnation: str) -> Registry:
+        cfg = self.cfg
+        return Registry(incarnation, session_timeout_s=cfg.session_timeout_s, max_sessions=cfg.max_sessions,
+                        max_pools=cfg.max_pools, max_blocks=cfg.max_blocks)
 
     @property
     def incarnation(self) -> str:
@@ -105,7 +116,7 @@ class Server:
         """Decodes, validates and dispatches one request; returns the encoded reply."""
         self.stats.messages += 1
         msg_id = None
-        inc = self.registry.incarnation
+        inc, state = self.registry.incarnation, self.registry.state_id
         try:
             if len(payload) > self.cfg.max_message_bytes:
                 raise ManagerError("too_large", f"{len(payload)} bytes; the limit is {self.cfg.max_message_bytes}")
@@ -119,16 +130,19 @@ class Server:
             if type(msg_id) is not int or not 0 <= msg_id < 1 << 64:
                 msg_id = None
                 raise ManagerError("bad_message", "field 'id' must be a uint64")
+            if self.mode != "active":
+                raise ManagerError(*INACTIVE[self.mode])
             handler, sess, args = self._resolve(msg, now)
+            self.handlers.msg_id = msg_id
             body = handler(sess, args, now)
-            return ok_reply(msg_id, inc, body)
+            return ok_reply(msg_id, inc, body, state)
         except ManagerError as e:
             self.stats.errors[e.code] += 1
-            return error_reply(msg_id, inc, e)
+            return error_reply(msg_id, inc, e, state)
         except Exception:
             logger.exception("internal error handling a message")
             self.stats.errors["internal"] += 1
-            return error_reply(msg_id, inc, ManagerError("internal", "manager error; see its log"))
+            return error_reply(msg_id, inc, ManagerError("internal", "manager error; see its log"), state)
 
     def _resolve(self, msg: dict, now: float) -> tuple:
         v = msg.get("v")
@@ -177,15 +191,25 @@ class Server:
         sock.setsockopt(zmq.SNDHWM, cfg.send_hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_message_bytes)  # beyond this the peer is cut off
         sock.setsockopt(zmq.LINGER, 1000)
-        sock.bind(cfg.endpoint)
+        try:
+            self.ops.secure(self.ctx, sock)  # CURVE, before bind
+            sock.bind(cfg.endpoint)
+        except (zmq.ZMQError, ValueError):
+            sock.close(linger=0)  # an open socket would block the context's term()
+            raise
         self.sock = sock
+        self.publisher = self.ops.start(self.ctx, sock, self.publisher)
         logger.info("manager %s listening on %s", self.incarnation, cfg.endpoint)
 
     def run(self) -> None:
         """Serves until ``request_stop`` (SIGTERM, the shutdown op); binds first if needed."""
         if self.sock is None:
             self.bind()
-        self.store.load(self.registry)
+        if self.store.durable:
+            self._activate(time.monotonic())  # CorruptState propagates: never serve part of a state
+        else:
+            self.store.load(self.registry, time.monotonic())
+        self.ops.ready()  # READY=1: bound and recovered
         # The state is acyclic and large (per-block lists, the hash map): automatic collections
         # would traverse all of it every few thousand allocations. Collect when idle instead.
         gc_was_enabled = gc.isenabled()
@@ -194,6 +218,7 @@ class Server:
             while not self._stop:
                 self._maybe_gc(idle=not self.run_once(MAX_POLL_MS))
         finally:
+            self.ops.stopping()
             if gc_was_enabled:
                 gc.enable()
             self.close()
@@ -204,7 +229,7 @@ class Server:
         sock = self.sock
         assert sock is not None, "bind() first"
         batch: list[list[bytes]] = []
-        if sock.poll(timeout_ms, zmq.POLLIN):
+        if self.ops.wait(sock, timeout_ms):
             t0 = time.perf_counter()
             while len(batch) < self.cfg.max_batch:
                 try:
@@ -215,13 +240,17 @@ class Server:
             replies = [self.handle_frames(frames, now) for frames in batch]
         else:
             now, replies = time.monotonic(), []
-        if now >= self._next_expiry:
-            self._expire(now)
-        self._commit()
+        if self.mode == "active":
+            if now >= self._next_expiry:
+                self._expire(now)
+            replies = self._commit(replies)
+        elif now >= self._next_activate:
+            self._activate(now)
         self._send(replies)
         if batch:
             self.stats.iteration_latency.observe(time.perf_counter() - t0)
         self.stats.iterations += 1
+        self.ops.tick(now)
         return len(batch)
 
     def _maybe_gc(self, idle: bool) -> None:
@@ -239,18 +268,37 @@ class Server:
             logger.warning("session %d (%s) silent for %.1fs: expired, %d requests freed",
                            sess.num, sess.identity, now - sess.last_seen, freed)
 
-    def _commit(self) -> None:
-        """Store commit, then KV events: both before any reply of this iteration goes out."""
+    def _commit(self, replies: list | None = None) -> list:
+        """Store commit, then KV events: both before any reply of this iteration goes out.
+
+        The store is called every iteration (it renews its lease when idle). A failed commit
+        acknowledges nothing: the iteration's replies become errors (manager/recovery.py).
+        """
         reg = self.registry
-        if reg.dirty:
+        t0 = time.perf_counter()
+        try:
             self.store.commit(reg, reg.dirty)
+        except (StoreUnavailable, Fenced) as e:
+            return lost_store(self, e, replies or [])
+        if reg.dirty:
+            self.stats.commit_latency.observe(time.perf_counter() - t0)
             reg.dirty = set()
+        batches = reg.orphan_events
+        reg.orphan_events = []
         for name, entry in reg.pools.items():
             pool = entry.pool
             if pool is not None and pool.blocks.events:
-                events = pool.blocks.events
+                batches.append((name, entry.epoch, pool.blocks.events))
                 pool.blocks.events = []
-                self.publisher.publish(name, entry.epoch, events)
+        for name, epoch, events in batches:
+            self.publisher.publish(name, epoch, events)
+            self.stats.event_batches += 1
+            self.stats.events += len(events)
+        return replies or []
+
+    def _activate(self, now: float) -> None:
+        """Takes the lease and recovers the state: at start, as a standby, after a store failure."""
+        activate(self, now)
 
     def _send(self, replies: list[list[bytes] | None]) -> None:
         sock = self.sock
@@ -269,9 +317,12 @@ class Server:
             self.sock = None
             if self.cfg.ipc_path and os.path.exists(self.cfg.ipc_path):
                 os.unlink(self.cfg.ipc_path)  # libzmq leaves the socket file behind
+        self.ops.close_sockets()  # event sockets and the ZAP thread live in self.ctx
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
+        self.ops.close()
+        self.store.shutdown(self.registry if self.mode == "active" else None)
         self.store.close()
         self.publisher.close()
 
@@ -301,7 +352,15 @@ def serve(cfg: ManagerConfig) -> int:
     except (OSError, zmq.ZMQError) as e:
         server.close()
         raise RuntimeError(f"cannot bind {cfg.endpoint}: {e}") from None
+    except (RuntimeError, ValueError):  # an extra socket or the metrics port (manager/operations.py)
+        server.close()
+        raise
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_stop())
-    server.run()
-    return 0
+    signal.signal(signal.SIGHUP, lambda *_: server.ops.request_reload())  # re-read allowed CURVE keys
+    try:
+        server.run()
+    except CorruptState as e:
+        raise RuntimeError(f"refusing to serve a corrupt or partial state: {e}. Inspect it with `kvpool "
+                           "snapshot`; put a good one back with `kvpool restore`") from None
+    return server.exit_code

@@ -9,8 +9,11 @@ one commit per iteration, however many messages it held). ``dirty`` names what c
 names, plus ``GLOBAL`` when sessions or manager-wide flags (draining) changed. All state lives in the
 ``Registry`` (manager/registry.py), which a store may snapshot whole or by pool.
 
-The memory store keeps nothing (a restarted manager starts empty and workers re-register); a
-Redis store with recovery plugs in here later. The publisher receives each pool's KV events
+The memory store keeps nothing (a restarted manager starts empty and workers re-register). The
+Redis store (manager/redis_store.py) journals the registry's mutations (manager/journal.py) and
+snapshots it, so a restarted manager, or a standby taking over, recovers the exact state. A
+store that cannot commit raises ``StoreUnavailable``; one that lost its lease to another
+manager raises ``Fenced``: the loop then acknowledges nothing of the iteration. The publisher receives each pool's KV events
 (``manager/block_pool.py`` Event tuples) drained after the iteration; the null one drops them.
 """
 
@@ -24,13 +27,37 @@ if TYPE_CHECKING:
 GLOBAL = "\x00global"  # dirty marker: sessions or manager-wide flags (not a valid pool name)
 
 
+class StoreUnavailable(Exception):
+    """The store cannot be reached: what was not committed must not be acknowledged."""
+
+
+class Fenced(Exception):
+    """Another manager holds the lease (a standby took over): this one must stop serving."""
+
+
 class StateStore(Protocol):
-    def load(self, registry: Registry) -> bool:
-        """Restores ``registry`` from the store at start-up; False when there was nothing."""
+    durable: bool  # state survives this process
+
+    def acquire(self) -> bool:
+        """Takes (or renews) the lease; False while another manager holds it. May raise
+        StoreUnavailable."""
+        ...
+
+    def load(self, registry: Registry, now: float) -> bool:
+        """Restores the empty ``registry`` (after ``acquire``); False when there was nothing.
+        Raises CorruptState (manager/snapshot.py) rather than load part of a state."""
         ...
 
     def commit(self, registry: Registry, dirty: set[str]) -> None:
-        """Makes this iteration's mutations durable; the loop sends no reply before it returns."""
+        """Makes this iteration's mutations durable; called every iteration (dirty or not, so a
+        store can renew its lease); the loop sends no reply before it returns."""
+        ...
+
+    def stats(self) -> dict: ...
+
+    def shutdown(self, registry: Registry | None) -> None:
+        """A clean stop: a last snapshot of ``registry`` (None: not ours, we are not active),
+        the lease released."""
         ...
 
     def close(self) -> None: ...
@@ -39,15 +66,26 @@ class StateStore(Protocol):
 class MemoryStore:
     """No persistence: commit is a no-op. Counts commits so tests can see the hook runs."""
 
+    durable = False
+
     def __init__(self) -> None:
         self.commits = 0
 
-    def load(self, registry: Registry) -> bool:
+    def acquire(self) -> bool:
+        return True
+
+    def load(self, registry: Registry, now: float) -> bool:
         return False
 
     def commit(self, registry: Registry, dirty: set[str]) -> None:
         if dirty:
             self.commits += 1
+
+    def stats(self) -> dict:
+        return {"kind": "memory"}
+
+    def shutdown(self, registry: Registry | None) -> None:
+        pass
 
     def close(self) -> None:
         pass

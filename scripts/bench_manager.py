@@ -13,8 +13,13 @@ ones (``2 * batch`` sub-ops, 64 by default). Two comparisons, each measured in t
 
 Prints requests/s, the ratio to in-process, and the step round trip p50/p99 the clients saw.
 
+With ``--durability none,sync,async`` (and ``--redis-url``) a third comparison runs the
+prehashed steps against daemons persisting their state in Redis (a fresh namespace each,
+deleted afterwards), each against the no-persistence daemon of the same run.
+
     python scripts/bench_manager.py                    # the reference trace (100k requests)
     python scripts/bench_manager.py --requests 20000 --json
+    python scripts/bench_manager.py --durability none,sync,async --redis-url redis://127.0.0.1:6379/0
 """
 
 from __future__ import annotations
@@ -138,9 +143,9 @@ def write_shards(cfg: TraceConfig, clients: int, tmp: str) -> list[str]:
     return files
 
 
-def start_daemon(endpoint: str) -> subprocess.Popen:
+def start_daemon(endpoint: str, extra: list[str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-c", "from kvpool.cli.main import cli; cli()", "manager", "-m", endpoint,
-           "--session-timeout", "60"]
+           "--session-timeout", "60", *(extra or [])]
     proc = subprocess.Popen(cmd)
     deadline = time.monotonic() + 30
     while True:
@@ -155,8 +160,9 @@ def start_daemon(endpoint: str) -> subprocess.Popen:
             time.sleep(0.2)
 
 
-def run_daemon(endpoint: str, shard_files: list[str], batch: int, prehash: bool, tmp: str) -> dict:
-    daemon = start_daemon(endpoint)
+def run_daemon(endpoint: str, shard_files: list[str], batch: int, prehash: bool, tmp: str,
+               extra: list[str] | None = None) -> dict:
+    daemon = start_daemon(endpoint, extra)
     procs: list[subprocess.Popen] = []
     try:
         admin = ManagerClient(endpoint, role="admin", timeout_s=30.0)
@@ -174,7 +180,8 @@ def run_daemon(endpoint: str, shard_files: list[str], batch: int, prehash: bool,
         outs = [json.loads(p.stdout.readline()) for p in procs]
         for p in procs:
             p.wait(60)
-        server = admin.stats()["manager"]
+        all_stats = admin.stats()
+        server, store = all_stats["manager"], all_stats.get("store", {})
         admin.call("shutdown")
         admin.close()
         daemon.wait(30)
@@ -195,6 +202,7 @@ def run_daemon(endpoint: str, shard_files: list[str], batch: int, prehash: bool,
         "prefix_hit_rate": sum(o["cached_tokens"] for o in outs) / sum(o["prompt_tokens"] for o in outs),
         "manager_errors": server["errors"],
         "manager_dropped": server["dropped"],
+        "store": store,
     }
 
 
@@ -222,14 +230,25 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="requests admitted per step (sub-ops = 2x)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--durability", default="none",
+                    help="comma-separated modes to compare: none (no persistence), sync, async")
+    ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     args = ap.parse_args()
+    modes = [m.strip() for m in args.durability.split(",") if m.strip()]
+    if not set(modes) <= {"none", "sync", "async"}:
+        ap.error(f"--durability takes none, sync and async, got {args.durability!r}")
     cfg = TraceConfig(num_requests=args.requests, seed=args.seed)
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as tmp:
         endpoint = f"ipc://{tmp}/manager.sock"
         shards = write_shards(cfg, args.clients, tmp)
         hashing = compare(run_trace(cfg, hashing=True), run_daemon(endpoint, shards, args.batch, False, tmp))
         prehashed = compare(in_process_steps(shards, args.batch), run_daemon(endpoint, shards, args.batch, True, tmp))
+        durable = ({m: prehashed["daemon"] if m == "none" else run_durable(endpoint, shards, args.batch, tmp, m,
+                                                                            args.redis_url) for m in modes}
+                   if set(modes) - {"none"} else {})
     out = {"hashing": hashing, "prehashed": prehashed, "clients": args.clients, "sub_ops_per_step": 2 * args.batch}
+    if durable:
+        out["durability"] = durable
     if args.json:
         print(json.dumps(out, indent=2))
         return
@@ -238,6 +257,36 @@ def main() -> None:
           f"{os.cpu_count()} CPUs")
     report("SHA-256 hashing in the loop (in-process = bench_pool.run_trace; clients hash their prompts)", hashing)
     report("hashes precomputed (in-process = the same steps through run_step, one process)", prehashed)
+    if durable:
+        report_durability(durable, prehashed["daemon"], args.redis_url)
+
+
+def run_durable(endpoint: str, shards: list[str], batch: int, tmp: str, mode: str, redis_url: str) -> dict:
+    """The prehashed run against a daemon that persists its state in Redis (a fresh namespace)."""
+    import uuid
+
+    import redis
+
+    ns = f"bench-{uuid.uuid4().hex[:8]}"
+    try:
+        return run_daemon(endpoint, shards, batch, True, tmp,
+                          ["--redis-url", redis_url, "--namespace", ns, "--durability", mode])
+    finally:
+        r = redis.Redis.from_url(redis_url)
+        keys = list(r.scan_iter(f"kvpool:{{{ns}}}:*"))
+        if keys:
+            r.delete(*keys)
+        r.close()
+
+
+def report_durability(runs: dict, none: dict, redis_url: str) -> None:
+    print(f"  durability (hashes precomputed; Redis at {redis_url}; ratio = requests/s over no persistence)")
+    for mode, d in runs.items():
+        store = d.get("store") or {}
+        extra = (f", {store.get('commits', 0):,} commits, {store.get('snapshots', 0)} snapshots, "
+                 f"{store.get('failures', 0)} failures") if store.get("kind") == "redis" else ""
+        print(f"    {mode:<5}: {d['requests_per_s']:>9,.0f} requests/s = {d['requests_per_s'] / none['requests_per_s']:.2f}x "
+              f"(target >= 0.50 for sync), step p50 {d['rtt_p50_us']:,.0f} us, p99 {d['rtt_p99_us']:,.0f} us{extra}")
 
 
 if __name__ == "__main__":

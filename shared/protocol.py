@@ -12,11 +12,13 @@ The reply mirrors the request's framing. ``payload`` is one msgpack map (str key
 msgpack bin, strings as msgpack str)::
 
     request {"v": 1, "id": uint64, "op": str, "sid": str (every op but hello), "args": map}
-    reply   {"id": uint64 | nil, "status": "ok" | <error code>, "inc": str,
+    reply   {"id": uint64 | nil, "status": "ok" | <error code>, "inc": str, "state": str (optional),
              "body": map (ok, and some errors), "msg": str (errors only)}
 
-``inc`` is the manager's incarnation id: when it changes, the manager restarted and every
-session, registration and request of the old one is gone. Never pickle, never msgpack ext types.
+``inc`` is the manager process's incarnation id; ``state`` the id of the state it serves (absent:
+equal to ``inc``). When the state id changes, every session, registration and request the client
+knew is gone. Without persistence the two are equal (a new process, a new empty state); with a
+persistent store the state id survives restarts and failovers, so clients carry on. Never pickle, never msgpack ext types.
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ ERROR_CODES = {
     "too_many_sub_ops": "a step carries more than max_sub_ops sub-ops",
     "in_use": "reset refused: blocks of the pool are in use",
     "invariant_broken": "the check op found a broken pool invariant (a manager bug)",
+    "store_unavailable": "the state store (Redis) failed: nothing of this message was acknowledged; retry "
+                         "(a step with the same id)",
+    "not_active": "this manager is a standby, or lost its lease: try the next endpoint",
+    "stale_request": "a step id older than the session's last step: a late duplicate, not run",
     "internal": "a manager bug; the message was logged",
 }
 
@@ -127,12 +133,16 @@ def encode_request(msg_id: int, op: str, sid: str | None, args: dict) -> bytes:
     return pack(msg)
 
 
-def ok_reply(msg_id: int | None, inc: str, body: dict) -> bytes:
-    return pack({"id": msg_id, "status": "ok", "inc": inc, "body": body})
+def ok_reply(msg_id: int | None, inc: str, body: dict, state: str | None = None) -> bytes:
+    if state is None or state == inc:
+        return pack({"id": msg_id, "status": "ok", "inc": inc, "body": body})
+    return pack({"id": msg_id, "status": "ok", "inc": inc, "state": state, "body": body})
 
 
-def error_reply(msg_id: int | None, inc: str, err: ManagerError) -> bytes:
+def error_reply(msg_id: int | None, inc: str, err: ManagerError, state: str | None = None) -> bytes:
     reply: dict[str, Any] = {"id": msg_id, "status": err.code, "inc": inc, "msg": err.message}
+    if state is not None and state != inc:
+        reply["state"] = state
     if err.body:
         reply["body"] = err.body
     return pack(reply)

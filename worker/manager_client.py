@@ -5,10 +5,14 @@ travel in a single ``step`` message. Not thread-safe; use one client per thread.
 
 Failures, as exceptions (all ``ManagerError``):
 - ``ManagerUnavailable``: no reply within ``timeout_s``. The socket is replaced (so a late reply
-  cannot be mistaken for a later call's) and the next endpoint is used. ``step`` is never
-  retried (it is not idempotent); read-only calls and register try each endpoint once.
-- ``ManagerRestarted``: the manager's incarnation changed, so this session, its registrations
-  and its requests are gone. ``SessionExpired`` (a subclass): the manager timed this session out.
+  cannot be mistaken for a later call's) and the next endpoint is used. Without persistence
+  ``step`` is never retried (it is not idempotent); read-only calls and register try each
+  endpoint once. A *durable* manager (hello said so; PROTOCOL.md section 11) answers a resent
+  step from its reply cache, so every call, step included, is resent with the same id across
+  timeouts, ``store_unavailable`` and ``not_active`` (next endpoint: failover) for up to
+  ``failover_s``; only then does ManagerUnavailable reach the caller.
+- ``ManagerRestarted``: the manager's state id changed (without persistence: it restarted), so
+  this session, its registrations and its requests are gone. ``SessionExpired`` (a subclass): the manager timed this session out.
   Either way the caller aborts its running requests and calls ``register`` again (which says
   hello first). ``on_restart(old, new)`` is called before the exception is raised (``old ==
   new`` for an expired session); ``restarts`` counts incarnation changes.
@@ -26,6 +30,7 @@ from typing import Any
 
 import zmq
 
+from kvpool.shared.curve import ClientKeys
 from kvpool.shared.protocol import (
     PROTOCOL_VERSION,
     ManagerError,
@@ -52,6 +57,8 @@ class ManagerClient:
         identity: str | None = None,
         timeout_s: float = 5.0,
         admin_key: str | None = None,
+        failover_s: float = 30.0,
+        curve: ClientKeys | None = None,
     ) -> None:
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not self.endpoints:
@@ -59,10 +66,15 @@ class ManagerClient:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.role, self.timeout_s, self.admin_key = role, timeout_s, admin_key
+        self.failover_s = failover_s  # how long calls to a durable manager keep being resent
+        # CURVE keys for a manager that requires them (shared/curve.py); default: the environment
+        self.curve = curve if curve is not None else ClientKeys.from_env()
         self.identity = identity or f"{socket.gethostname()}:{os.getpid()}"
         self.sid: str | None = None
         self.session: int | None = None  # the public session number the admin lists show
-        self.incarnation: str | None = None
+        self.incarnation: str | None = None  # of the manager process last heard from
+        self.state_id: str | None = None  # of the state this session lives in
+        self.durable = False
         self.hello_body: dict = {}
         self.heartbeat_interval_s = 1.0
         self.restarts = 0
@@ -85,12 +97,14 @@ class ManagerClient:
         if self.admin_key is not None:
             args["admin_key"] = self.admin_key
         body = raise_for_reply(self._roundtrip("hello", args, None, retry=True))
-        old = self.incarnation
+        old = self.state_id
         self.sid, self.session, self.incarnation = body["sid"], body["session"], body["incarnation"]
+        self.state_id = body.get("state_id", self.incarnation)
+        self.durable = bool(body.get("durable", False))
         self.heartbeat_interval_s = body.get("heartbeat_interval_s", 1.0)
         self.hello_body = body
-        if old is not None and old != self.incarnation:
-            self._notify(old, self.incarnation)  # noticed by hello itself: the caller is re-joining
+        if old is not None and old != self.state_id:
+            self._notify(old, self.state_id)  # noticed by hello itself: the caller is re-joining
         return body
 
     def register(
@@ -176,12 +190,15 @@ class ManagerClient:
             self.hello()
         reply = self._roundtrip(op, args, self.sid, retry=retry)
         inc = reply.get("inc")
-        if inc != self.incarnation or reply.get("status") == "unknown_session":
-            old = self.incarnation
-            self.sid, self.incarnation = None, inc if isinstance(inc, str) else None
-            self._notify(old, inc)
-            if inc != old:
-                raise ManagerRestarted(old, inc)
+        state = reply.get("state", inc)
+        if isinstance(inc, str):
+            self.incarnation = inc
+        if state != self.state_id or reply.get("status") == "unknown_session":
+            old = self.state_id
+            self.sid, self.state_id = None, state if isinstance(state, str) else None
+            self._notify(old, state)
+            if state != old:
+                raise ManagerRestarted(old, state)
             raise SessionExpired(inc, "the manager expired this session: its requests were freed; register again")
         return raise_for_reply(reply)
 
@@ -193,23 +210,42 @@ class ManagerClient:
             self.on_restart(old, new)
 
     def _roundtrip(self, op: str, args: dict, sid: str | None, *, retry: bool) -> dict:
-        attempts = len(self.endpoints) if retry else 1
-        for attempt in range(attempts):
+        """One request, resent with the same id while that is safe (see the module docstring)."""
+        msg_id = self._next_id
+        self._next_id += 1
+        deadline = time.monotonic() + self.failover_s
+        attempts, pause = 0, 0.02
+        while True:
+            attempts += 1
             try:
-                return self._exchange(op, args, sid)
+                reply = self._exchange(op, args, sid, msg_id)
             except ManagerUnavailable:
-                if attempt == attempts - 1:
-                    raise
-        raise AssertionError("unreachable")
+                if (self.durable and time.monotonic() < deadline) or (retry and attempts < len(self.endpoints)):
+                    continue
+                raise
+            status = reply.get("status")
+            if status not in ("not_active", "store_unavailable") or time.monotonic() >= deadline:
+                return reply
+            if status == "not_active":
+                self._next_endpoint()
+            if status == "store_unavailable" or attempts % len(self.endpoints) == 0:
+                time.sleep(pause)
+                pause = min(2 * pause, 0.5)
 
-    def _exchange(self, op: str, args: dict, sid: str | None) -> dict:
+    def _next_endpoint(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self._ep = (self._ep + 1) % len(self.endpoints)
+
+    def _exchange(self, op: str, args: dict, sid: str | None, msg_id: int) -> dict:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None:
+                self.curve.apply(self._sock)
             self._sock.connect(self.endpoint)
         sock = self._sock
-        msg_id = self._next_id
-        self._next_id += 1
         self._last_call = time.monotonic()
         try:
             sock.send(encode_request(msg_id, op, sid, args), zmq.NOBLOCK)
@@ -228,10 +264,7 @@ class ManagerClient:
     def _give_up(self, op: str) -> Any:
         """Drops the socket (a late reply must not answer a later call) and moves on."""
         endpoint = self.endpoint
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-        self._ep = (self._ep + 1) % len(self.endpoints)
+        self._next_endpoint()
         raise ManagerUnavailable(
             f"no reply to {op!r} from the manager at {endpoint} within {self.timeout_s}s: is it running? "
             "(start it with `kvpool manager`, or point --manager / KVPOOL_MANAGER at it)"

@@ -56,6 +56,9 @@ def stepper(endpoint: str, pool: str, rank: int, count: int, inc: str, blocks: i
             prompt_tokens += op["prompt_len"]
     c.step(pool, epoch, [{"op": "free", "req": r} for r in alive])
     say(event="done", first_shared_cached=first_shared_cached, cached=cached, prompt_tokens=prompt_tokens)
+    # A shard that leaves takes its KV slice with it (the pool drops to pending at a new
+    # epoch), so a shard stays registered until the test says every stepper is done.
+    sys.stdin.readline()
     c.deregister()
     c.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,12 +56,10 @@ def lines(proc) -> list[dict]:
 def test_two_shard_pools_min_unification_and_four_concurrent_steppers(daemon, procs):
     _, ep, admin = daemon()
     shards = [("A", 0, "a0", 200), ("A", 1, "a1", 150), ("B", 0, "b0", 120), ("B", 1, "b1", 300)]
-    ps = [procs([*PROC, "stepper", ep, pool, str(rank), "2", inc, str(blocks), "40"])
+    ps = [procs([*PROC, "stepper", ep, pool, str(rank), "2", inc, str(blocks), "40"], stdin=subprocess.PIPE)
           for pool, rank, inc, blocks in shards]
-    outs = []
-    for p in ps:
-        assert p.wait(90) == 0
-        outs.append(lines(p))
+    outs = [[json.loads(p.stdout.readline()), json.loads(p.stdout.readline())] for p in ps]
+    assert [o[-1]["event"] for o in outs] == ["done"] * 4
     regs = [o[0] for o in outs]
     assert [r["num_blocks"] for r in regs] == [150, 150, 120, 120]  # the min over each pool's shards
     assert all(r["epoch"] == 1 and r["state"] == "ready" for r in regs)
@@ -77,6 +76,9 @@ def test_two_shard_pools_min_unification_and_four_concurrent_steppers(daemon, pr
     for name in ("A", "B"):
         assert stats[name]["requests"] == 0 and stats[name]["free_blocks"] == stats[name]["num_blocks"] - 1
     admin.call("check")
+    for p in ps:
+        p.stdin.close()
+        assert p.wait(60) == 0
 
 
 def test_a_killed_client_gets_its_blocks_back_after_the_session_timeout(daemon, procs):

@@ -49,8 +49,8 @@ def test_the_hello_example_is_accepted_by_a_server():
     srv = make_server()
     reply = p.unpack(srv.handle_payload(doc_bytes("hello-request"), 0.0))
     assert (reply["id"], reply["status"], reply["body"]["version"]) == (1, "ok", 1)
-    assert sorted(reply["body"]) == ["admin", "heartbeat_interval_s", "incarnation", "limits", "session",
-                                     "session_timeout_s", "sid", "version"]
+    assert sorted(reply["body"]) == ["admin", "durable", "heartbeat_interval_s", "incarnation", "limits", "session",
+                                     "session_timeout_s", "sid", "state_id", "version"]
 
 
 def test_every_error_code_and_op_is_documented():

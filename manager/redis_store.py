@@ -1,0 +1,290 @@
+"""The Redis state store: a write-ahead journal of registry mutations plus periodic snapshots.
+
+Keys of one namespace share the hash tag ``{NAMESPACE}`` (one Cluster slot), so every write is
+one Lua script call, atomic on standalone, Sentinel and Cluster alike::
+
+    kvpool:{NS}:snap     the latest state snapshot (manager/state_file.py), including batch ``seq``
+    kvpool:{NS}:journal  list of journal batches (manager/journal.py) after the snapshot, in order
+    kvpool:{NS}:seq      the seq of the last committed batch
+    kvpool:{NS}:lease    the active manager's owner id, with a TTL (PX lease_ms)
+    kvpool:{NS}:fence    the fencing token: INCR'd by every manager taking the lease
+
+Commit (``--durability sync``): the loop's records of one iteration become one batch, appended
+by one script that first checks the fencing token (a manager that lost its lease can never
+write), then the batch seq (a retried commit is recognised, a hole refused), renews the lease
+and RPUSHes. The loop sends no reply of the iteration before the script returned.
+``--durability async`` hands the batch to a writer thread (manager/redis_async.py) and replies
+at once: a crash loses the batches not yet written, at most ``ASYNC_MAX_PENDING`` iterations
+(typically the one or two of the last Redis round trip), and those clients were acknowledged.
+
+Compaction: when the journal outgrows ``snapshot_bytes`` (and the last snapshot), the loop dumps
+the registry and one script sets the snapshot and trims exactly the batches it includes, so a
+half-compacted state can never be loaded. Loading reads snapshot, journal and seq in one script,
+replays the journal (manager/journal.py), checks that it ends at ``seq`` and that every
+invariant holds, or raises ``CorruptState``: nothing is ever half-loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from kvpool.manager.journal import encode_batch, recover
+from kvpool.manager.redis_async import ASYNC_MAX_PENDING, AsyncWriter
+from kvpool.manager.registry import Registry
+from kvpool.manager.snapshot import CorruptState
+from kvpool.manager.state_file import dump_registry, encode_state
+from kvpool.manager.store import Fenced, StoreUnavailable
+
+logger = logging.getLogger(__name__)
+DURABILITY = ("sync", "async")
+LOAD_LEASE_MS = 120_000  # the lease while a state loads (a 1M-block pool takes seconds): no standby
+#                          takes over from a manager still loading, unless it dies meanwhile
+__all__ = ["ASYNC_MAX_PENDING", "RedisStore", "namespace_keys"]
+
+_LEASE_CHECK = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('FENCED: another manager took over') end
+local h = redis.call('GET', KEYS[2])
+if h and h ~= ARGV[2] then return redis.error_reply('FENCED: the lease is held by ' .. h) end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+"""
+# KEYS fence lease journal seq; ARGV token owner lease_ms first_seq blob...
+COMMIT = _LEASE_CHECK + """
+if #ARGV < 5 then return 0 end
+local last = tonumber(redis.call('GET', KEYS[4]) or '-1')
+local first = tonumber(ARGV[4])
+local n = #ARGV - 4
+if last >= first + n - 1 then return 0 end
+if last ~= first - 1 then return redis.error_reply('SEQ: the journal is at ' .. last .. ', not ' .. (first - 1)) end
+redis.call('RPUSH', KEYS[3], unpack(ARGV, 5))
+redis.call('SET', KEYS[4], first + n - 1)
+return n
+"""
+# KEYS fence lease snap journal seq; ARGV token owner lease_ms snapshot trim seq
+SNAPSHOT = _LEASE_CHECK + """
+redis.call('SET', KEYS[3], ARGV[4])
+redis.call('LTRIM', KEYS[4], ARGV[5], -1)
+redis.call('SET', KEYS[5], ARGV[6])
+return 1
+"""
+# KEYS lease fence; ARGV owner lease_ms -> the new fencing token, or nil while another holds it
+ACQUIRE = """
+local h = redis.call('GET', KEYS[1])
+if h and h ~= ARGV[1] then return false end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return redis.call('INCR', KEYS[2])
+"""
+READ = "return {redis.call('GET', KEYS[1]) or '', redis.call('LRANGE', KEYS[2], 0, -1), redis.call('GET', KEYS[3]) or ''}"
+RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+def namespace_keys(namespace: str) -> dict[str, str]:
+    return {k: f"kvpool:{{{namespace}}}:{k}" for k in ("snap", "journal", "seq", "lease", "fence")}
+
+
+def store_error(e: Exception) -> Exception:
+    """A redis-py exception as Fenced or StoreUnavailable."""
+    text = str(e)
+    return Fenced(text) if text.startswith("FENCED") else StoreUnavailable(f"{type(e).__name__}: {text}")
+
+
+class RedisStore:
+    durable = True
+
+    def __init__(self, client, namespace: str, *, owner: str, durability: str = "sync",
+                 lease_ms: int = 3000, snapshot_bytes: int = 32 << 20) -> None:
+        if durability not in DURABILITY:
+            raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
+        self.r, self.namespace, self.owner = client, namespace, owner
+        self.durability, self.lease_ms, self.snapshot_bytes = durability, lease_ms, snapshot_bytes
+        self.keys = namespace_keys(namespace)
+        self._scripts = {name: client.register_script(src) for name, src in
+                         (("commit", COMMIT), ("snapshot", SNAPSHOT), ("acquire", ACQUIRE), ("read", READ),
+                          ("release", RELEASE))}
+        self.token: str | None = None
+        self.seq = self.snap_seq = 0
+        self.journal_bytes = self.snap_bytes = 0
+        self.counts = {"commits": 0, "snapshots": 0, "failures": 0}
+        self._last_write = 0.0
+        self._writer: AsyncWriter | None = None
+
+    # -- the lease -------------------------------------------------------------------------
+
+    def acquire(self) -> bool:
+        k = self.keys
+        token = self._run("acquire", [k["lease"], k["fence"]], [self.owner, self.lease_ms])
+        if token is None:
+            return False
+        self.token = str(token)
+        self._last_write = time.monotonic()
+        return True
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def load(self, reg: Registry, now: float) -> bool:
+        """Fills the empty ``reg`` from Redis (call ``acquire`` first); False for a new namespace."""
+        self._stop_writer()
+        snap, blobs, seq = self._run("read", self.read_keys(), [])
+        t0 = time.perf_counter()
+        if not snap:
+            if blobs or seq:
+                raise CorruptState(f"namespace {self.namespace!r}: a journal without a snapshot (partial state)")
+            reg.state_id = uuid.uuid4().hex
+            self.seq = self.snap_seq = 0
+            self._snapshot_now(reg, trim=0)
+            loaded = False
+        else:
+            self._renew(LOAD_LEASE_MS)
+            self.snap_seq, self.seq = recover(reg, snap, blobs, int(seq or -1), f"namespace {self.namespace!r}", now)
+            self.snap_bytes, self.journal_bytes = len(snap), sum(map(len, blobs))
+            self._renew(self.lease_ms)
+            loaded = True
+        reg.durable, reg.log, reg.dirty = True, [], set()
+        if self.durability == "async":
+            self._writer = AsyncWriter(self._write_blobs, self._write_snapshot)
+        logger.info("namespace %s: %s state %s at batch %d (%d journal batches replayed) in %.2fs",
+                    self.namespace, "recovered" if loaded else "created", reg.state_id, self.seq,
+                    self.seq - self.snap_seq, time.perf_counter() - t0)
+        return loaded
+
+    def read_keys(self) -> list[str]:
+        k = self.keys
+        return [k["snap"], k["journal"], k["seq"]]
+
+    # -- the loop's commit -----------------------------------------------------------------
+
+    def commit(self, reg: Registry, dirty: set[str]) -> None:
+        if self._writer is not None and self._writer.error is not None:
+            raise self._writer.error  # an async write failed: stop acknowledging now
+        log = reg.log
+        if log:
+            self.seq += 1
+            blob = encode_batch(self.seq, log)
+            reg.log = []
+            self.journal_bytes += len(blob)
+            if self._writer is not None:
+                self._writer.put(("blobs", self.seq, [blob]))
+            else:
+                self._write_blobs(self.seq, [blob])
+            self.counts["commits"] += 1
+            if self.journal_bytes >= max(self.snapshot_bytes, self.snap_bytes):
+                self.compact(reg)
+        elif time.monotonic() - self._last_write >= self.lease_ms / 3000:
+            if self._writer is not None:
+                self._writer.put(("renew",))
+            else:
+                self._write_blobs(self.seq + 1, [])
+            self._last_write = time.monotonic()
+
+    def compact(self, reg: Registry) -> None:
+        """Snapshot now, dropping the journal batches it includes."""
+        self._snapshot_now(reg, trim=self.seq - self.snap_seq)
+
+    def _snapshot_now(self, reg: Registry, trim: int) -> None:
+        data = encode_state(dump_registry(reg, self.seq))
+        if self._writer is not None:
+            self._writer.put(("snapshot", data, trim, self.seq))
+        else:
+            self._write_snapshot(data, trim, self.seq)
+        self.snap_seq, self.snap_bytes, self.journal_bytes = self.seq, len(data), 0
+        self.counts["snapshots"] += 1
+
+    # -- Redis calls (the loop's, or the async writer's thread) ------------------------------
+
+    def _write_blobs(self, first_seq: int, blobs: list[bytes]) -> None:
+        k = self.keys
+        self._run("commit", [k["fence"], k["lease"], k["journal"], k["seq"]],
+                  [self.token, self.owner, self.lease_ms, first_seq, *blobs])
+        self._last_write = time.monotonic()
+
+    def _renew(self, lease_ms: int) -> None:
+        k = self.keys
+        self._run("commit", [k["fence"], k["lease"], k["journal"], k["seq"]], [self.token, self.owner, lease_ms, 0])
+        self._last_write = time.monotonic()
+
+    def _write_snapshot(self, data: bytes, trim: int, seq: int) -> None:
+        k = self.keys
+        self._run("snapshot", [k["fence"], k["lease"], k["snap"], k["journal"], k["seq"]],
+                  [self.token, self.owner, self.lease_ms, data, trim, seq])
+
+    def _run(self, name: str, keys: list[str], args: list):
+        import redis
+
+        try:
+            return self._scripts[name](keys=keys, args=args)
+        except redis.RedisError as e:
+            self.counts["failures"] += 1
+            raise store_error(e) from None
+
+    # -- the rest ----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return {"kind": "redis", "namespace": self.namespace, "durability": self.durability, "seq": self.seq,
+                "snapshot_seq": self.snap_seq, "journal_bytes": self.journal_bytes,
+                "snapshot_bytes": self.snap_bytes, "fencing_token": self.token, **self.counts}
+
+    def _stop_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def shutdown(self, reg: Registry | None) -> None:
+        """A clean stop: flush, snapshot ``reg`` (None: it is not ours to write), release the lease."""
+        try:
+            if self._writer is not None:
+                self._writer.flush()
+                failed = self._writer.error is not None
+                self._stop_writer()
+                if failed:
+                    return
+            if reg is not None and self.token is not None and self.seq > self.snap_seq:
+                self.compact(reg)
+            if self.token is not None:
+                self._run("release", [self.keys["lease"]], [self.owner])
+        except (StoreUnavailable, Fenced) as e:
+            logger.warning("namespace %s: no final snapshot (%s); the journal has every commit", self.namespace, e)
+
+    def close(self) -> None:
+        self._stop_writer()
+        self.r.close()
+
+
+# -- offline access (kvpool snapshot / restore) ----------------------------------------------
+
+# KEYS lease fence snap journal seq; ARGV snapshot seq force
+RESTORE = """
+local h = redis.call('GET', KEYS[1])
+if h and ARGV[3] ~= '1' then return redis.error_reply('LEASED: ' .. h) end
+redis.call('INCR', KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[4])
+redis.call('SET', KEYS[3], ARGV[1])
+redis.call('SET', KEYS[5], ARGV[2])
+return 1
+"""
+
+
+def read_state(client, namespace: str, reg: Registry, now: float) -> int:
+    """Loads a namespace's state into the empty ``reg`` (one atomic read; no lease needed, so it
+    works beside a running manager); returns its last batch seq. CorruptState when it is not whole."""
+    k = namespace_keys(namespace)
+    snap, blobs, seq = client.register_script(READ)(keys=[k["snap"], k["journal"], k["seq"]], args=[])
+    if not snap:
+        raise CorruptState(f"namespace {namespace!r} holds no state" + (" but a journal" if blobs else ""))
+    return recover(reg, snap, blobs, int(seq or -1), f"namespace {namespace!r}", now)[1]
+
+
+def write_state(client, namespace: str, snapshot: bytes, seq: int, force: bool) -> None:
+    """Replaces a namespace's state by ``snapshot``, fencing out any manager (its next commit
+    fails). Raises ValueError while a manager holds the lease, unless ``force``."""
+    import redis
+
+    k = namespace_keys(namespace)
+    try:
+        client.register_script(RESTORE)(keys=[k["lease"], k["fence"], k["snap"], k["journal"], k["seq"]],
+                                        args=[snapshot, seq, "1" if force else "0"])
+    except redis.ResponseError as e:
+        if str(e).startswith("LEASED"):
+            raise ValueError(f"a manager holds the lease of namespace {namespace!r} ({str(e)[8:]}): stop it "
+                             "first, or pass --force to fence it out (it exits and restarts on the new state)") from None
+        raise

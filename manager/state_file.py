@@ -1,0 +1,100 @@
+"""The registry's whole state as one checksummed msgpack blob, and back (pure, no I/O).
+
+A state snapshot is what a Redis store keeps under its ``snap`` key and what ``kvpool snapshot``
+writes to a file: sessions (with their last step's reply, for retried steps), pools with their
+shards, epochs and ``manager/snapshot.py`` pool dumps, the draining flag, the state id and
+``seq``, the number of the last journal batch (manager/journal.py) the snapshot includes.
+
+Layout: ``MAGIC (12 bytes) || SHA-256(payload) (32 bytes) || payload (msgpack map)``. Decoding
+checks the magic, the checksum, the format and every field: anything else raises
+``CorruptState`` naming what is wrong, and nothing is half-loaded into the registry (it is
+filled only once every part decoded). The caller checks the invariants of the whole registry
+(``Registry.check_invariants``) before anything uses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from kvpool.manager.registry import PoolEntry, Registry, Session, Shard
+from kvpool.manager.snapshot import CorruptState, dump_pool, load_pool
+from kvpool.shared.protocol import pack, unpack
+
+MAGIC = b"KVPOOL-STATE"
+FORMAT = 1
+_HEAD = len(MAGIC) + 32
+
+
+def dump_registry(reg: Registry, seq: int) -> dict:
+    sessions = [[s.sid, s.num, s.identity, s.role, s.admin, s.version, s.last_step_id, s.last_step]
+                for s in reg.sessions.values()]
+    pools = []
+    for e in reg.pools.values():
+        shards = [[s.rank, s.incarnation, s.spec, s.available_kv_bytes, s.num_blocks, s.sid]
+                  for s in e.shards.values()]
+        pools.append([e.name, e.shard_count, e.epoch, shards, dump_pool(e.pool) if e.pool is not None else None])
+    return {"format": FORMAT, "state_id": reg.state_id, "seq": seq, "next_num": reg._next_num,
+            "draining": reg.draining, "sessions": sessions, "pools": pools}
+
+
+def encode_state(d: dict) -> bytes:
+    payload = pack(d)
+    return MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+def decode_state(data: bytes, what: str = "state snapshot") -> dict:
+    """The snapshot map; CorruptState when the bytes are not a whole, intact snapshot."""
+    if type(data) is not bytes or len(data) < _HEAD or not data.startswith(MAGIC):
+        raise CorruptState(f"{what}: not a kvpool state snapshot (bad magic or truncated)")
+    payload = data[_HEAD:]
+    if hashlib.sha256(payload).digest() != data[len(MAGIC):_HEAD]:
+        raise CorruptState(f"{what}: checksum mismatch ({len(data)} bytes): truncated or corrupted")
+    try:
+        d = unpack(payload)
+    except Exception as e:
+        raise CorruptState(f"{what}: payload is not msgpack: {e}") from None
+    if type(d) is not dict or d.get("format") != FORMAT:
+        raise CorruptState(f"{what}: format {d.get('format') if type(d) is dict else None!r}, expected {FORMAT}")
+    return d
+
+
+def load_registry(d: dict, reg: Registry, now: float) -> int:
+    """Fills the empty ``reg`` from ``dump_registry`` output; returns the snapshot's seq.
+
+    Sessions get ``last_seen = now``: every client has a full session timeout to come back.
+    """
+    try:
+        sessions, pools = _sessions(d["sessions"], now), [_pool(p) for p in d["pools"]]
+        state_id, seq, next_num, draining = d["state_id"], d["seq"], d["next_num"], d["draining"]
+        if type(state_id) is not str or type(seq) is not int or type(next_num) is not int:
+            raise TypeError("state_id, seq or next_num has the wrong type")
+    except CorruptState:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise CorruptState(f"state snapshot is not loadable: {type(e).__name__}: {e}") from None
+    reg.sessions = {s.sid: s for s in sessions}
+    reg.pools = {e.name: e for e in pools}
+    reg.state_id, reg._next_num, reg.draining = state_id, next_num, bool(draining)
+    return seq
+
+
+def _sessions(rows: list, now: float) -> list[Session]:
+    out = []
+    for sid, num, identity, role, admin, version, last_id, last in rows:
+        if type(sid) is not str or type(num) is not int:
+            raise TypeError(f"session row {sid!r:.40}")
+        out.append(Session(sid, num, identity, role, bool(admin), version, now, now, last_id, last))
+    return out
+
+
+def _pool(row: list) -> PoolEntry:
+    name, shard_count, epoch, shard_rows, dump = row
+    shards = {}
+    for rank, inc, spec, available, num_blocks, sid in shard_rows:
+        shards[rank] = Shard(rank, inc, spec, available, num_blocks, sid)
+    # verify=False: every caller checks the whole registry's invariants once it is complete
+    # (journal.recover after the replay, kvpool snapshot/restore), instead of each pool twice
+    pool = load_pool(dump, enable_events=True, verify=False) if dump is not None else None
+    if type(name) is not str or type(epoch) is not int or type(shard_count) is not int:
+        raise TypeError(f"pool row {name!r:.40}")
+    return PoolEntry(name, shard_count, shards, epoch, pool)
