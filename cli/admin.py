@@ -1,20 +1,27 @@
 """Manager commands: `kvpool manager` runs the daemon; the others ask it (tables, or --json).
 
-Exit status: 0 on success, 1 when the manager answers with an error, 3 when it cannot be reached.
+Exit status: 0 on success, 1 when the manager answers with an error, 3 when it cannot be reached,
+4 when `kvpool status` finds it unhealthy (see its help).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import click
 
+from kvpool.cli.layered import explicit_flags, load_service, manager_ops_options, summary
+from kvpool.cli.state import durability_options
 from kvpool.shared.protocol import ManagerError, ManagerUnavailable, default_endpoint
 
 EXIT_UNREACHABLE = 3
+EXIT_UNHEALTHY = 4
+CURVE_META = "kvpool.curve"  # ctx.meta key: the ClientKeys from --curve-server-key/--curve-key-file
 
 
 class Unreachable(click.ClickException):
@@ -28,18 +35,59 @@ def manager_option(f: Callable) -> Callable:
     )(f)
 
 
+def _curve_keys(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Stores the CURVE client keys in ctx.meta once both options are parsed."""
+    ctx.meta.setdefault("kvpool.curve_args", {})[param.name] = value
+    args = ctx.meta["kvpool.curve_args"]
+    if len(args) == 2:
+        from kvpool.shared.curve import ClientKeys
+
+        try:
+            ctx.meta[CURVE_META] = ClientKeys.load(args["curve_server_key"], args["curve_key_file"])
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return value
+
+
+def curve_options(f: Callable) -> Callable:
+    f = click.option("--curve-key-file", envvar="KVPOOL_CURVE_KEY_FILE", default=None, expose_value=False,
+                     callback=_curve_keys, help="This client's NAME.key_secret (CURVE); env KVPOOL_CURVE_KEY_FILE.")(f)
+    return click.option("--curve-server-key", envvar="KVPOOL_CURVE_SERVER_KEY", default=None, expose_value=False,
+                        callback=_curve_keys,
+                        help="The manager's public key: its NAME.key file or Z85 text; env KVPOOL_CURVE_SERVER_KEY.")(f)
+
+
+def export_curve_env(ctx: click.Context) -> None:
+    """Puts the CURVE options into the environment, where ManagerClient (and child processes)
+    read them when not given keys explicitly (shared/curve.py)."""
+    from kvpool.shared.curve import ENV_KEY_FILE, ENV_SERVER_KEY
+
+    args = ctx.meta.get("kvpool.curve_args", {})
+    for var, name in ((ENV_SERVER_KEY, "curve_server_key"), (ENV_KEY_FILE, "curve_key_file")):
+        if args.get(name):
+            os.environ[var] = args[name]
+
+
 def client_options(f: Callable) -> Callable:
     f = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(f)
     f = click.option("--timeout", "timeout_s", default=3.0, show_default=True, help="Seconds to wait for a reply.")(f)
     f = click.option("--admin-key", envvar="KVPOOL_ADMIN_KEY", default=None, help="Admin key; env KVPOOL_ADMIN_KEY.")(f)
-    return manager_option(f)
+    return curve_options(manager_option(f))
 
 
 @contextmanager
 def connect(endpoint: str, timeout_s: float, admin_key: str | None) -> Iterator:
     from kvpool.worker.manager_client import ManagerClient
 
-    client = ManagerClient(endpoint, role="admin", identity="kvpool-cli", timeout_s=timeout_s, admin_key=admin_key)
+    ctx = click.get_current_context(silent=True)
+    curve = ctx.meta.get(CURVE_META) if ctx is not None else None
+    # Without a key, an observer session: admin ops then work only on a manager without an admin key.
+    role = "admin" if admin_key else "observer"
+    try:
+        client = ManagerClient(endpoint, role=role, identity="kvpool-cli", timeout_s=timeout_s,
+                               admin_key=admin_key, curve=curve)
+    except ValueError as e:  # bad CURVE settings in the environment
+        raise click.ClickException(str(e)) from None
     try:
         yield client
         try:
@@ -90,27 +138,30 @@ def _fmt(v: object) -> str:
 
 
 @click.command("manager")
-@manager_option
+@click.option("--manager", "-m", "endpoint", envvar="KVPOOL_MANAGER", default=None,
+              help="Endpoint to bind (ipc://PATH or tcp://HOST:PORT); env KVPOOL_MANAGER "
+                   "[ipc://$XDG_RUNTIME_DIR/kvpool/manager.sock].")
 @click.option("--session-timeout", "session_timeout_s", type=float, default=None,
               help="Seconds of silence after which a session is dead and its requests freed [10].")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="Config file (.toml with a [manager] table, or .json); options given here win.")
+              help="Config file (.toml with a [manager] table, or .json) [/etc/kvpool/manager.toml if it "
+                   "exists]; KVPOOL_MANAGER_<FIELD> environment variables override it, options override both.")
 @click.option("--admin-key", envvar="KVPOOL_ADMIN_KEY", default=None, help="Require this key for admin ops.")
+@durability_options
+@manager_ops_options
 @click.pass_context
-def manager(ctx: click.Context, endpoint: str, session_timeout_s: float | None, config_path: str | None,
-            admin_key: str | None) -> None:
-    """Run the manager daemon (SIGTERM stops it cleanly)."""
-    from kvpool.manager.config import ManagerConfig
-    from kvpool.manager.server import serve
+def manager(ctx: click.Context, config_path: str | None, **_: object) -> None:
+    """Run the manager daemon (SIGTERM stops it cleanly; SIGHUP re-reads the allowed CURVE keys).
 
-    explicit = ctx.get_parameter_source("endpoint") != click.core.ParameterSource.DEFAULT
-    overrides = {"endpoint": endpoint if explicit or not config_path else None,
-                 "session_timeout_s": session_timeout_s, "admin_key": admin_key}
+    `kvpool config show manager` prints the effective config and where each value came from.
+    """
+    from kvpool.manager.server import serve
+    from kvpool.shared.logs import setup_logging
+
+    cfg, source = load_service("manager", config_path, *explicit_flags(ctx, "manager"))
+    setup_logging(cfg.log_level, cfg.json_logs)
+    logging.getLogger(__name__).info("config: %s", summary(cfg, source))
     try:
-        if config_path:
-            cfg = ManagerConfig.from_file(config_path, **overrides)
-        else:
-            cfg = ManagerConfig(**{k: v for k, v in overrides.items() if v is not None})
         rc = serve(cfg)
     except (ValueError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
@@ -121,10 +172,22 @@ def manager(ctx: click.Context, endpoint: str, session_timeout_s: float | None, 
 
 
 @click.command("status")
+@click.option("--pool", "-p", "required", multiple=True,
+              help="Also require this pool to exist and be ready (a worker's healthcheck); repeatable.")
 @client_options
-def status(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool) -> None:
-    """Is the manager up? Its incarnation, uptime, sessions, pools and traffic."""
-    m = ask(endpoint, timeout_s, admin_key, "stats")["manager"]
+@click.pass_context
+def status(ctx: click.Context, required: tuple[str, ...], endpoint: str, timeout_s: float, admin_key: str | None,
+           as_json: bool) -> None:
+    """Is the manager up and healthy? Its incarnation, uptime, sessions, pools and traffic.
+
+    Healthy means: it answers within --timeout, is not draining, every pool it knows is ready
+    (all shards registered), every --pool exists, and its state store reports no error. Exit
+    status: 0 healthy, 4 unhealthy (the reasons are printed), 3 unreachable, 1 refused (e.g. a
+    standby, or a manager that lost its state store). Use it as a healthcheck.
+    """
+    body = ask(endpoint, timeout_s, admin_key, "stats")
+    m = body["manager"]
+    problems = health_problems(body, required)
 
     def human() -> None:
         click.echo(f"manager {endpoint}: up {m['uptime_s']:.0f}s, incarnation {m['incarnation']}, "
@@ -133,8 +196,29 @@ def status(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool
         errors = sum(m["errors"].values())
         click.echo(f"  {m['messages']} messages, {errors} errors, {m['dropped']} dropped, "
                    f"step p50 <= {m['step_latency']['p50'] * 1e6:.0f}us p99 <= {m['step_latency']['p99'] * 1e6:.0f}us")
+        click.echo("  healthy" if not problems else "  UNHEALTHY: " + "; ".join(problems))
 
-    emit(m, as_json, human)
+    emit({**m, "healthy": not problems, "problems": problems}, as_json, human)
+    if problems:
+        ctx.exit(EXIT_UNHEALTHY)
+
+
+def health_problems(stats_body: dict, required: tuple[str, ...] = ()) -> list[str]:
+    """Why a manager's ``stats`` reply is unhealthy (empty: healthy)."""
+    m, problems = stats_body["manager"], []
+    if m.get("draining"):
+        problems.append("draining (kvpool drain --cancel ends it)")
+    pools = stats_body.get("pools", {})
+    pending = sorted(name for name, p in pools.items() if p.get("state") != "ready")
+    if pending:
+        problems.append(f"pools waiting for shards: {', '.join(pending[:10])}")
+    missing = [name for name in required if name not in pools]
+    if missing:
+        problems.append(f"no pool {', '.join(missing)} (its worker has not registered)")
+    store = stats_body.get("store") or {}
+    if store.get("healthy") is False or store.get("error"):
+        problems.append(f"state store error: {store.get('error') or 'unhealthy'}")
+    return problems
 
 
 @click.command("pools")

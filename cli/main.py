@@ -33,3 +33,14 @@ from kvpool.cli import serve  # noqa: E402  (worker, generate, demo)
 cli.add_command(serve.worker)
 cli.add_command(serve.generate)
 cli.add_command(serve.demo)
+
+from kvpool.cli import state  # noqa: E402  (snapshot, restore)
+
+cli.add_command(state.snapshot)
+cli.add_command(state.restore)
+
+from kvpool.cli import ops  # noqa: E402  (config show, events, keygen)
+
+cli.add_command(ops.config)
+cli.add_command(ops.events)
+cli.add_command(ops.keygen)

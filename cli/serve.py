@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 
@@ -11,6 +12,7 @@ import click
 from kvpool.shared.protocol import ManagerError, default_endpoint
 
 EXIT_UNREACHABLE = 3
+EXIT_TP_PEER_LOST = 4
 
 
 def default_worker_endpoint(pool: str) -> str:
@@ -29,7 +31,24 @@ def _bytes(ctx: click.Context, param: click.Parameter, value: str | None) -> int
         raise click.BadParameter(str(e)) from None
 
 
+def _default_tp_master() -> str:
+    return f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '29500')}"
+
+
+def worker_service_options(f):
+    """Metrics, logs and CURVE options of `kvpool worker` (None: the config file's / default)."""
+    from kvpool.cli.admin import curve_options
+    from kvpool.cli.layered import log_options
+
+    f = click.option("--metrics-port", type=int, default=None, help="Prometheus /metrics TCP port; 0: off [0].")(f)
+    f = click.option("--metrics-host", default=None, help="Address of the metrics endpoint [127.0.0.1].")(f)
+    return curve_options(log_options(f))
+
+
 @click.command("worker")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="Config file (.toml with a [worker] table) [/etc/kvpool/worker.toml if it exists]; "
+                   "KVPOOL_WORKER_<FIELD> environment variables override it, options given here override both.")
 @click.option("--manager", "-m", "manager_ep", envvar="KVPOOL_MANAGER", default=default_endpoint,
               show_default=True, help="Manager endpoint(s), comma-separated; env KVPOOL_MANAGER.")
 @click.option("--pool", "-p", default="pool-0", show_default=True, help="Pool name (one per replica).")
@@ -48,36 +67,88 @@ def _bytes(ctx: click.Context, param: click.Parameter, value: str | None) -> int
 @click.option("--no-prefix-caching", is_flag=True, help="Send no block hashes (no prefix reuse).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=0, help="torch CPU threads (0: torch's default).")
-def worker(manager_ep: str, pool: str, model: str, endpoint: str | None, dtype: str, device: str,
+@click.option("--tp-size", default=1, show_default=True,
+              help="Tensor-parallel ranks of this pool; without --tp-rank, start them all here.")
+@click.option("--tp-rank", default=None, type=int, help="This process's rank (0 runs the scheduler).")
+@click.option("--tp-master", envvar="KVPOOL_TP_MASTER", default=_default_tp_master, show_default=True,
+              help="host:port where rank 0 hosts the process group; env KVPOOL_TP_MASTER.")
+@click.option("--tp-timeout", default=60.0, show_default=True,
+              help="Seconds a rank may go silent before the others take it for dead.")
+@worker_service_options
+@click.pass_context
+def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: str, model: str,
+           endpoint: str | None, dtype: str, device: str,
            block_size: int, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
            memory_utilization: float, kv_cache_memory: int | None, cpu_memory_budget: int,
-           no_prefix_caching: bool, seed: int, threads: int) -> None:
-    """Serve generate requests from paged KV memory whose blocks the manager hands out."""
+           no_prefix_caching: bool, seed: int, threads: int, tp_size: int, tp_rank: int | None,
+           tp_master: str, tp_timeout: float, **_: object) -> None:
+    """Serve generate requests from paged KV memory whose blocks the manager hands out.
+
+    With --tp-size N the pool is one model over N ranks (one process, one GPU each), each holding
+    its slice of the KV heads; rank 0 serves requests, every rank registers as a shard.
+    """
+    from kvpool.cli.admin import export_curve_env
+
+    cfg, source = _worker_config(ctx, config_path, no_prefix_caching)
+    export_curve_env(ctx)  # every ManagerClient of this process and of its tensor-parallel ranks
+    if cfg.tp_size > 1 and tp_rank is None:
+        from kvpool.worker.launch import launch
+
+        sys.exit(launch(sys.argv[1:], cfg.tp_size))
     import torch
 
+    from kvpool.cli.layered import summary
+    from kvpool.shared.logs import setup_logging
+
+    setup_logging(cfg.log_level, cfg.json_logs)
+    logging.getLogger(__name__).info("config: %s", summary(cfg, source))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    _serve_rank(cfg, cfg.manager.split(","), cfg.endpoint or default_worker_endpoint(cfg.pool), tp_master, tp_timeout)
+
+
+def _worker_config(ctx: click.Context, config_path: str | None, no_prefix_caching: bool):
+    """Defaults < config file < KVPOOL_WORKER_* < options given (cli/layered.py)."""
+    from kvpool.cli.layered import explicit_flags, load_service
+
+    flags, labels = explicit_flags(ctx, "worker", {"manager_ep": "manager"})
+    if no_prefix_caching:
+        flags["enable_prefix_caching"], labels["enable_prefix_caching"] = False, "flag"
+    return load_service("worker", config_path, flags, labels)
+
+
+def _serve_rank(cfg, manager_eps: list[str], endpoint: str, tp_master: str, tp_timeout: float) -> None:
+    """One worker, or one tensor-parallel rank: joins the group, loads its share, serves/follows."""
     from kvpool.worker.block_manager import RemoteBlockManager
-    from kvpool.worker.config import WorkerConfig
+    from kvpool.worker.checkpoint import load_config
+    from kvpool.worker.metrics import WorkerMetrics
+    from kvpool.worker.parallel import TPPeerLost, check_tp, close_group, init_group
     from kvpool.worker.profiler import KVMemoryError
     from kvpool.worker.server import WorkerServer
-    from kvpool.worker.startup import build_engine
+    from kvpool.worker.startup import build_engine, build_follower, rank_device
 
-    if threads:
-        torch.set_num_threads(threads)
     try:
-        cfg = WorkerConfig(model=model, pool=pool, dtype=dtype, device=device, seed=seed,
-                           block_size=block_size, max_model_len=max_model_len,
-                           max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                           memory_utilization=memory_utilization, kv_cache_memory=kv_cache_memory,
-                           cpu_memory_budget=cpu_memory_budget,
-                           enable_prefix_caching=not no_prefix_caching)
-        bm = RemoteBlockManager(manager_ep.split(","), pool)
-        engine = build_engine(cfg, bm)
+        if cfg.tp_size > 1:  # refuse a bad split before any rank waits for the others
+            check_tp(load_config(cfg.model), cfg.tp_size)
+            init_group(cfg.tp_rank, cfg.tp_size, tp_master, rank_device(cfg), tp_timeout)
+        bm = RemoteBlockManager(manager_eps, cfg.pool, shard_rank=cfg.tp_rank, shard_count=cfg.tp_size)
+        if cfg.tp_rank == 0:
+            engine = build_engine(cfg, bm)
+            WorkerServer(engine, endpoint, cfg.pool, metrics=WorkerMetrics.start(cfg)).serve()
+        else:
+            build_follower(cfg, bm).run()
     except (ValueError, KVMemoryError) as e:
         raise click.ClickException(str(e)) from None
     except ManagerError as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(EXIT_UNREACHABLE if e.code == "unavailable" else 1)
-    WorkerServer(engine, endpoint or default_worker_endpoint(pool), pool).serve()
+    except TPPeerLost as e:
+        click.echo(f"Error: tensor-parallel rank {cfg.tp_rank} of pool {cfg.pool!r} stops: {e}. The pool's "
+                   "epoch moves on when the lost shard's session ends or it re-registers; restart every "
+                   "rank of the pool.", err=True)
+        sys.exit(EXIT_TP_PEER_LOST)
+    finally:
+        close_group()
 
 
 @click.command("generate")

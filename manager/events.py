@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 import msgpack
 import zmq
@@ -64,12 +65,16 @@ class EventPublisher:
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
-        self.pub.bind(pub_endpoint)
         self.replay: zmq.Socket | None = None
-        if replay_endpoint:
-            self.replay = ctx.socket(zmq.ROUTER)
-            self.replay.setsockopt(zmq.LINGER, 0)
-            self.replay.bind(replay_endpoint)
+        try:
+            self.pub.bind(pub_endpoint)
+            if replay_endpoint:
+                self.replay = ctx.socket(zmq.ROUTER)
+                self.replay.setsockopt(zmq.LINGER, 0)
+                self.replay.bind(replay_endpoint)
+        except zmq.ZMQError:
+            self.close()  # an open socket would block the context's term()
+            raise
         self.buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_size)
         self.next_seq = 0
 
@@ -108,3 +113,30 @@ class EventPublisher:
         self.pub.close(0)
         if self.replay is not None:
             self.replay.close(0)
+
+
+class LoopPublisher:
+    """The manager loop's publisher hook (manager/store.py ``EventPublisher``) over a ZeroMQ
+    ``EventPublisher``: one batch per pool per iteration, topic = the pool's name, block size
+    from ``block_size_of(pool)``. The loop polls ``replay_socket`` and calls ``serve_replay``."""
+
+    def __init__(self, publisher: EventPublisher, block_size_of: Callable[[str], int]) -> None:
+        self.zmq = publisher
+        self.block_size_of = block_size_of
+
+    @property
+    def replay_socket(self) -> zmq.Socket | None:
+        return self.zmq.replay
+
+    @property
+    def next_seq(self) -> int:
+        return self.zmq.next_seq
+
+    def publish(self, pool: str, epoch: int, events: list[tuple]) -> None:
+        self.zmq.publish(pool, events, self.block_size_of(pool))
+
+    def serve_replay(self) -> None:
+        self.zmq.serve_replay()
+
+    def close(self) -> None:
+        self.zmq.close()

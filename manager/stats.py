@@ -63,6 +63,9 @@ class ServerStats:
     errors: Counter = field(default_factory=Counter)  # error code -> count
     step_latency: LatencyHistogram = field(default_factory=LatencyHistogram)  # handling, per step
     iteration_latency: LatencyHistogram = field(default_factory=LatencyHistogram)  # busy iterations
+    commit_latency: LatencyHistogram = field(default_factory=LatencyHistogram)  # store.commit calls
+    event_batches: int = 0  # KV-event batches handed to the publisher (= its next sequence number)
+    events: int = 0  # KV events in them
 
     def snapshot(self) -> dict:
         return {
@@ -78,4 +81,7 @@ class ServerStats:
             "errors": dict(self.errors),
             "step_latency": self.step_latency.snapshot(),
             "iteration_latency": self.iteration_latency.snapshot(),
+            "commit_latency": self.commit_latency.snapshot(),
+            "event_batches": self.event_batches,
+            "events": self.events,
         }

@@ -3,12 +3,16 @@
 Each service's config is a dataclass that validates itself in ``__post_init__``; this module only
 gathers values and remembers where each came from, so ``kvpool config show`` can print the
 effective config with its sources. Environment variables are ``KVPOOL_<SERVICE>_<FIELD>``
-(e.g. ``KVPOOL_MANAGER_SESSION_TIMEOUT=10``), parsed according to the field's type.
+(e.g. ``KVPOOL_MANAGER_SESSION_TIMEOUT_S=10``), parsed according to the field's type. A file is
+TOML (a ``[<service>]`` table or top-level keys) or, for scripts, JSON with the same layout.
+A field whose metadata has ``parse`` (e.g. a memory size) also accepts a string in a file or the
+environment, turned into its value by that function.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tomllib
 import types
@@ -33,8 +37,10 @@ def _base_type(tp: Any) -> Any:
     return origin or tp
 
 
-def _parse_env(raw: str, tp: Any, name: str) -> Any:
+def _parse_env(raw: str, tp: Any, name: str, parse: Any = None) -> Any:
     base = _base_type(tp)
+    if parse is not None and raw.lower() not in ("", "none", "null"):
+        return _parse_custom(parse, raw, name)
     if raw.lower() in ("", "none", "null") and type(None) in typing.get_args(tp):
         return None
     try:
@@ -49,6 +55,36 @@ def _parse_env(raw: str, tp: Any, name: str) -> Any:
         return base(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a valid {getattr(base, '__name__', base)}") from None
+
+
+def _parse_custom(parse: Any, raw: str, where: str) -> Any:
+    try:
+        return parse(raw)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _read_file(p: Path, service: str) -> dict:
+    try:
+        if p.suffix == ".json":
+            data = json.loads(p.read_text())
+        else:
+            data = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        kind = "JSON" if p.suffix == ".json" else "TOML"
+        raise ConfigError(f"{p}: not valid {kind}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a table/object")
+    data = data.get(service, data)  # a [service] table or top-level keys
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: [{service}] must be a table")
+    return data
+
+
+def default_path(service: str) -> str | None:
+    """``/etc/kvpool/<service>.toml`` when it exists (the packaged location), else None."""
+    path = f"/etc/kvpool/{service}.toml"
+    return path if os.path.isfile(path) else None
 
 
 def _check_type(value: Any, tp: Any, where: str) -> Any:
@@ -70,11 +106,14 @@ def load(
     path: str | Path | None = None,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    labels: Mapping[str, str] | None = None,
 ) -> tuple[T, dict[str, str]]:
     """Builds ``cls`` from the layers; returns it and ``{field: source}``.
 
-    ``overrides`` are flag values; None means "flag not given". A missing ``path`` is fine when
-    it was not asked for explicitly (``path=None``); an explicit path must exist.
+    ``overrides`` are flag values; None means "flag not given". ``labels`` names the source of
+    an override when it is not "flag" (e.g. a click option read from its own envvar). A missing
+    ``path`` is fine when it was not asked for explicitly (``path=None``); an explicit path must
+    exist.
     """
     env = os.environ if env is None else env
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
@@ -85,29 +124,29 @@ def load(
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p}: not valid TOML: {e}") from None
-        data = data.get(service, data)  # a [manager] table or top-level keys
+        data = _read_file(p, service)
+        unknown = sorted(k for k in data if k.replace("-", "_") not in fields)
+        if unknown:
+            raise ConfigError(f"{p}: unknown keys {unknown}; known keys: {', '.join(sorted(fields))}")
         for key, value in data.items():
             name = key.replace("-", "_")
-            if name not in fields:
-                raise ConfigError(f"{p}: unknown key {key!r}; known: {', '.join(sorted(fields))}")
+            parse = fields[name].metadata.get("parse")
+            if parse is not None and isinstance(value, str):
+                value = _parse_custom(parse, value, f"{p}: {key}")
             values[name] = _check_type(value, hints[name], f"{p}: {key}")
             source[name] = f"file {p}"
     prefix = f"KVPOOL_{service.upper()}_"
     for name in fields:
         var = prefix + name.upper()
         if var in env:
-            values[name] = _parse_env(env[var], hints[name], var)
+            values[name] = _parse_env(env[var], hints[name], var, fields[name].metadata.get("parse"))
             source[name] = f"env {var}"
     for name, value in (overrides or {}).items():
         if value is not None:
             if name not in fields:
                 raise ConfigError(f"unknown option {name!r}")
             values[name] = value
-            source[name] = "flag"
+            source[name] = (labels or {}).get(name, "flag")
     try:
         return cls(**values), source
     except (TypeError, ValueError) as e:

@@ -34,7 +34,7 @@ def test_layers_and_sources(tmp_path):
     "toml, env, match",
     [
         ("[svc]\nworkers = 'x'\n", {}, "expected int"),
-        ("[svc]\nbogus = 1\n", {}, "unknown key 'bogus'"),
+        ("[svc]\nbogus = 1\n", {}, r"unknown keys \[.bogus.\]"),
         ("[svc\n", {}, "not valid TOML"),
         ("", {"KVPOOL_SVC_WORKERS": "many"}, "not a valid int"),
         ("[svc]\nsession_timeout = -1\n", {}, "raise it"),

@@ -1,0 +1,98 @@
+"""Service config for the daemons' commands: defaults < TOML file < KVPOOL_<SERVICE>_* < flags.
+
+``kvpool manager``, ``kvpool worker`` and ``kvpool config show`` all build their config here, so
+what ``config show`` prints is what the daemon would run with (flags aside).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import click
+from click.core import ParameterSource
+
+from kvpool.shared.config import ConfigError, default_path, describe, load
+from kvpool.shared.logs import LEVELS
+
+SECRET_FIELDS = ("admin_key",)  # printed masked by `config show`
+
+
+def service_class(service: str) -> type:
+    if service == "manager":
+        from kvpool.manager.config import ManagerConfig
+
+        return ManagerConfig
+    from kvpool.worker.config import WorkerConfig
+
+    return WorkerConfig
+
+
+def explicit_flags(ctx: click.Context, service: str, rename: Mapping[str, str] | None = None) -> tuple[dict, dict]:
+    """Options given on the command line or through their own envvar that name a config field:
+    ({field: value}, {field: source label}). ``rename`` maps parameter names to field names."""
+    rename = rename or {}
+    fields = {f.name for f in dataclasses.fields(service_class(service))}
+    values: dict[str, Any] = {}
+    labels: dict[str, str] = {}
+    for param in ctx.command.params:
+        name = param.name
+        src = ctx.get_parameter_source(name) if name else None
+        if src not in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            continue
+        field = rename.get(name, name)
+        if field not in fields:
+            continue
+        values[field] = ctx.params[name]
+        envvar = getattr(param, "envvar", None)
+        labels[field] = f"env {envvar}" if src is ParameterSource.ENVIRONMENT and isinstance(envvar, str) else "flag"
+    return values, labels
+
+
+def load_service(service: str, config_path: str | None, overrides: Mapping[str, Any] | None = None,
+                 labels: Mapping[str, str] | None = None) -> tuple[Any, dict[str, str]]:
+    """The effective config and each field's source; a ClickException says what to change."""
+    path = config_path or default_path(service)
+    try:
+        return load(service_class(service), service, path, overrides=overrides, labels=labels)
+    except ConfigError as e:
+        raise click.ClickException(f"{service} config: {e}") from None
+
+
+def rows(cfg: Any, source: Mapping[str, str]) -> list[dict]:
+    out = []
+    for name, value, src in describe(cfg, source):
+        if name in SECRET_FIELDS and value is not None:
+            value = "********"
+        out.append({"field": name, "value": value, "source": src})
+    return out
+
+
+def manager_ops_options(f: Callable) -> Callable:
+    """`kvpool manager` options for metrics, KV events, CURVE and logs (None: config/default)."""
+    opts = [
+        click.option("--metrics-port", type=int, default=None, help="Prometheus /metrics TCP port; 0: off [0]."),
+        click.option("--metrics-host", default=None, help="Address of the metrics endpoint [127.0.0.1]."),
+        click.option("--events-endpoint", default=None, help="KV events PUB socket, e.g. tcp://*:5557 [off]."),
+        click.option("--events-replay-endpoint", default=None, help="KV events replay socket, e.g. tcp://*:5558."),
+        click.option("--curve-secret-key-file", default=None,
+                     help="The manager's NAME.key_secret: CURVE on the control socket (`kvpool keygen`)."),
+        click.option("--curve-allowed-keys-dir", default=None,
+                     help="Directory of allowed clients' NAME.key files (SIGHUP re-reads it)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return log_options(f)
+
+
+def log_options(f: Callable) -> Callable:
+    f = click.option("--log-level", type=click.Choice(LEVELS), default=None, help="Log level [info].")(f)
+    return click.option("--json-logs/--plain-logs", "json_logs", default=None,
+                        help="One JSON object per log line [plain].")(f)
+
+
+def summary(cfg: Any, source: Mapping[str, str]) -> str:
+    """The values that are not defaults, with their sources, for the daemon's start-up log line."""
+    given = [f"{r['field']}={r['value']!r} ({r['source']})" for r in rows(cfg, source) if r["source"] != "default"]
+    return ", ".join(given) or "all defaults"

@@ -1,0 +1,110 @@
+"""The manager's Prometheus metrics: rendered by the loop, served by shared/metrics.py's thread.
+
+The loop calls ``ManagerMetrics.maybe_update(now)`` every iteration; at most every ``interval_s``
+it renders the registry and ``ServerStats`` into exposition text and swaps it into the HTTP
+server, which only ever serves that string (STYLE rule 6). Per-pool counters restart from 0
+when a pool gets a new epoch (a new block space); Prometheus' ``rate()`` handles such resets.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvpool.manager.registry import Registry
+from kvpool.manager.stats import LATENCY_BOUNDS, LatencyHistogram, ServerStats
+from kvpool.shared.metrics import Histogram, MetricsServer, family, histogram_family
+
+POOL_GAUGES = (  # (metric, snapshot_stats key, help)
+    ("kvpool_pool_blocks_total", "num_blocks", "KV blocks of the pool (block 0, the null block, included)"),
+    ("kvpool_pool_blocks_free", "free_blocks", "Blocks in the free queue (cached ones included)"),
+    ("kvpool_pool_blocks_used", "used_blocks", "Blocks held by at least one request"),
+    ("kvpool_pool_blocks_cached", "cached_blocks", "Block hashes in the prefix cache"),
+    ("kvpool_pool_usage_ratio", "usage", "Used blocks / usable blocks"),
+    ("kvpool_pool_prefix_hit_rate", "prefix_hit_rate", "Hit tokens / looked-up prompt tokens, this epoch"),
+    ("kvpool_pool_requests", "requests", "Requests holding blocks"),
+)
+POOL_COUNTERS = (
+    ("kvpool_pool_lookup_tokens_total", "lookup_tokens", "Prompt tokens looked up in the prefix cache at allocation"),
+    ("kvpool_pool_hit_tokens_total", "hit_tokens", "Of those, tokens found cached"),
+    ("kvpool_pool_allocations_total", "allocations", "Successful allocations (request admissions)"),
+    ("kvpool_pool_no_space_total", "no_space", "Allocations and extensions refused for lack of free blocks"),
+    ("kvpool_pool_evictions_total", "evictions", "Cached block hashes dropped to reuse their blocks"),
+    ("kvpool_pool_freed_total", "freed", "Requests freed"),
+    ("kvpool_pool_forks_total", "forks", "Request forks (parallel sampling)"),
+    ("kvpool_pool_cow_copies_total", "cow_copies", "Copy-on-write block copies ordered"),
+)
+MANAGER_COUNTERS = (
+    ("kvpool_messages_total", "messages", "Request payloads received (bad ones included)"),
+    ("kvpool_replies_total", "replies", "Replies handed to the socket"),
+    ("kvpool_dropped_total", "dropped", "Messages with a malformed envelope (no reply possible)"),
+    ("kvpool_replies_dropped_total", "replies_dropped", "Replies the socket refused (client gone or not reading)"),
+    ("kvpool_loop_iterations_total", "iterations", "Manager loop iterations"),
+    ("kvpool_sessions_expired_total", "sessions_expired", "Sessions ended for silence"),
+    ("kvpool_expired_requests_freed_total", "expired_requests_freed", "Requests freed with expired sessions"),
+    ("kvpool_sub_ops_total", "sub_ops", "Step sub-ops executed"),
+    ("kvpool_event_batches_total", "event_batches", "KV-event batches published"),
+    ("kvpool_events_total", "events", "KV events published"),
+)
+HISTOGRAMS = (
+    ("kvpool_step_latency_seconds", "step_latency", "Time to execute one step message's sub-ops"),
+    ("kvpool_iteration_latency_seconds", "iteration_latency", "Busy loop iterations, receive to last reply"),
+    ("kvpool_store_commit_latency_seconds", "commit_latency", "State store commit per iteration with changes"),
+)
+
+
+def _histogram(h: LatencyHistogram) -> Histogram:
+    out = Histogram(LATENCY_BOUNDS)
+    out.counts, out.sum, out.count = list(h.counts), h.sum, h.total
+    return out
+
+
+def render(reg: Registry, stats: ServerStats, uptime_s: float) -> str:
+    """The exposition text of the manager's state now (called on the loop's thread)."""
+    parts = [
+        family("kvpool_manager_info", "gauge", "Constant 1; the labels identify the manager process",
+               [({"incarnation": reg.incarnation}, 1)]),
+        family("kvpool_uptime_seconds", "gauge", "Seconds since the manager started", [({}, uptime_s)]),
+        family("kvpool_sessions", "gauge", "Open client sessions", [({}, len(reg.sessions))]),
+        family("kvpool_pools", "gauge", "Pools known (ready or pending)", [({}, len(reg.pools))]),
+        family("kvpool_draining", "gauge", "1 while new allocations are refused (kvpool drain)",
+               [({}, int(reg.draining))]),
+    ]
+    pools = {name: (e, e.pool.snapshot_stats() if e.pool is not None else None) for name, e in reg.pools.items()}
+    parts.append(family("kvpool_pool_ready", "gauge", "1 when every shard registered, 0 while pending",
+                        [({"pool": n}, int(s is not None)) for n, (_, s) in pools.items()]))
+    parts.append(family("kvpool_pool_epoch", "gauge", "The pool's epoch (moves on when a shard restarts)",
+                        [({"pool": n}, e.epoch) for n, (e, _) in pools.items()]))
+    ready = [(n, s) for n, (_, s) in pools.items() if s is not None]
+    for kind, table in (("gauge", POOL_GAUGES), ("counter", POOL_COUNTERS)):
+        for metric, key, help_text in table:
+            parts.append(family(metric, kind, help_text, [({"pool": n}, s[key]) for n, s in ready]))
+    for metric, attr, help_text in MANAGER_COUNTERS:
+        parts.append(family(metric, "counter", help_text, [({}, getattr(stats, attr))]))
+    parts.append(family("kvpool_ops_total", "counter", "Valid requests by op",
+                        [({"op": op}, n) for op, n in sorted(stats.ops.items())]))
+    parts.append(family("kvpool_errors_total", "counter", "Error replies by code",
+                        [({"code": code}, n) for code, n in sorted(stats.errors.items())]))
+    for metric, attr, help_text in HISTOGRAMS:
+        parts.append(histogram_family(metric, help_text, [({}, _histogram(getattr(stats, attr)))]))
+    return "".join(parts)
+
+
+class ManagerMetrics:
+    """The loop's side of the metrics endpoint: renders at most every ``interval_s``."""
+
+    def __init__(self, reg: Registry, stats: ServerStats, host: str, port: int, interval_s: float = 0.5) -> None:
+        self.reg, self.stats, self.interval_s = reg, stats, interval_s
+        self.server = MetricsServer(host, port)
+        self.port = self.server.port
+        self.started = time.monotonic()
+        self._next = 0.0
+
+    def maybe_update(self, now: float) -> bool:
+        if now < self._next:
+            return False
+        self._next = now + self.interval_s
+        self.server.update(render(self.reg, self.stats, now - self.started))
+        return True
+
+    def close(self) -> None:
+        self.server.close()
