@@ -85,3 +85,14 @@ def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device | str
         return load_checkpoint(name_or_path, dtype, device)
     raise ValueError(f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
                      f"nor a checkpoint directory")
+
+
+def load_config(name_or_path: str) -> ModelConfig:
+    """The shape of a preset or a checkpoint directory, without loading any weights."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    cfg_file = Path(name_or_path) / "config.json"
+    if cfg_file.is_file():
+        return config_from_hf(json.loads(cfg_file.read_text()), name=Path(name_or_path).name)
+    raise ValueError(f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
+                     f"nor a checkpoint directory")

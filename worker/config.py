@@ -9,7 +9,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from kvpool.shared.logs import LEVELS
+from kvpool.shared.protocol import default_endpoint
+
 DTYPES = ("float32", "float16", "bfloat16")
+BYTES = {"parse": lambda text: parse_bytes(text)}  # a size field takes "64MiB" in a file or env
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -63,6 +67,19 @@ class ModelConfig:
             raise ValueError(f"model {self.name}: head_size must be even for RoPE, got {self.head_size}")
 
 
+def check_tp(cfg: ModelConfig, tp_size: int) -> None:
+    """Refuses a tp_size that does not split the model's heads and MLP into whole shares."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    for key in ("num_kv_heads", "num_heads", "intermediate_size"):
+        value = getattr(cfg, key)
+        if value % tp_size:
+            fits = [n for n in range(1, value + 1) if cfg.num_kv_heads % n == 0 and cfg.num_heads % n == 0
+                    and cfg.intermediate_size % n == 0]
+            raise ValueError(f"model {cfg.name}: {key} {value} is not divisible by tp_size {tp_size}; "
+                             f"every rank needs whole heads: use a tp_size in {fits}")
+
+
 PRESETS: dict[str, ModelConfig] = {
     # Fast on CPU: tests, the demo.
     "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -97,11 +114,21 @@ class WorkerConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None  # bytes of KV cache, skipping profiling
-    cpu_memory_budget: int = 2 << 30  # host memory treated as the CPU "device"
+    kv_cache_memory: int | None = field(default=None, metadata=BYTES)  # KV bytes, skipping profiling
+    cpu_memory_budget: int = field(default=2 << 30, metadata=BYTES)  # host memory treated as the CPU "device"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     static_prealloc: bool = False  # baseline: reserve max_model_len slots per request
+    tp_size: int = 1  # tensor-parallel shards of the pool (one process each)
+    tp_rank: int = 0  # this process's shard; rank 0 runs the scheduler
+    # -- the service (`kvpool worker`; docs/operating.md) --
+    manager: str = field(default_factory=default_endpoint)  # manager endpoint(s), comma-separated
+    endpoint: str | None = None  # generate endpoint to bind [ipc://$XDG_RUNTIME_DIR/kvpool/worker-POOL.sock]
+    threads: int = 0  # torch CPU threads (0: torch's default)
+    metrics_port: int = 0  # Prometheus /metrics on this TCP port; 0: off
+    metrics_host: str = "127.0.0.1"
+    json_logs: bool = False
+    log_level: str = "info"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -127,3 +154,10 @@ class WorkerConfig:
             raise ValueError(f"cpu_memory_budget must be positive bytes, got {self.cpu_memory_budget}")
         if not self.pool or len(self.pool) > 128:
             raise ValueError("pool must be a name of 1-128 characters")
+        if type(self.metrics_port) is not int or not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be a TCP port in 1..65535, or 0 for no metrics; got {self.metrics_port!r}")
+        if self.log_level.lower() not in LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LEVELS)}, got {self.log_level!r}")
+        if not 1 <= self.tp_size <= 64 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"need 1 <= tp_size <= 64 and 0 <= tp_rank < tp_size, got tp_size "
+                             f"{self.tp_size} and tp_rank {self.tp_rank}")

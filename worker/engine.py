@@ -8,6 +8,9 @@
 The engine owns the KV tensors (allocated once from the num_blocks the manager returned at
 registration) and re-registers when the manager forgot its requests (``ManagerReset``): every
 request is then recomputed from its tokens, the sampled ones included.
+
+With tensor parallelism this is rank 0's engine: ``tp`` (worker/tp.py) tells the other ranks to
+register, run each step's plan and stay alive; they hold the other slices of the KV heads.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from kvpool.worker.request import Request
 from kvpool.worker.runner import ModelRunner
 from kvpool.worker.sampler import SampleKey, SamplingParams, sample
 from kvpool.worker.scheduler import Scheduler
+from kvpool.worker.tp import TPLeader
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ class TokenEvent:
 
 class Engine:
     def __init__(self, model: LlamaForCausalLM, block_manager: BlockManager, scheduler: Scheduler,
-                 available_kv_bytes: int, *, seed: int = 0) -> None:
+                 available_kv_bytes: int, *, seed: int = 0, tp: TPLeader | None = None) -> None:
         self.model = model
         self.bm = block_manager
         self.scheduler = scheduler
@@ -50,7 +54,8 @@ class Engine:
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.block_size = scheduler.block_size
-        self.spec = kv_spec(model.config, self.block_size, self.dtype)
+        self.tp = tp
+        self.spec = kv_spec(model.config, self.block_size, self.dtype, model.tp_size)
         self.num_blocks = 0
         self.runner: ModelRunner | None = None
         self.registrations = 0
@@ -65,19 +70,22 @@ class Engine:
 
     def register(self) -> None:
         """(Re-)registers with the manager; allocates the KV tensors when their size changes."""
+        if self.tp is not None:
+            self.tp.register()  # the other shards register alongside: the pool needs them all
         info = self.bm.register(self.spec, self.available_kv_bytes)
         num_blocks = int(info["num_blocks"])
         check_fits(num_blocks, self.block_size, self.scheduler.max_model_len)
         if num_blocks != self.num_blocks:
             cfg = self.model.config
             self.runner = None  # drop the old tensors before allocating new ones
-            caches = allocate_kv_caches(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads,
+            caches = allocate_kv_caches(cfg.num_layers, num_blocks, self.block_size, self.model.local_kv_heads,
                                         cfg.head_size, self.dtype, self.device)
             self.runner = ModelRunner(self.model, caches, self.block_size)
             self.num_blocks = num_blocks
         self.scheduler.num_blocks = num_blocks
         self.registrations += 1
-        logger.info("registered pool %s: %d blocks of %d tokens", self.bm.pool, num_blocks, self.block_size)
+        logger.info("registered pool %s: %d blocks of %d tokens, %d KV bytes on tensor-parallel rank 0 of %d",
+                    self.bm.pool, num_blocks, self.block_size, self.runner.kv_bytes, self.model.tp_size)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -135,6 +143,8 @@ class Engine:
         plan = sched.commit(results)
         events = self._collect_errors()
         if plan.seqs:
+            if self.tp is not None:
+                self.tp.run(plan)
             logits = self.runner.execute(plan)
             sched.advance()
             events += self._sample(logits)
@@ -142,7 +152,10 @@ class Engine:
         return events
 
     def heartbeat(self) -> None:
-        """Keeps the manager session alive while idle; notices a restarted manager."""
+        """Keeps the manager session (and the other tensor-parallel ranks) alive while idle;
+        notices a restarted manager. Raises TPPeerLost when another rank is gone."""
+        if self.tp is not None:
+            self.tp.tick()
         try:
             self.bm.heartbeat()
         except ManagerReset as e:
@@ -222,7 +235,7 @@ class Engine:
         return [out[rid] for rid in ids]
 
     def shutdown(self) -> None:
-        """Frees every request's blocks and deregisters (SIGTERM path)."""
+        """Frees every request's blocks, deregisters and stops the other ranks (SIGTERM path)."""
         rids = [r.rid for r in self.scheduler.running] + self.scheduler.pending_frees
         try:
             if rids:
@@ -230,6 +243,9 @@ class Engine:
             self.bm.deregister()
         except ManagerReset:
             pass  # the manager already forgot us
+        finally:
+            if self.tp is not None:
+                self.tp.stop()
         self.scheduler.running.clear()
         self.scheduler.pending_frees.clear()
 
@@ -242,4 +258,5 @@ class Engine:
             "cached_tokens": s.cached_tokens, "computed_tokens": s.computed_tokens,
             "peak_blocks": s.peak_blocks, "peak_running": s.peak_running,
             "registrations": self.registrations, "resets": self.resets,
+            "tp_size": self.model.tp_size, "kv_cache_bytes": self.runner.kv_bytes if self.runner else 0,
         }

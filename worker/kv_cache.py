@@ -13,12 +13,12 @@ from kvpool.worker.config import ModelConfig
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def kv_spec(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> dict:
-    """The spec a shard registers with (num_kv_heads: this shard's)."""
+def kv_spec(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> dict:
+    """The spec a shard registers with (num_kv_heads: this shard's, of ``tp_size`` shards)."""
     return {
         "block_size": block_size,
         "num_layers": cfg.num_layers,
-        "num_kv_heads": cfg.num_kv_heads,
+        "num_kv_heads": cfg.num_kv_heads // tp_size,
         "head_size": cfg.head_size,
         "dtype": DTYPE_NAMES[dtype],
     }

@@ -6,8 +6,9 @@ writes K/V into the paged cache and calls the kernels; the contiguous reference 
 per request. Module and parameter names follow Hugging Face's Llama/Qwen2 checkpoints, so a
 checkpoint's state dict loads as is.
 
-Tensor parallelism (next issue) shards q/k/v/gate/up by output rows and o/down by input columns,
-then all-reduces after o_proj and down_proj: each Attention keeps its own head counts for that.
+Tensor parallelism (worker/parallel.py) shards q/k/v/gate/up by output rows and o/down by input
+columns, and sets ``reduce`` on Attention and MLP to an all-reduce: each Attention keeps its own
+head counts, and ``tp_rank``/``tp_size`` on the model say which share it holds.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from kvpool.worker.config import ModelConfig
 
 # (layer index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ReduceFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def no_reduce(x: torch.Tensor) -> torch.Tensor:
+    """One shard holds the whole model: a row-parallel output is already the full sum."""
+    return x
 
 
 class RMSNorm(nn.Module):
@@ -86,6 +93,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, num_kv_heads * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, num_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(num_heads * d, cfg.hidden_size, bias=False)
+        self.reduce: ReduceFn = no_reduce  # sums o_proj's partial outputs over tensor-parallel ranks
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 attend: AttendFn, layer: int) -> torch.Tensor:
@@ -93,7 +101,7 @@ class Attention(nn.Module):
         q = rope(positions, self.q_proj(x).view(t, self.num_heads, d))
         k = rope(positions, self.k_proj(x).view(t, self.num_kv_heads, d))
         v = self.v_proj(x).view(t, self.num_kv_heads, d)
-        return self.o_proj(attend(layer, q, k, v).reshape(t, self.num_heads * d))
+        return self.reduce(self.o_proj(attend(layer, q, k, v).reshape(t, self.num_heads * d)))
 
 
 class MLP(nn.Module):
@@ -102,9 +110,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.reduce: ReduceFn = no_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -135,6 +144,12 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBackbone(cfg)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_size, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.tp_rank, self.tp_size = 0, 1  # which share of the heads this model holds
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads this shard computes and caches (all of them without tensor parallelism)."""
+        return self.config.num_kv_heads // self.tp_size
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         # input_ids, positions: [T] -> final hidden states [T, hidden]

@@ -63,9 +63,15 @@ class ModelRunner:
         self.scale = model.config.head_size**-0.5
         self.window = model.config.sliding_window
 
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of this shard's KV tensors (a tensor-parallel rank holds its slice of heads)."""
+        return sum(c.numel() * c.element_size() for c in self.kv_caches)
+
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """fp32 logits [R, vocab] for the plan's sampling sequences, in plan order."""
+    def execute(self, plan: StepPlan, *, sample: bool = True) -> torch.Tensor | None:
+        """fp32 logits [R, vocab] for the plan's sampling sequences, in plan order; None without
+        ``sample`` (a tensor-parallel follower only writes its KV slice and joins the all-reduces)."""
         if plan.copies:  # copy-on-write orders from the manager, before any write of this step
             mapping = torch.tensor(plan.copies, dtype=torch.int64, device=self.device)
             copy_blocks(self.kv_caches, mapping)
@@ -78,4 +84,6 @@ class ModelRunner:
                                    self.scale, sliding_window=self.window)
 
         hidden = self.model(meta.input_ids, meta.positions, attend)
+        if not sample:
+            return None
         return self.model.compute_logits(hidden[meta.logits_indices])

@@ -150,11 +150,13 @@ class Scheduler:
     def _room(self) -> int:
         """Blocks an admission may take and still leave every running request one block to
         grow into: an estimate from the blocks our requests hold (cache hits not counted), so
-        admissions stop before decodes start to preempt. The manager still decides."""
+        admissions stop before decodes start to preempt. The manager still decides. Statically
+        preallocated requests hold their whole max_model_len already and never grow."""
         if self.num_blocks is None:
             return 1 << 62
         held = len({b for r in self.running for b in r.block_table})
-        return self.num_blocks - 1 - held - len(self.running)
+        growth = 0 if self.static else len(self.running)
+        return self.num_blocks - 1 - held - growth
 
     # -- applying the manager's answers ----------------------------------------------------
 

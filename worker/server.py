@@ -15,6 +15,8 @@ Worker -> client, one per sampled token (``index``: which of the n samples)::
 
 The loop is single-threaded: drain the socket, run one engine step, send its tokens, heartbeat
 the manager. SIGTERM/SIGINT: abort every request, free everything at the manager, deregister.
+Optional: Prometheus metrics rendered by this loop (worker/metrics.py), and systemd's notify
+protocol (READY=1 once bound, WATCHDOG=1 per iteration, STOPPING=1; a no-op outside systemd).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import time
 import msgpack
 import zmq
 
+from kvpool.shared.notify import Notifier
 from kvpool.shared.protocol import ManagerError
 from kvpool.worker.engine import Engine, TokenEvent
+from kvpool.worker.metrics import WorkerMetrics
 from kvpool.worker.sampler import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,8 +45,10 @@ def pack(obj: dict) -> bytes:
 
 
 class WorkerServer:
-    def __init__(self, engine: Engine, endpoint: str, pool: str) -> None:
+    def __init__(self, engine: Engine, endpoint: str, pool: str, *, metrics: WorkerMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics
+        self.notifier = Notifier()
         self.endpoint = endpoint
         self.pool = pool
         self._ctx = zmq.Context()
@@ -62,6 +68,7 @@ class WorkerServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.request_stop)
         logger.info("worker for pool %s serving at %s", self.pool, self.endpoint)
+        self.notifier.ready(f"pool {self.pool}: serving at {self.endpoint}")
         try:
             while not self._stop:
                 self.run_once()
@@ -79,10 +86,17 @@ class WorkerServer:
                 self._handle(frames[0], frames[-1])
         if self.engine.has_work():
             try:
-                self._send_events(self.engine.step())
+                t0 = time.perf_counter()
+                events = self.engine.step()
+                if self.metrics is not None:
+                    self.metrics.observe_step(time.perf_counter() - t0, sum(ev.token is not None for ev in events))
+                self._send_events(events)
             except ManagerError as e:  # unreachable while re-registering: retry shortly
                 logger.warning("manager unavailable: %s", e)
                 time.sleep(0.2)
+        self.notifier.tick()
+        if self.metrics is not None:
+            self.metrics.maybe_update(self.engine)
         try:
             self.engine.heartbeat()
         except ManagerError as e:
@@ -146,6 +160,9 @@ class WorkerServer:
             logger.warning("client %r is not reading; dropped a reply", ident)
 
     def shutdown(self) -> None:
+        self.notifier.stopping()
+        if self.metrics is not None:
+            self.metrics.close()
         for eid in list(self._clients):
             self._send_events(self.engine.abort(eid))
         try:

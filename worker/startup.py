@@ -1,4 +1,9 @@
-"""Start-up of a worker: device, model, memory profile, registration, KV tensors, engine."""
+"""Start-up of a worker: device, model, memory profile, registration, KV tensors, engine.
+
+A tensor-parallel rank (``tp_size > 1``, process group already joined: worker/parallel.py)
+builds the whole model, keeps its share and profiles its own memory; rank 0 gets the engine,
+the others a ``TPFollower`` (worker/tp.py).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from kvpool.worker.config import WorkerConfig
 from kvpool.worker.engine import Engine
 from kvpool.worker.kv_cache import allocate_kv_caches
 from kvpool.worker.model import LlamaForCausalLM
+from kvpool.worker.parallel import shard_model
 from kvpool.worker.profiler import (
     activation_estimate,
     kv_cache_budget,
@@ -20,6 +26,7 @@ from kvpool.worker.profiler import (
 )
 from kvpool.worker.runner import ModelRunner
 from kvpool.worker.scheduler import Scheduler, SeqPlan, StepPlan
+from kvpool.worker.tp import Channel, TPFollower, TPLeader
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +35,14 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def rank_device(cfg: WorkerConfig) -> torch.device:
+    """This rank's device: the ranks of one replica take one GPU each (cuda:tp_rank)."""
+    device = resolve_device(cfg.device)
+    if device.type == "cuda" and device.index is None and cfg.tp_size > 1:
+        return torch.device("cuda", cfg.tp_rank)
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -49,17 +64,17 @@ def dummy_forward(model: LlamaForCausalLM, num_tokens: int, max_model_len: int, 
         plan.seqs.append(SeqPlan([0] * n, 0, list(range(next_block, next_block + nb)), True))
         next_block += nb
     p = next(model.parameters())
-    caches = allocate_kv_caches(cfg.num_layers, next_block, block_size, cfg.num_kv_heads,
+    caches = allocate_kv_caches(cfg.num_layers, next_block, block_size, model.local_kv_heads,
                                 cfg.head_size, p.dtype, p.device)
     ModelRunner(model, caches, block_size).execute(plan)
 
 
 def measure_kv_bytes(cfg: WorkerConfig, device: torch.device, dtype: torch.dtype):
-    """Loads the model and returns (model, bytes the KV cache may take)."""
+    """Loads the model (this rank's share of it) and returns (model, bytes the KV cache may take)."""
     holder: list[LlamaForCausalLM] = []
 
     def load() -> None:
-        holder.append(load_model(cfg.model, dtype, device, cfg.seed))
+        holder.append(shard_model(load_model(cfg.model, dtype, device, cfg.seed), cfg.tp_rank, cfg.tp_size))
 
     def forward() -> None:
         dummy_forward(holder[0], cfg.max_num_batched_tokens, cfg.max_model_len, cfg.block_size)
@@ -72,22 +87,41 @@ def measure_kv_bytes(cfg: WorkerConfig, device: torch.device, dtype: torch.dtype
     else:
         load()
         m = holder[0].config
-        floor = activation_estimate(cfg.max_num_batched_tokens, m.hidden_size, m.intermediate_size,
-                                    m.num_heads, m.head_size, m.vocab_size, dtype.itemsize)
+        tp = cfg.tp_size
+        floor = activation_estimate(cfg.max_num_batched_tokens, m.hidden_size, m.intermediate_size // tp,
+                                    m.num_heads // tp, m.head_size, m.vocab_size, dtype.itemsize)
         profile = profile_cpu(holder[0], forward, cfg.cpu_memory_budget, floor)
     logger.info("memory profile: %s", profile)
     return holder[0], kv_cache_budget(profile, cfg.memory_utilization)
 
 
-def build_engine(cfg: WorkerConfig, block_manager: BlockManager) -> Engine:
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
-    model, kv_bytes = measure_kv_bytes(cfg, device, dtype)
+def load_rank(cfg: WorkerConfig) -> tuple[LlamaForCausalLM, int]:
+    """This rank's model share on its device, and the KV bytes it may take."""
+    device = rank_device(cfg)
+    model, kv_bytes = measure_kv_bytes(cfg, device, resolve_dtype(cfg.dtype, device))
     if cfg.max_model_len > model.config.max_position:
         raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
                          f"max_position {model.config.max_position}; lower max_model_len")
+    return model, kv_bytes
+
+
+def build_engine(cfg: WorkerConfig, block_manager: BlockManager) -> Engine:
+    """The engine of a single worker, or of tensor-parallel rank 0 (which registers every shard)."""
+    if cfg.tp_rank != 0:
+        raise ValueError(f"tensor-parallel rank {cfg.tp_rank} follows rank 0: use build_follower")
+    model, kv_bytes = load_rank(cfg)
     sched = Scheduler(cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
                       enable_prefix_caching=cfg.enable_prefix_caching,
                       enable_chunked_prefill=cfg.enable_chunked_prefill,
                       static_prealloc=cfg.static_prealloc)
-    return Engine(model, block_manager, sched, kv_bytes, seed=cfg.seed)
+    tp = TPLeader(Channel(rank_device(cfg)), cfg.tp_size) if cfg.tp_size > 1 else None
+    return Engine(model, block_manager, sched, kv_bytes, seed=cfg.seed, tp=tp)
+
+
+def build_follower(cfg: WorkerConfig, block_manager: BlockManager) -> TPFollower:
+    """Tensor-parallel rank ``cfg.tp_rank > 0``: registers when rank 0 says so (``run``)."""
+    if cfg.tp_rank == 0:
+        raise ValueError("rank 0 runs the scheduler: use build_engine")
+    model, kv_bytes = load_rank(cfg)
+    return TPFollower(model, block_manager, Channel(rank_device(cfg)), block_size=cfg.block_size,
+                      available_kv_bytes=kv_bytes, max_model_len=cfg.max_model_len)
