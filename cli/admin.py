@@ -311,6 +311,17 @@ def reset_cache(pool: str, endpoint: str, timeout_s: float, admin_key: str | Non
     emit(body, as_json, lambda: click.echo(f"pool {pool}: prefix cache reset"))
 
 
+@click.command("evict")
+@click.option("--pool", "-p", required=True, help="Pool name.")
+@click.option("--blocks", "-n", "num", type=click.IntRange(min=0), required=True,
+              help="Drop the hashes of up to this many free cached blocks (least recently used first).")
+@client_options
+def evict(pool: str, num: int, endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool) -> None:
+    """Evict free cached blocks of a pool (their hashes are forgotten; blocks in use stay)."""
+    body = ask(endpoint, timeout_s, admin_key, "evict", pool=pool, n=num)
+    emit(body, as_json, lambda: click.echo(f"pool {pool}: {body['evicted']} cached blocks evicted"))
+
+
 @click.command("drain")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until every request is freed.")
 @click.option("--wait-timeout", default=600.0, show_default=True, help="Give up waiting after this many seconds.")

@@ -25,6 +25,7 @@ cli.add_command(admin.sessions)
 cli.add_command(admin.requests)
 cli.add_command(admin.stats)
 cli.add_command(admin.reset_cache)
+cli.add_command(admin.evict)
 cli.add_command(admin.drain)
 cli.add_command(admin.shutdown)
 
@@ -44,3 +45,7 @@ from kvpool.cli import ops  # noqa: E402  (config show, events, keygen)
 cli.add_command(ops.config)
 cli.add_command(ops.events)
 cli.add_command(ops.keygen)
+
+from kvpool.cli import bench as _bench  # noqa: E402
+
+cli.add_command(_bench.bench)

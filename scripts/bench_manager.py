@@ -7,7 +7,7 @@ step, freeing the requests admitted by the previous step and admitting the next 
 ones (``2 * batch`` sub-ops, 64 by default). Two comparisons, each measured in this run:
 
 1. hashing in the loop: clients SHA-256 their prompts as a worker would, against
-   bench_pool.run_trace (hash + allocate + free in one process), the figure bench_pool prints;
+   kvpool.manager.bench.run_trace (hash + allocate + free in one process), the figure bench_pool prints;
 2. hashes precomputed before the clock starts: the daemon against the very same steps run
    through ``run_step`` in one process, which isolates the cost of the daemon itself.
 
@@ -35,15 +35,13 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_pool import run_trace  # noqa: E402
-
-from kvpool.manager.pool import Pool  # noqa: E402
-from kvpool.manager.step import run_step  # noqa: E402
-from kvpool.shared.hashing import hash_blocks  # noqa: E402
-from kvpool.shared.protocol import block_bytes  # noqa: E402
-from kvpool.shared.trace import TraceConfig, prompts  # noqa: E402
-from kvpool.worker.manager_client import ManagerClient  # noqa: E402
+from kvpool.manager.bench import run_trace
+from kvpool.manager.pool import Pool
+from kvpool.manager.step import run_step
+from kvpool.shared.hashing import hash_blocks
+from kvpool.shared.protocol import block_bytes
+from kvpool.shared.trace import TraceConfig, prompts
+from kvpool.worker.manager_client import ManagerClient
 
 POOL = "bench"
 SPEC = {"block_size": 16, "num_layers": 1, "num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
@@ -255,7 +253,7 @@ def main() -> None:
     print(f"reference trace: {cfg.num_requests} requests, block_size {cfg.block_size}, {cfg.num_blocks} blocks; "
           f"daemon: {args.clients} client processes over ipc://, {2 * args.batch} sub-ops per step, "
           f"{os.cpu_count()} CPUs")
-    report("SHA-256 hashing in the loop (in-process = bench_pool.run_trace; clients hash their prompts)", hashing)
+    report("SHA-256 hashing in the loop (in-process = kvpool.manager.bench.run_trace; clients hash their prompts)", hashing)
     report("hashes precomputed (in-process = the same steps through run_step, one process)", prehashed)
     if durable:
         report_durability(durable, prehashed["daemon"], args.redis_url)

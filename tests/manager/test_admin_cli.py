@@ -115,3 +115,28 @@ def test_stats_watch_refreshes_until_ctrl_c(busy, monkeypatch):
     assert ticks == [0.5, 0.5] and len(out) == 2
     assert [json.loads(line)["pools"]["p"]["requests"] for line in out] == [1, 1]
     assert live.server.registry.sessions.keys() == {busy[1].sid}
+
+
+def test_evict_drops_free_cached_blocks_lru_first(busy):
+    live, worker, epoch = busy
+    from kvpool.shared.hashing import hash_blocks
+
+    toks = list(range(12))  # three full blocks of 4
+    res = worker.step("p", epoch, [{"op": "alloc", "req": 1, "hashes": hash_blocks(toks, 4), "prompt_len": 12,
+                                    "max_new": 12}, {"op": "free", "req": 1}])
+    assert res[0]["ok"] and res[1]["ok"]
+    assert json.loads(run(live.endpoint, "evict", "-p", "p", "-n", "2", "--json")) == {"evicted": 2}
+    # tail first: the chain keeps its head block only
+    assert worker.lookup("p", hash_blocks(toks, 4)) == 1
+    assert "1 cached blocks evicted" in run(live.endpoint, "evict", "--pool", "p", "--blocks", "5")
+    assert worker.lookup("p", hash_blocks(toks, 4)) == 0
+
+
+def test_bench_replays_the_reference_trace_in_process():
+    res = CliRunner().invoke(cli, ["bench", "--requests", "400", "--blocks", "2000", "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    full, bare = out["with_hashing"], out["allocate_free_only"]
+    assert full["requests"] == bare["requests"] == 400
+    assert full["prefix_hit_rate"] > 0.05 and bare["prefix_hit_rate"] == 0  # 30% share 128-token prefixes
+    assert full["evictions"] > 0, "400 requests of ~18 blocks cycle through 2000 blocks"
