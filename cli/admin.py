@@ -361,6 +361,3 @@ def shutdown(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bo
         body = client.call("shutdown")
         client.sid = None  # the manager is going away: no deregister
     emit(body, as_json, lambda: click.echo(f"manager {endpoint}: shutting down"))
-
-
-COMMANDS = [manager, status, pools, sessions, requests, stats, reset_cache, drain, shutdown]

@@ -128,10 +128,6 @@ class LoopPublisher:
     def replay_socket(self) -> zmq.Socket | None:
         return self.zmq.replay
 
-    @property
-    def next_seq(self) -> int:
-        return self.zmq.next_seq
-
     def publish(self, pool: str, epoch: int, events: list[tuple]) -> None:
         self.zmq.publish(pool, events, self.block_size_of(pool))
 

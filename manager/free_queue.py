@@ -28,19 +28,8 @@ class FreeQueue:
     def __len__(self) -> int:
         return len(self._front) + len(self._lru)
 
-    def __contains__(self, block_id: int) -> bool:
-        return block_id in self._lru or block_id in self._front
-
     def num_hashed(self) -> int:
         return len(self._lru)
-
-    def push_front(self, block_id: int) -> None:
-        """An unhashed block: reused first."""
-        self._front.append(block_id)
-
-    def push_back(self, block_id: int) -> None:
-        """A hashed block: evicted after every block freed before it."""
-        self._lru[block_id] = None
 
     def remove(self, block_id: int) -> None:
         """Takes a hashed free block out of the middle (a prefix-cache hit)."""
@@ -63,7 +52,9 @@ class FreeQueue:
         return [popitem(False)[0] for _ in range(n)]
 
     def releaser(self):
-        """The two push functions, bound once for a caller's loop (the free path is hot)."""
+        """The two push functions, bound once for a caller's loop (the free path is hot):
+        ``push_front(b)`` for an unhashed block (reused first), ``set_lru(b, None)`` for a hashed
+        one (evicted after every block freed before it)."""
         return self._front.append, self._lru.__setitem__
 
     def move_to_front(self, block_id: int) -> None:

@@ -58,7 +58,7 @@ class Operations:
             except zmq.ZMQError as e:
                 raise RuntimeError(f"cannot bind the KV events sockets {cfg.events_endpoint} / "
                                    f"{cfg.events_replay_endpoint}: {e}; change events_endpoint") from None
-            publisher = self.events = LoopPublisher(pub, lambda name: self.reg.pools[name].pool.block_size)
+            publisher = self.events = LoopPublisher(pub, self._block_size)
             logger.info("KV events on %s (replay: %s)", cfg.events_endpoint, cfg.events_replay_endpoint or "off")
             if self.events.replay_socket is not None:
                 self._poller = zmq.Poller()
@@ -72,6 +72,10 @@ class Operations:
                                    "change metrics_port (0: off)") from None
             logger.info("metrics on http://%s:%d/metrics", cfg.metrics_host, self.metrics.port)
         return publisher
+
+    def _block_size(self, name: str) -> int:
+        """From the shards' spec: a pool that just lost a shard has no Pool, but its events go out."""
+        return self.reg.pools[name].spec["block_size"]
 
     def wait(self, sock: zmq.Socket, timeout_ms: int) -> bool:
         """Waits for a request; answers event replay requests meanwhile. True when one is ready."""

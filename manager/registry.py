@@ -160,14 +160,17 @@ class Registry:
         go, one stays (unbound) so the pool keeps its spec; the others' return re-forms it."""
         for r in ranks if len(ranks) < len(entry.shards) else ranks[1:]:
             del entry.shards[r]
-        if entry.pool is not None and entry.pool.blocks.events is not None:
-            # subscribers drop the pool's hashes now, not when it re-forms
-            self.orphan_events.append((entry.name, entry.epoch, [*entry.pool.blocks.events, ("cleared",)]))
-        entry.pool = None
+        self._drop_pool(entry)
         entry.epoch += 1
         self.dirty.add(entry.name)
         logger.warning("pool %s: shards %s left; epoch %d, cache and requests dropped until they register again",
                        entry.name, ranks, entry.epoch)
+
+    def _drop_pool(self, entry: PoolEntry) -> None:
+        """The entry's Pool is gone: subscribers drop its hashes now, not when it re-forms."""
+        if entry.pool is not None and entry.pool.blocks.events is not None:
+            self.orphan_events.append((entry.name, entry.epoch, [*entry.pool.blocks.events, ("cleared",)]))
+        entry.pool = None
 
     def expire(self, now: float) -> list[tuple[Session, int]]:
         """Ends every session silent past the timeout; returns (session, requests freed)."""
@@ -209,6 +212,7 @@ class Registry:
                 raise ManagerError("too_many_pools", f"{self.max_pools} pools exist; no room for {name!r}")
             entry = self.pools[name] = PoolEntry(name, count)
         elif not self._compatible(entry, rank, count, spec):
+            self._drop_pool(entry)
             entry = self.pools[name] = PoolEntry(name, count, epoch=entry.epoch)
         old = entry.shards.get(rank)
         if old is not None and old.incarnation == incarnation:
@@ -227,13 +231,18 @@ class Registry:
         return entry
 
     def _compatible(self, entry: PoolEntry, rank: int, count: int, spec: dict) -> bool:
-        """False when every other shard is gone (a new deployment replaces the pool); raises
-        spec_mismatch when a live shard disagrees."""
+        """False when a new deployment replaces the pool (a new shard_count with no other shard,
+        or every other shard gone and this one disagrees); raises spec_mismatch when a live
+        shard disagrees. Changes nothing."""
         others = [s for r, s in entry.shards.items() if r != rank]
         if not others:
-            if count != entry.shard_count:
-                entry.shard_count = count
-            return True
+            if count == entry.shard_count:
+                return True
+            # A new deployment: a fresh entry, never a ready Pool whose shard_count its shards
+            # no longer match (and nothing changed here before register may still raise).
+            logger.warning("pool %s: shard %d registers with shard_count %d (pool: %d); replacing the pool",
+                           entry.name, rank, count, entry.shard_count)
+            return False
         want = {k: others[0].spec[k] for k in COMMON_SPEC}
         have = {k: spec[k] for k in COMMON_SPEC}
         if have == want and count == entry.shard_count:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from kvpool.manager.pool import Pool, PoolError
 from kvpool.shared.hashing import HASH_BYTES
+from kvpool.shared.protocol import MAX_HASHES
 
 MAX_COUNT = 1 << 31  # bound on token and block counts in one sub-op
 MAX_REQ_ID_LEN = 128
@@ -48,8 +49,8 @@ def _req(op: dict, key: str = "req") -> int | str:
 
 def _hashes(op: dict) -> list[bytes]:
     hs = op.get("hashes", ())
-    if type(hs) not in (list, tuple):
-        raise PoolError("bad_field", "field 'hashes' must be a list of 32-byte strings")
+    if type(hs) not in (list, tuple) or len(hs) > MAX_HASHES:
+        raise PoolError("bad_field", f"field 'hashes' must be a list of at most {MAX_HASHES} 32-byte strings")
     for h in hs:
         if type(h) is not bytes or len(h) != HASH_BYTES:
             raise PoolError("bad_hash", f"every hash must be {HASH_BYTES} bytes, got {h!r:.40}")

@@ -8,7 +8,7 @@ from manager_helpers import SPEC, call, hello, make_server, ok, register
 
 from kvpool.manager.server import OPS
 from kvpool.shared.hashing import hash_blocks
-from kvpool.shared.protocol import ERROR_CODES, pack, unpack
+from kvpool.shared.protocol import ERROR_CODES, MAX_HASHES, pack, unpack
 
 H = hash_blocks(list(range(64)), SPEC["block_size"])  # 16 full blocks
 
@@ -214,3 +214,11 @@ def test_msgpack_ext_types_and_str_hashes_are_refused():
     ext = msgpack.ExtType(1, b"x" * 32)
     assert call(srv, "lookup", sid, pool="p", hashes=[ext])["status"] == "bad_hash"
     assert call(srv, "lookup", sid, pool="p", hashes=["a" * 32])["status"] == "bad_hash"
+
+
+def test_a_sub_op_with_more_hashes_than_max_hashes_is_a_bad_field():
+    srv, sid = ready_server(max_message_bytes=16 << 20)
+    hashes = [bytes(32)] * (MAX_HASHES + 1)
+    res = ok(call(srv, "step", sid, pool="p", epoch=1, ops=[{**alloc(1), "hashes": hashes}]))["results"]
+    assert res[0]["code"] == "bad_field" and str(MAX_HASHES) in res[0]["msg"]
+    assert ok(call(srv, "stats", sid))["pools"]["p"]["requests"] == 0

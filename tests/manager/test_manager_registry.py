@@ -137,3 +137,18 @@ def test_check_invariants_catches_a_request_of_a_dead_session():
     pool.allocate(("not-a-session", 1), [], 8, 8)
     with pytest.raises(AssertionError, match="dead session"):
         r.check_invariants()
+
+
+@pytest.mark.parametrize("inc", ["a", "b"])
+def test_a_new_shard_count_replaces_the_pool_never_leaves_it_ready_without_its_shards(inc):
+    r = make_registry()
+    s = r.open_session("w", "worker", True, 1, 0.0)
+    old = reg_shard(r, s, blocks=16)
+    old.pool.allocate((s.sid, 1), [b"h" * 32], 8, 8)
+    r.orphan_events = []
+    e = reg_shard(r, s, rank=0, count=2, inc=inc, blocks=16)
+    assert (e.state, e.shard_count, e.epoch, list(e.shards)) == ("pending", 2, 1, [0])
+    r.check_invariants()  # was: "ready without all shards", serving the old block space
+    assert r.orphan_events == [("p", 1, [("stored", [b"h" * 32], None), ("cleared",)])]
+    e = reg_shard(r, s, rank=1, count=2, inc="c", blocks=16)
+    assert (e.state, e.epoch) == ("ready", 2) and e.pool.requests == {}

@@ -79,3 +79,36 @@ def test_subscriber_rebuilds_cached_set_and_replay(tmp_path):
     sub.close(0)
     dealer.close(0)
     ctx.term()
+
+
+def test_a_multi_shard_pool_losing_a_shard_publishes_its_clear_and_the_loop_survives(tmp_path):
+    from kvpool.manager.config import ManagerConfig
+    from kvpool.manager.server import Server
+    from kvpool.shared.protocol import encode_request, unpack
+
+    srv = Server(ManagerConfig(endpoint=f"ipc://{tmp_path}/m.sock", events_endpoint=f"ipc://{tmp_path}/ev.sock"))
+    srv.bind()
+    sub = srv.ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"ipc://{tmp_path}/ev.sock")
+        time.sleep(0.3)  # slow joiner
+
+        def call(op, sid=None, **args):
+            reply = unpack(srv.handle_payload(encode_request(1, op, sid, args), time.monotonic()))
+            assert reply["status"] == "ok", reply
+            return reply["body"]
+
+        spec = {"block_size": 4, "num_layers": 1, "num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
+        sids = [call("hello")["sid"] for _ in range(2)]
+        for rank, sid in enumerate(sids):
+            call("register", sid, pool="p", shard_rank=rank, shard_count=2, incarnation=f"i{rank}", spec=spec,
+                 available_kv_bytes=1 << 16)
+        call("deregister", sids[1])
+        srv.run_once(0)  # was: AttributeError on the dropped Pool's block size, killing the loop
+        assert sub.poll(2000)
+        topic, _, payload = sub.recv_multipart()
+        assert topic == b"p" and decode_batch(payload)[1] == [["AllBlocksCleared"]]
+    finally:
+        sub.close(0)
+        srv.close()
