@@ -15,11 +15,10 @@ from typing import Protocol
 
 from kvpool.manager.pool import Pool
 from kvpool.manager.step import run_step
-from kvpool.shared.protocol import ManagerRestarted, ManagerUnavailable, StaleEpoch
+from kvpool.shared.protocol import ManagerRestarted, ManagerUnavailable, StaleEpoch, block_bytes
 from kvpool.worker.manager_client import ManagerClient
 
 logger = logging.getLogger(__name__)
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class ManagerReset(Exception):
@@ -27,9 +26,8 @@ class ManagerReset(Exception):
 
 
 def spec_num_blocks(spec: dict, available_kv_bytes: int) -> int:
-    """Blocks of ``spec`` that fit ``available_kv_bytes`` (the same arithmetic as the profiler)."""
-    page = 2 * spec["block_size"] * spec["num_kv_heads"] * spec["head_size"] * DTYPE_BYTES[spec["dtype"]]
-    return available_kv_bytes // (page * spec["num_layers"])
+    """Blocks of ``spec`` that fit ``available_kv_bytes`` (the same arithmetic as the manager's)."""
+    return available_kv_bytes // block_bytes(spec)
 
 
 class BlockManager(Protocol):
@@ -57,7 +55,6 @@ class LocalBlockManager:
         self.max_blocks = max_blocks  # cap (tests that want memory pressure)
         self.epoch = 0
         self._pool: Pool | None = None
-        self.steps = 0
 
     def register(self, spec: dict, available_kv_bytes: int) -> dict:
         num_blocks = spec_num_blocks(spec, available_kv_bytes)
@@ -70,7 +67,6 @@ class LocalBlockManager:
     def step(self, ops: list[dict]) -> list[dict]:
         if self._pool is None:
             raise ManagerReset(f"pool {self.pool!r} is not registered (manager restarted)")
-        self.steps += 1
         return run_step(self._pool, "local", ops)
 
     def simulate_restart(self) -> None:

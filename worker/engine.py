@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.worker.block_manager import BlockManager, ManagerReset
-from kvpool.worker.kv_cache import allocate_kv_caches, kv_spec
+from kvpool.worker.kv_cache import kv_spec
 from kvpool.worker.model import LlamaForCausalLM
 from kvpool.worker.profiler import check_fits
 from kvpool.worker.request import Request
-from kvpool.worker.runner import ModelRunner
+from kvpool.worker.runner import ModelRunner, allocate_runner
 from kvpool.worker.sampler import SampleKey, SamplingParams, sample
 from kvpool.worker.scheduler import Scheduler
 from kvpool.worker.tp import TPLeader
@@ -76,11 +76,8 @@ class Engine:
         num_blocks = int(info["num_blocks"])
         check_fits(num_blocks, self.block_size, self.scheduler.max_model_len)
         if num_blocks != self.num_blocks:
-            cfg = self.model.config
             self.runner = None  # drop the old tensors before allocating new ones
-            caches = allocate_kv_caches(cfg.num_layers, num_blocks, self.block_size, self.model.local_kv_heads,
-                                        cfg.head_size, self.dtype, self.device)
-            self.runner = ModelRunner(self.model, caches, self.block_size)
+            self.runner = allocate_runner(self.model, num_blocks, self.block_size)
             self.num_blocks = num_blocks
         self.scheduler.num_blocks = num_blocks
         self.registrations += 1
@@ -184,8 +181,9 @@ class Engine:
                 owners.append((row, req, i))
         if not owners:
             return []
-        rows = torch.tensor([row for row, _, _ in owners], dtype=torch.long, device=logits.device)
-        tokens = sample(logits[rows], keys)
+        if len(owners) > len(sampling):  # an unforked n > 1 request draws n rows from its logits
+            logits = logits[torch.tensor([row for row, _, _ in owners], dtype=torch.long, device=logits.device)]
+        tokens = sample(logits, keys)
         events = []
         for (_, req, i), tok in zip(owners, tokens):
             target = req if i == 0 else self._child(req, i, tok)

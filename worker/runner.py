@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.kernels import copy_blocks, paged_attention, reshape_and_cache
+from kvpool.worker.kv_cache import allocate_kv_caches
 from kvpool.worker.model import LlamaForCausalLM
 from kvpool.worker.scheduler import StepPlan
 
@@ -87,3 +88,12 @@ class ModelRunner:
         if not sample:
             return None
         return self.model.compute_logits(hidden[meta.logits_indices])
+
+
+def allocate_runner(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> ModelRunner:
+    """A runner over fresh KV tensors of ``num_blocks`` blocks: this shard's heads, the model's
+    dtype and device."""
+    cfg, p = model.config, next(model.parameters())
+    caches = allocate_kv_caches(cfg.num_layers, num_blocks, block_size, model.local_kv_heads, cfg.head_size,
+                                p.dtype, p.device)
+    return ModelRunner(model, caches, block_size)

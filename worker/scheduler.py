@@ -128,6 +128,8 @@ class Scheduler:
         return ops
 
     def _admit(self, ops: list[dict], budget: int) -> None:
+        if not self.waiting:
+            return  # spares _room's walk over every running block table on a decode step
         slots = self.max_num_seqs - len(self.running)
         room, admitted = self._room(), 0
         for req in self.waiting:

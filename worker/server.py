@@ -112,7 +112,7 @@ class WorkerServer:
             if op == "generate":
                 self._generate(ident, cid, msg)
             elif op == "abort":
-                self._abort(cid)
+                self._abort(ident, cid)
             elif op == "stats":
                 self._reply(ident, {"id": cid, "stats": {"pool": self.pool, **self.engine.stats()}})
             elif op == "ping":
@@ -136,9 +136,10 @@ class WorkerServer:
         self._clients[eid] = (ident, cid)
         self._open[eid] = params.n
 
-    def _abort(self, cid: str) -> None:
-        for eid, (_, c) in list(self._clients.items()):
-            if c == cid:
+    def _abort(self, ident: bytes, cid: str) -> None:
+        # ids are the client's own (every GenerateClient starts at "generate-0"): match the sender too
+        for eid, owner in list(self._clients.items()):
+            if owner == (ident, cid):
                 self._send_events(self.engine.abort(eid))
 
     def _send_events(self, events: list[TokenEvent]) -> None:

@@ -15,7 +15,6 @@ from kvpool.worker.block_manager import BlockManager
 from kvpool.worker.checkpoint import load_model
 from kvpool.worker.config import WorkerConfig
 from kvpool.worker.engine import Engine
-from kvpool.worker.kv_cache import allocate_kv_caches
 from kvpool.worker.model import LlamaForCausalLM
 from kvpool.worker.parallel import shard_model
 from kvpool.worker.profiler import (
@@ -24,7 +23,7 @@ from kvpool.worker.profiler import (
     profile_cpu,
     profile_cuda,
 )
-from kvpool.worker.runner import ModelRunner
+from kvpool.worker.runner import allocate_runner
 from kvpool.worker.scheduler import Scheduler, SeqPlan, StepPlan
 from kvpool.worker.tp import Channel, TPFollower, TPLeader
 
@@ -54,7 +53,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def dummy_forward(model: LlamaForCausalLM, num_tokens: int, max_model_len: int, block_size: int) -> None:
     """A forward over ``num_tokens`` prompt tokens in sequences of at most max_model_len, every
     sequence sampling: the activation peak of the largest step the scheduler may plan."""
-    cfg = model.config
     lens = [max_model_len - 1] * (num_tokens // (max_model_len - 1))
     if num_tokens % (max_model_len - 1):
         lens.append(num_tokens % (max_model_len - 1))
@@ -63,10 +61,7 @@ def dummy_forward(model: LlamaForCausalLM, num_tokens: int, max_model_len: int, 
         nb = -(-n // block_size)
         plan.seqs.append(SeqPlan([0] * n, 0, list(range(next_block, next_block + nb)), True))
         next_block += nb
-    p = next(model.parameters())
-    caches = allocate_kv_caches(cfg.num_layers, next_block, block_size, model.local_kv_heads,
-                                cfg.head_size, p.dtype, p.device)
-    ModelRunner(model, caches, block_size).execute(plan)
+    allocate_runner(model, next_block, block_size).execute(plan)
 
 
 def measure_kv_bytes(cfg: WorkerConfig, device: torch.device, dtype: torch.dtype):

@@ -31,11 +31,11 @@ import torch.distributed as dist
 
 from kvpool.shared.protocol import ManagerError, ManagerRestarted
 from kvpool.worker.block_manager import BlockManager, ManagerReset
-from kvpool.worker.kv_cache import allocate_kv_caches, kv_spec
+from kvpool.worker.kv_cache import kv_spec
 from kvpool.worker.model import LlamaForCausalLM
 from kvpool.worker.parallel import TPPeerLost
 from kvpool.worker.profiler import check_fits
-from kvpool.worker.runner import ModelRunner
+from kvpool.worker.runner import ModelRunner, allocate_runner
 from kvpool.worker.scheduler import SeqPlan, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -188,11 +188,8 @@ class TPFollower:
         num_blocks = int(info["num_blocks"])
         check_fits(num_blocks, self.block_size, self.max_model_len)
         if num_blocks != self.num_blocks:
-            cfg = self.model.config
-            self.runner = None
-            caches = allocate_kv_caches(cfg.num_layers, num_blocks, self.block_size, self.model.local_kv_heads,
-                                        cfg.head_size, self.dtype, self.device)
-            self.runner = ModelRunner(self.model, caches, self.block_size)
+            self.runner = None  # drop the old tensors before allocating new ones
+            self.runner = allocate_runner(self.model, num_blocks, self.block_size)
             self.num_blocks = num_blocks
         logger.info("rank %d registered its shard of pool %s: %d blocks, %d KV bytes", self.model.tp_rank,
                     self.bm.pool, num_blocks, self.runner.kv_bytes)  # type: ignore[union-attr]
