@@ -144,6 +144,8 @@ class Registry:
                 entry.shards[r].sid = None
             pool = entry.pool
             if pool is None:
+                if lost and entry.shard_count > 1:
+                    self._forget_pending_shards(entry, lost)
                 continue
             mine = [key for key in pool.requests if key[0] == sid]  # type: ignore[index]
             for key in mine:
@@ -165,6 +167,14 @@ class Registry:
         self.dirty.add(entry.name)
         logger.warning("pool %s: shards %s left; epoch %d, cache and requests dropped until they register again",
                        entry.name, ranks, entry.epoch)
+
+    def _forget_pending_shards(self, entry: PoolEntry, ranks: list[int]) -> None:
+        """A waiting pool must not form with a shard whose process is gone: its registration is
+        forgotten (one stays, unbound, when it is the last, so the pool keeps its spec)."""
+        for r in ranks if len(ranks) < len(entry.shards) else ranks[1:]:
+            del entry.shards[r]
+        self.dirty.add(entry.name)
+        logger.info("pool %s: shards %s left before the pool formed", entry.name, ranks)
 
     def _drop_pool(self, entry: PoolEntry) -> None:
         """The entry's Pool is gone: subscribers drop its hashes now, not when it re-forms."""

@@ -152,3 +152,25 @@ def test_a_new_shard_count_replaces_the_pool_never_leaves_it_ready_without_its_s
     assert r.orphan_events == [("p", 1, [("stored", [b"h" * 32], None), ("cleared",)])]
     e = reg_shard(r, s, rank=1, count=2, inc="c", blocks=16)
     assert (e.state, e.epoch) == ("ready", 2) and e.pool.requests == {}
+
+
+def test_a_shard_that_leaves_a_waiting_pool_is_forgotten_so_the_pool_never_forms_with_it():
+    r = make_registry()
+    s0, s1, s2 = (r.open_session(f"w{i}", "worker", False, 1, 0.0) for i in range(3))
+    reg_shard(r, s0, rank=0, count=3, inc="a0")
+    reg_shard(r, s1, rank=1, count=3, inc="a1")
+    r.end_session(s1.sid)  # rank 1's process died before rank 2 arrived
+    entry = reg_shard(r, s2, rank=2, count=3, inc="a2")
+    assert entry.state == "pending" and sorted(entry.shards) == [0, 2], "rank 1 must register again"
+    s1b = r.open_session("w1b", "worker", False, 1, 0.0)
+    entry = reg_shard(r, s1b, rank=1, count=3, inc="a1-restarted")
+    assert entry.state == "ready" and entry.epoch == 1
+    r.check_invariants()
+
+
+def test_the_last_shard_of_a_waiting_pool_keeps_its_spec_when_it_leaves():
+    r = make_registry()
+    s0 = r.open_session("w0", "worker", False, 1, 0.0)
+    reg_shard(r, s0, rank=0, count=2, inc="a0")
+    r.end_session(s0.sid)
+    assert list(r.pools["p"].shards) == [0] and r.pools["p"].shards[0].sid is None
