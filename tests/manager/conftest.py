@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 
 import pytest
+from durable_helpers import drop_namespace, new_namespace, redis_or_skip
 from manager_helpers import LiveServer
 
 
@@ -55,3 +56,13 @@ def procs():
         if p.poll() is None:
             os.kill(p.pid, signal.SIGKILL)
         p.wait(10)
+
+
+@pytest.fixture
+def namespace():
+    """A fresh Redis namespace for a durable manager, deleted afterwards."""
+    r = redis_or_skip()
+    name = new_namespace()
+    yield name
+    drop_namespace(r, name)
+    r.close()

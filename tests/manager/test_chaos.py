@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from durable_helpers import Daemon, drop_namespace, new_namespace, redis_or_skip
+from durable_helpers import Daemon
 from manager_helpers import wait_until
 
 from kvpool.worker.manager_client import ManagerClient
@@ -26,15 +26,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis]
 CHAOS = [sys.executable, str(Path(__file__).with_name("chaos_procs.py"))]
 KILLS = 22
 CLIENTS = 3
-
-
-@pytest.fixture
-def namespace():
-    r = redis_or_skip()
-    name = new_namespace()
-    yield name
-    drop_namespace(r, name)
-    r.close()
 
 
 def test_sigkill_the_manager_at_random_under_load(procs, sock_dir, namespace):

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from durable_helpers import Daemon, drop_namespace, new_namespace, redis_or_skip
+from durable_helpers import Daemon, redis_or_skip
 from manager_helpers import CLI, SPEC, kv_bytes, wait_until
 
 from kvpool.shared.protocol import encode_request, unpack
@@ -22,15 +22,6 @@ from kvpool.worker.manager_client import ManagerClient
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 PROC = [sys.executable, str(Path(__file__).with_name("manager_procs.py"))]
 ALLOC = [{"op": "alloc", "req": 1, "hashes": [], "prompt_len": 10, "max_new": 10}]
-
-
-@pytest.fixture
-def namespace():
-    r = redis_or_skip()
-    name = new_namespace()
-    yield name
-    drop_namespace(r, name)
-    r.close()
 
 
 def worker(endpoints: list[str], pool: str = "p") -> tuple[ManagerClient, int]:

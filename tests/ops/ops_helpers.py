@@ -93,3 +93,14 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int:
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
     return proc.wait(timeout)
+
+
+def apply(cached: set, events: list) -> None:
+    """What a KV-aware router does with vLLM-format events."""
+    for ev in events:
+        if ev[0] == "BlockStored":
+            cached.update(ev[1])
+        elif ev[0] == "BlockRemoved":
+            cached.difference_update(ev[1])
+        elif ev[0] == "AllBlocksCleared":
+            cached.clear()

@@ -2,21 +2,11 @@ import time
 
 import msgpack
 import zmq
+from ops_helpers import apply
 
 from kvpool.manager.events import END_SEQ, EventPublisher, decode_batch, encode_events
 from kvpool.manager.pool import Pool
 from kvpool.shared.hashing import hash_blocks
-
-
-def apply(cached: set, events: list) -> None:
-    """What a KV-aware router does with vLLM-format events."""
-    for ev in events:
-        if ev[0] == "BlockStored":
-            cached.update(ev[1])
-        elif ev[0] == "BlockRemoved":
-            cached.difference_update(ev[1])
-        elif ev[0] == "AllBlocksCleared":
-            cached.clear()
 
 
 def test_encoding_is_vllm_array_like_tagged():

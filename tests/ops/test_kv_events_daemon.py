@@ -9,23 +9,12 @@ import time
 
 import pytest
 import zmq
-from ops_helpers import CLI, SPEC, kv_bytes, shared_prefix_allocs, wait_until
+from ops_helpers import CLI, SPEC, apply, kv_bytes, shared_prefix_allocs, wait_until
 
 from kvpool.manager.events import END_SEQ, decode_batch
 from kvpool.worker.manager_client import ManagerClient, ManagerUnavailable
 
 pytestmark = pytest.mark.slow
-
-
-def apply(cached: set, events: list) -> None:
-    """What a KV-aware router does with vLLM-format events."""
-    for ev in events:
-        if ev[0] == "BlockStored":
-            cached.update(ev[1])
-        elif ev[0] == "BlockRemoved":
-            cached.difference_update(ev[1])
-        elif ev[0] == "AllBlocksCleared":
-            cached.clear()
 
 
 def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes]]:
