@@ -7,7 +7,7 @@ import json
 import click
 from tqdm import tqdm
 
-from kvpool.manager.bench import report_lines, run_trace
+from kvpool.manager.core.bench import report_lines, run_trace
 from kvpool.shared.trace import TraceConfig
 
 

@@ -4,7 +4,7 @@
     kvpool snapshot --input state.kvps                               # inspect a file
     kvpool restore state.kvps --redis-url URL --namespace NS [--force] [--keep-state-id]
 
-A snapshot file is the manager's own snapshot format (manager/state_file.py: magic, SHA-256,
+A snapshot file is the manager's own snapshot format (manager/store/state_file.py: magic, SHA-256,
 msgpack): journal replayed, every invariant checked before it is written or restored.
 """
 
@@ -80,8 +80,13 @@ def _print(info: dict, as_json: bool, what: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def snapshot(redis_url: str, namespace: str, output: str | None, input_path: str | None, as_json: bool) -> None:
     """Dump a manager's state from Redis to a file (verified), or inspect a file."""
-    from kvpool.manager.snapshot import CorruptState
-    from kvpool.manager.state_file import decode_state, dump_registry, encode_state, load_registry
+    from kvpool.manager.core.snapshot import CorruptState
+    from kvpool.manager.store.state_file import (
+        decode_state,
+        dump_registry,
+        encode_state,
+        load_registry,
+    )
 
     reg = _registry()
     try:
@@ -114,8 +119,8 @@ def snapshot(redis_url: str, namespace: str, output: str | None, input_path: str
 def _read(redis_url: str, namespace: str, reg) -> int:
     import redis
 
-    from kvpool.manager.redis_store import read_state
-    from kvpool.manager.redis_url import connect
+    from kvpool.manager.store.redis_store import read_state
+    from kvpool.manager.store.redis_url import connect
 
     try:
         client = connect(redis_url)
@@ -139,10 +144,15 @@ def restore(path: str, redis_url: str, namespace: str, force: bool, keep_state_i
     """Replace a namespace's state in Redis by a snapshot file (verified first)."""
     import redis
 
-    from kvpool.manager.redis_store import write_state
-    from kvpool.manager.redis_url import connect
-    from kvpool.manager.snapshot import CorruptState
-    from kvpool.manager.state_file import decode_state, dump_registry, encode_state, load_registry
+    from kvpool.manager.core.snapshot import CorruptState
+    from kvpool.manager.store.redis_store import write_state
+    from kvpool.manager.store.redis_url import connect
+    from kvpool.manager.store.state_file import (
+        decode_state,
+        dump_registry,
+        encode_state,
+        load_registry,
+    )
 
     reg = _registry()
     try:

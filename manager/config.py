@@ -40,7 +40,7 @@ class ManagerConfig:
     curve_allowed_keys_dir: str | None = None  # one NAME.key per allowed client (SIGHUP reloads it)
     json_logs: bool = False  # one JSON object per log line
     log_level: str = "info"
-    # -- durability (manager/redis_store.py; PROTOCOL.md section 11) --
+    # -- durability (manager/store/redis_store.py; PROTOCOL.md section 11) --
     redis_url: str | None = None  # persist state in Redis (redis://, redis+sentinel://, redis+cluster://)
     namespace: str = "default"  # the Redis key namespace: one state, one active manager
     durability: str = "sync"  # sync: commit before replying; async: reply first (a crash may lose acks)
@@ -74,7 +74,7 @@ class ManagerConfig:
 
     def _check_durability(self) -> None:
         if self.redis_url is not None:
-            from kvpool.manager.redis_url import parse_redis_url
+            from kvpool.manager.store.redis_url import parse_redis_url
 
             parse_redis_url(self.redis_url)
         if not re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", self.namespace or ""):

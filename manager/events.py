@@ -38,7 +38,7 @@ MEDIUM = "GPU"
 
 
 def encode_events(events: list[tuple], block_size: int) -> list:
-    """Turns block-pool events (manager/block_pool.py) into vLLM event arrays."""
+    """Turns block-pool events (manager/core/block_pool.py) into vLLM event arrays."""
     out = []
     for ev in events:
         kind = ev[0]
@@ -116,7 +116,7 @@ class EventPublisher:
 
 
 class LoopPublisher:
-    """The manager loop's publisher hook (manager/store.py ``EventPublisher``) over a ZeroMQ
+    """The manager loop's publisher hook (manager/store/base.py ``EventPublisher``) over a ZeroMQ
     ``EventPublisher``: one batch per pool per iteration, topic = the pool's name, block size
     from ``block_size_of(pool)``. The loop polls ``replay_socket`` and calls ``serve_replay``."""
 

@@ -24,8 +24,8 @@ from kvpool.manager.events import EventPublisher, LoopPublisher
 from kvpool.manager.metrics import ManagerMetrics
 from kvpool.manager.registry import Registry
 from kvpool.manager.stats import ServerStats
-from kvpool.manager.store import EventPublisher as PublisherHook
-from kvpool.manager.store import NullPublisher
+from kvpool.manager.store.base import EventPublisher as PublisherHook
+from kvpool.manager.store.base import NullPublisher
 from kvpool.shared.notify import Notifier
 
 logger = logging.getLogger(__name__)

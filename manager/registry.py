@@ -1,6 +1,6 @@
 """Every piece of the manager's state, in one object: pools (with their shards) and sessions.
 
-The loop owns the registry; nothing else mutates it. A store snapshots it (manager/store.py).
+The loop owns the registry; nothing else mutates it. A store snapshots it (manager/store/base.py).
 
 - A *session* is one connected client (hello .. deregister or expiry). Its secret ``sid`` is
   the owner of its requests inside every pool (``run_step``'s owner), so one client can never
@@ -20,9 +20,9 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 
-from kvpool.manager.pool import Pool
-from kvpool.manager.step import run_step
-from kvpool.manager.store import GLOBAL
+from kvpool.manager.core.pool import Pool
+from kvpool.manager.core.step import run_step
+from kvpool.manager.store.base import GLOBAL
 from kvpool.shared.protocol import ManagerError, block_bytes
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class Registry:
         # replaces it with the id it keeps with the state, so it survives restarts and failovers.
         self.state_id = incarnation
         self.durable = False  # a persistent store holds this state (set by the store)
-        # When a store journals (manager/journal.py): this iteration's mutations as records.
+        # When a store journals (manager/store/journal.py): this iteration's mutations as records.
         self.log: list[list] | None = None
 
     def record(self, *rec: object) -> None:

@@ -20,13 +20,19 @@ import uuid
 import zmq
 
 from kvpool.manager.config import ManagerConfig
+from kvpool.manager.core.snapshot import CorruptState
 from kvpool.manager.handlers import Handlers
 from kvpool.manager.operations import Operations
-from kvpool.manager.recovery import INACTIVE, activate, lost_store, open_store
 from kvpool.manager.registry import Registry, Session
-from kvpool.manager.snapshot import CorruptState
 from kvpool.manager.stats import ServerStats
-from kvpool.manager.store import EventPublisher, Fenced, NullPublisher, StateStore, StoreUnavailable
+from kvpool.manager.store.base import (
+    EventPublisher,
+    Fenced,
+    NullPublisher,
+    StateStore,
+    StoreUnavailable,
+)
+from kvpool.manager.store.recovery import INACTIVE, activate, lost_store, open_store
 from kvpool.shared.protocol import (
     SUPPORTED_VERSIONS,
     ManagerError,
@@ -272,7 +278,7 @@ class Server:
         """Store commit, then KV events: both before any reply of this iteration goes out.
 
         The store is called every iteration (it renews its lease when idle). A failed commit
-        acknowledges nothing: the iteration's replies become errors (manager/recovery.py).
+        acknowledges nothing: the iteration's replies become errors (manager/store/recovery.py).
         """
         reg = self.registry
         t0 = time.perf_counter()

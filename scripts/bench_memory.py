@@ -8,7 +8,7 @@ token by token against four strategies holding the same number of KV token slots
   static         each sequence reserves max_model_len contiguous slots (first-fit allocator).
   doubling       each sequence holds a contiguous region of pow2 >= prompt+1 slots; when full it
                  is reallocated at twice the size (allocate new, copy the written KV, free old).
-  paged          the real kvpool.manager.pool.Pool, enable_caching=False; n samples = n requests.
+  paged          the real kvpool.manager.core.pool.Pool, enable_caching=False; n samples = n requests.
   paged+prefix   the real Pool with prefix caching; n samples = 1 allocation + (n-1) forks that
                  share the prompt copy-on-write (the worker copies a shared partial block).
 

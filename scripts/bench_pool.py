@@ -3,7 +3,7 @@
 
 Prints requests/s including SHA-256 hashing (hash + lookup + allocate + cache + free), the
 allocate+free cost per block without hashing or prefix caching, the prefix hit rate (cached
-tokens / prompt tokens) and blocks per request. The replay itself is kvpool.manager.bench,
+tokens / prompt tokens) and blocks per request. The replay itself is kvpool.manager.core.bench,
 which `kvpool bench` runs too.
 
     python scripts/bench_pool.py                 # the reference trace (100k requests)
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvpool.manager.bench import report_lines, run_trace
+from kvpool.manager.core.bench import report_lines, run_trace
 from kvpool.shared.trace import TraceConfig
 
 

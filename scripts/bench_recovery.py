@@ -21,11 +21,11 @@ import random
 import time
 import uuid
 
-from kvpool.manager.journal import recover
-from kvpool.manager.redis_store import RedisStore, namespace_keys
-from kvpool.manager.redis_url import connect
 from kvpool.manager.registry import Registry
-from kvpool.manager.state_file import dump_registry, encode_state
+from kvpool.manager.store.journal import recover
+from kvpool.manager.store.redis_store import RedisStore, namespace_keys
+from kvpool.manager.store.redis_url import connect
+from kvpool.manager.store.state_file import dump_registry, encode_state
 from kvpool.shared.protocol import block_bytes
 
 SPEC = {"block_size": 16, "num_layers": 1, "num_kv_heads": 1, "head_size": 8, "dtype": "float16"}

@@ -40,7 +40,7 @@ ROLES = ("worker", "admin", "router", "observer")
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}\Z")
 
-# Error codes of whole messages (sub-op codes are listed in manager/step.py and PROTOCOL.md).
+# Error codes of whole messages (sub-op codes are listed in manager/core/step.py and PROTOCOL.md).
 ERROR_CODES = {
     "bad_message": "not msgpack, not a map, or a bad envelope field (v, id, op, sid, args)",
     "too_large": "the payload exceeds max_message_bytes",

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from kvpool.manager.pool import Pool, PoolError
+from kvpool.manager.core.pool import Pool, PoolError
 from kvpool.shared.hashing import hash_blocks
 
 BS = 4

@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool.manager.pool import Pool
+from kvpool.manager.core.pool import Pool
 from kvpool.shared.hashing import hash_blocks
 
 BS = 4

@@ -5,8 +5,8 @@ import random
 import msgpack
 import pytest
 
-from kvpool.manager.pool import Pool
-from kvpool.manager.snapshot import CorruptState, dump_pool, load_pool
+from kvpool.manager.core.pool import Pool
+from kvpool.manager.core.snapshot import CorruptState, dump_pool, load_pool
 from kvpool.shared.hashing import hash_blocks
 
 BS = 4

@@ -1,7 +1,7 @@
 """Where the scheduler's block decisions are made: the manager, local or remote.
 
 The scheduler only needs ``step(ops) -> results`` (one round trip per scheduler step, schemas as
-in ``kvpool.manager.step``) plus registration around it. ``LocalBlockManager`` embeds a real
+in ``kvpool.manager.core.step``) plus registration around it. ``LocalBlockManager`` embeds a real
 ``Pool`` and runs steps through ``run_step`` (tests, benchmarks); ``RemoteBlockManager`` talks to
 the manager daemon through ``ManagerClient``. Both raise ``ManagerReset`` when the manager no
 longer holds this worker's requests: the engine then re-registers and recomputes.
@@ -13,8 +13,8 @@ import logging
 import uuid
 from typing import Protocol
 
-from kvpool.manager.pool import Pool
-from kvpool.manager.step import run_step
+from kvpool.manager.core.pool import Pool
+from kvpool.manager.core.step import run_step
 from kvpool.shared.protocol import ManagerRestarted, ManagerUnavailable, StaleEpoch, block_bytes
 from kvpool.worker.manager_client import ManagerClient
 

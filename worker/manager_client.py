@@ -135,7 +135,7 @@ class ManagerClient:
             pause = min(pause * 2, 0.5)
 
     def step(self, pool: str, epoch: int, ops: list[dict]) -> list[dict]:
-        """Runs one scheduler step's sub-ops (manager/step.py schemas) in one round trip."""
+        """Runs one scheduler step's sub-ops (manager/core/step.py schemas) in one round trip."""
         return self.call("step", pool=pool, epoch=epoch, ops=ops)["results"]
 
     def lookup(self, pool: str, hashes: list[bytes]) -> int:

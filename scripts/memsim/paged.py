@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from kvpool.manager.pool import Pool
+from kvpool.manager.core.pool import Pool
 from kvpool.shared.hashing import SEED, hash_block, hash_blocks, tokens_to_bytes
 
 from .trace import Seq, SimConfig, TraceRequest

@@ -15,10 +15,10 @@ import uuid
 import pytest
 
 from kvpool.manager.config import ManagerConfig
-from kvpool.manager.journal import encode_batch, recover
 from kvpool.manager.registry import Registry
 from kvpool.manager.server import Server
-from kvpool.manager.state_file import dump_registry, encode_state
+from kvpool.manager.store.journal import encode_batch, recover
+from kvpool.manager.store.state_file import dump_registry, encode_state
 from kvpool.shared.hashing import hash_blocks
 from kvpool.shared.protocol import encode_request, unpack
 

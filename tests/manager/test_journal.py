@@ -8,10 +8,10 @@ import pytest
 from durable_helpers import CaptureStore, call, durable_server, random_step, settle, state_of
 from manager_helpers import SPEC, kv_bytes, ok
 
-from kvpool.manager.journal import decode_batch, encode_batch, recover, replay
+from kvpool.manager.core.snapshot import CorruptState
 from kvpool.manager.registry import Registry
-from kvpool.manager.snapshot import CorruptState
-from kvpool.manager.state_file import decode_state, dump_registry, encode_state
+from kvpool.manager.store.journal import decode_batch, encode_batch, recover, replay
+from kvpool.manager.store.state_file import decode_state, dump_registry, encode_state
 
 
 def register(srv, sid, pool="p", rank=0, count=1, inc="i0", blocks=48):

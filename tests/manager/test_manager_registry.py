@@ -6,7 +6,7 @@ import pytest
 from manager_helpers import SPEC, kv_bytes
 
 from kvpool.manager.registry import Registry
-from kvpool.manager.store import GLOBAL
+from kvpool.manager.store.base import GLOBAL
 from kvpool.shared.protocol import ManagerError
 
 

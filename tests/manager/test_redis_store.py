@@ -22,9 +22,9 @@ from durable_helpers import (
 from manager_helpers import SPEC, kv_bytes, ok
 
 from kvpool.cli.main import cli
-from kvpool.manager.redis_store import namespace_keys
-from kvpool.manager.redis_url import parse_redis_url
-from kvpool.manager.snapshot import CorruptState
+from kvpool.manager.core.snapshot import CorruptState
+from kvpool.manager.store.redis_store import namespace_keys
+from kvpool.manager.store.redis_url import parse_redis_url
 from kvpool.shared.protocol import pack, unpack
 
 EP = "ipc:///tmp/kvpool-store-test.sock"
@@ -183,7 +183,7 @@ def test_snapshot_to_a_file_and_restore(ns, tmp_path):
 
 @pytest.mark.redis
 def test_an_async_write_failure_stops_acknowledging_and_recovers(ns):
-    from kvpool.manager.store import StoreUnavailable
+    from kvpool.manager.store.base import StoreUnavailable
 
     _, name = ns
     srv = server(name, durability="async")

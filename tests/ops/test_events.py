@@ -4,8 +4,8 @@ import msgpack
 import zmq
 from ops_helpers import apply
 
+from kvpool.manager.core.pool import Pool
 from kvpool.manager.events import END_SEQ, EventPublisher, decode_batch, encode_events
-from kvpool.manager.pool import Pool
 from kvpool.shared.hashing import hash_blocks
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from worker_factories import greedy, make_engine, make_prompt
 
-from kvpool.manager.pool import Pool
-from kvpool.manager.step import run_step
+from kvpool.manager.core.pool import Pool
+from kvpool.manager.core.step import run_step
 from kvpool.shared.hashing import hash_blocks
 from kvpool.worker.request import Request
 from kvpool.worker.sampler import SamplingParams

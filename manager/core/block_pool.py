@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvpool.manager.free_queue import FreeQueue
+from kvpool.manager.core.free_queue import FreeQueue
 
 NULL_BLOCK = 0
 

@@ -18,7 +18,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from kvpool.manager.store import Fenced, StoreUnavailable
+from kvpool.manager.store.base import Fenced, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 ASYNC_MAX_PENDING = 256  # queued items (iterations) before the loop waits for Redis

@@ -16,7 +16,7 @@ Records (msgpack lists; ``Registry.record`` writes them)::
 
 The loop hands one iteration's records to the store as one *batch*:
 ``b"J" || crc32(payload) as u32le || payload``, payload ``msgpack([seq, [record...]])``, ``seq``
-numbering the batches 1, 2, ... with no gap. A snapshot (manager/state_file.py) says which
+numbering the batches 1, 2, ... with no gap. A snapshot (manager/store/state_file.py) says which
 ``seq`` it includes; loading checks that the journal continues it exactly.
 """
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 import struct
 import zlib
 
+from kvpool.manager.core.snapshot import CorruptState
 from kvpool.manager.registry import Registry
-from kvpool.manager.snapshot import CorruptState
 from kvpool.shared.protocol import ManagerError, pack, unpack
 
 _CRC = struct.Struct("<I")
@@ -118,7 +118,7 @@ def recover(reg: Registry, snap: bytes, blobs: list[bytes], committed: int, what
 
     ``committed`` is the store's record of the last committed batch: the journal must end there.
     """
-    from kvpool.manager.state_file import decode_state, load_registry
+    from kvpool.manager.store.state_file import decode_state, load_registry
 
     snap_seq = load_registry(decode_state(snap, f"snapshot of {what}"), reg, now)
     seq = replay(reg, blobs, snap_seq, now)

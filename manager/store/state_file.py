@@ -2,8 +2,8 @@
 
 A state snapshot is what a Redis store keeps under its ``snap`` key and what ``kvpool snapshot``
 writes to a file: sessions (with their last step's reply, for retried steps), pools with their
-shards, epochs and ``manager/snapshot.py`` pool dumps, the draining flag, the state id and
-``seq``, the number of the last journal batch (manager/journal.py) the snapshot includes.
+shards, epochs and ``manager/core/snapshot.py`` pool dumps, the draining flag, the state id and
+``seq``, the number of the last journal batch (manager/store/journal.py) the snapshot includes.
 
 Layout: ``MAGIC (12 bytes) || SHA-256(payload) (32 bytes) || payload (msgpack map)``. Decoding
 checks the magic, the checksum, the format and every field: anything else raises
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import hashlib
 
+from kvpool.manager.core.snapshot import CorruptState, dump_pool, load_pool
 from kvpool.manager.registry import PoolEntry, Registry, Session, Shard
-from kvpool.manager.snapshot import CorruptState, dump_pool, load_pool
 from kvpool.shared.protocol import pack, unpack
 
 MAGIC = b"KVPOOL-STATE"

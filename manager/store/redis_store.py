@@ -3,8 +3,8 @@
 Keys of one namespace share the hash tag ``{NAMESPACE}`` (one Cluster slot), so every write is
 one Lua script call, atomic on standalone, Sentinel and Cluster alike::
 
-    kvpool:{NS}:snap     the latest state snapshot (manager/state_file.py), including batch ``seq``
-    kvpool:{NS}:journal  list of journal batches (manager/journal.py) after the snapshot, in order
+    kvpool:{NS}:snap     the latest state snapshot (manager/store/state_file.py), including batch ``seq``
+    kvpool:{NS}:journal  list of journal batches (manager/store/journal.py) after the snapshot, in order
     kvpool:{NS}:seq      the seq of the last committed batch
     kvpool:{NS}:lease    the active manager's owner id, with a TTL (PX lease_ms)
     kvpool:{NS}:fence    the fencing token: INCR'd by every manager taking the lease
@@ -13,14 +13,14 @@ Commit (``--durability sync``): the loop's records of one iteration become one b
 by one script that first checks the fencing token (a manager that lost its lease can never
 write), then the batch seq (a retried commit is recognised, a hole refused), renews the lease
 and RPUSHes. The loop sends no reply of the iteration before the script returned.
-``--durability async`` hands the batch to a writer thread (manager/redis_async.py) and replies
+``--durability async`` hands the batch to a writer thread (manager/store/redis_async.py) and replies
 at once: a crash loses the batches not yet written, at most ``ASYNC_MAX_PENDING`` iterations
 (typically the one or two of the last Redis round trip), and those clients were acknowledged.
 
 Compaction: when the journal outgrows ``snapshot_bytes`` (and the last snapshot), the loop dumps
 the registry and one script sets the snapshot and trims exactly the batches it includes, so a
 half-compacted state can never be loaded. Loading reads snapshot, journal and seq in one script,
-replays the journal (manager/journal.py), checks that it ends at ``seq`` and that every
+replays the journal (manager/store/journal.py), checks that it ends at ``seq`` and that every
 invariant holds, or raises ``CorruptState``: nothing is ever half-loaded.
 """
 
@@ -30,12 +30,12 @@ import logging
 import time
 import uuid
 
-from kvpool.manager.journal import encode_batch, recover
-from kvpool.manager.redis_async import ASYNC_MAX_PENDING, AsyncWriter
+from kvpool.manager.core.snapshot import CorruptState
 from kvpool.manager.registry import Registry
-from kvpool.manager.snapshot import CorruptState
-from kvpool.manager.state_file import dump_registry, encode_state
-from kvpool.manager.store import Fenced, StoreUnavailable
+from kvpool.manager.store.base import Fenced, StoreUnavailable
+from kvpool.manager.store.journal import encode_batch, recover
+from kvpool.manager.store.redis_async import ASYNC_MAX_PENDING, AsyncWriter
+from kvpool.manager.store.state_file import dump_registry, encode_state
 
 logger = logging.getLogger(__name__)
 DURABILITY = ("sync", "async")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from kvpool.manager.pool import Pool, PoolError
+from kvpool.manager.core.pool import Pool, PoolError
 from kvpool.shared.hashing import HASH_BYTES
 from kvpool.shared.protocol import MAX_HASHES
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpool.manager.block_pool import BlockPool
+from kvpool.manager.core.block_pool import BlockPool
 
 
 class PoolError(ValueError):

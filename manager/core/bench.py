@@ -11,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from kvpool.manager.pool import Pool
+from kvpool.manager.core.pool import Pool
 from kvpool.shared.hashing import hash_blocks
 from kvpool.shared.trace import TraceConfig, prompts
 

@@ -14,7 +14,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import asdict
 
-from kvpool.manager.pool import Pool, PoolStats, Request
+from kvpool.manager.core.pool import Pool, PoolStats, Request
 from kvpool.shared.hashing import HASH_BYTES
 
 FORMAT = 1

@@ -22,7 +22,7 @@ import logging
 import socket
 from typing import TYPE_CHECKING
 
-from kvpool.manager.store import Fenced, MemoryStore, StateStore, StoreUnavailable
+from kvpool.manager.store.base import Fenced, MemoryStore, StateStore, StoreUnavailable
 from kvpool.shared.protocol import ManagerError, error_reply, unpack
 
 if TYPE_CHECKING:
@@ -45,8 +45,8 @@ def open_store(cfg: ManagerConfig) -> StateStore:
     """The store ``cfg`` asks for: Redis with ``redis_url``, else memory."""
     if not cfg.redis_url:
         return MemoryStore()
-    from kvpool.manager.redis_store import RedisStore
-    from kvpool.manager.redis_url import connect
+    from kvpool.manager.store.redis_store import RedisStore
+    from kvpool.manager.store.redis_url import connect
 
     owner = f"{socket.gethostname()}/{cfg.endpoint}"  # stable: a restarted manager takes its lease back at once
     return RedisStore(connect(cfg.redis_url, cfg.redis_timeout_s), cfg.namespace, owner=owner,

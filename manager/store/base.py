@@ -10,11 +10,11 @@ names, plus ``GLOBAL`` when sessions or manager-wide flags (draining) changed. A
 ``Registry`` (manager/registry.py), which a store may snapshot whole or by pool.
 
 The memory store keeps nothing (a restarted manager starts empty and workers re-register). The
-Redis store (manager/redis_store.py) journals the registry's mutations (manager/journal.py) and
+Redis store (manager/store/redis_store.py) journals the registry's mutations (manager/store/journal.py) and
 snapshots it, so a restarted manager, or a standby taking over, recovers the exact state. A
 store that cannot commit raises ``StoreUnavailable``; one that lost its lease to another
 manager raises ``Fenced``: the loop then acknowledges nothing of the iteration. The publisher receives each pool's KV events
-(``manager/block_pool.py`` Event tuples) drained after the iteration; the null one drops them.
+(``manager/core/block_pool.py`` Event tuples) drained after the iteration; the null one drops them.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class StateStore(Protocol):
 
     def load(self, registry: Registry, now: float) -> bool:
         """Restores the empty ``registry`` (after ``acquire``); False when there was nothing.
-        Raises CorruptState (manager/snapshot.py) rather than load part of a state."""
+        Raises CorruptState (manager/core/snapshot.py) rather than load part of a state."""
         ...
 
     def commit(self, registry: Registry, dirty: set[str]) -> None:
