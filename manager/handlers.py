@@ -11,6 +11,7 @@ import hmac
 import time
 from collections.abc import Callable
 
+from kvpool.manager.health import pool_health
 from kvpool.manager.registry import PoolEntry, Registry, Session
 from kvpool.manager.stats import ServerStats
 from kvpool.shared.protocol import (
@@ -167,7 +168,8 @@ class Handlers:
         pools = {}
         for name, entry in reg.pools.items():
             snap = entry.pool.snapshot_stats() if entry.pool is not None else {}
-            pools[name] = {**snap, "state": entry.state, "epoch": entry.epoch}
+            pools[name] = {**snap, "state": entry.state, "epoch": entry.epoch, "shard_count": entry.shard_count,
+                           **pool_health(entry, reg.sessions).as_dict()}
         return {"manager": manager, "pools": pools, "store": self.store_stats()}
 
     # -- admin -----------------------------------------------------------------------------
@@ -178,6 +180,7 @@ class Handlers:
         for entry in self.reg.pools.values():
             info = pool_info(entry)
             pool = entry.pool
+            info.update(pool_health(entry, live).as_dict())
             info.update(
                 spec=entry.spec,
                 free_blocks=pool.blocks.num_free if pool else 0,
@@ -233,6 +236,17 @@ class Handlers:
             raise bad_field("enable", "a bool", enable)
         self.reg.set_draining(enable)
         return {"draining": enable, "requests": self.reg.total_requests()}
+
+    def drop_pool(self, sess: Session, args: dict, now: float) -> dict:
+        entry = self.reg.get_pool(get_str(args, "pool", 64, pattern=POOL_NAME))
+        force = args.get("force", False)
+        if type(force) is not bool:
+            raise bad_field("force", "a bool", force)
+        health = pool_health(entry, self.reg.sessions)
+        if health.live_shards and not force:
+            raise ManagerError("in_use", f"pool {entry.name!r}: {health.live_shards} shard(s) are held by live "
+                               "worker sessions; stop those workers first, or drop it anyway with force")
+        return {"pool": entry.name, "dropped": True, "freed": self.reg.drop_pool(entry)}
 
     def shutdown(self, sess: Session, args: dict, now: float) -> dict:
         self.request_stop()

@@ -12,6 +12,9 @@ The loop owns the registry; nothing else mutates it. A store snapshots it (manag
 - A pool of several shards whose shard's session ends (deregister, expiry) loses that shard: its
   slice of every block may be gone, so the Pool is dropped, the epoch moves on (older epochs get
   ``stale_epoch``) and the pool is pending until the shard registers again.
+- A shard remembers how its session ended: ``sid`` None after a clean ``deregister``, the dead
+  session's sid after an expiry. ``pool_health`` reads that: a pool whose workers all left
+  cleanly is idle, one whose worker died is lost (unhealthy) until it returns or is dropped.
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ class Shard:
     spec: dict
     available_kv_bytes: int
     num_blocks: int
-    sid: str | None  # the session that registered it; None once that session is gone
+    # The session that registered it. None once that session ended with deregister; an expired
+    # session's sid stays (no longer in Registry.sessions): the shard's process died.
+    sid: str | None
 
 
 @dataclass
@@ -132,16 +137,19 @@ class Registry:
         self.record("open", sess.sid, identity, role, admin, version)
         return sess
 
-    def end_session(self, sid: str) -> int:
-        """Closes a session: frees its requests in every pool; returns how many."""
+    def end_session(self, sid: str, cause: str = "deregister") -> int:
+        """Closes a session (``cause``: "deregister" or "expired"): frees its requests in every
+        pool; returns how many. Its shards keep the sid when it expired (see ``pool_health``)."""
+        if cause not in ("deregister", "expired"):
+            raise ValueError(f"a session ends by 'deregister' or 'expired', not {cause!r}")
         self.sessions.pop(sid, None)
         self.dirty.add(GLOBAL)
-        self.record("end", sid)
+        self.record("end", sid, cause)
         freed = 0
         for entry in self.pools.values():
             lost = [r for r, shard in entry.shards.items() if shard.sid == sid]
             for r in lost:
-                entry.shards[r].sid = None
+                entry.shards[r].sid = None if cause == "deregister" else sid
             pool = entry.pool
             if pool is None:
                 if lost and entry.shard_count > 1:
@@ -186,7 +194,7 @@ class Registry:
         """Ends every session silent past the timeout; returns (session, requests freed)."""
         limit = self.session_timeout_s
         dead = [s for s in self.sessions.values() if now - s.last_seen > limit]
-        return [(s, self.end_session(s.sid)) for s in dead]
+        return [(s, self.end_session(s.sid, "expired")) for s in dead]
 
     def request_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -318,6 +326,20 @@ class Registry:
             self.dirty.add(entry.name)
             self.record("step", sess.sid, msg_id, entry.name, ops)
         return results
+
+    def drop_pool(self, entry: PoolEntry) -> int:
+        """Forgets a pool (admin ``drop_pool``): its requests are freed, subscribers told to
+        clear it, its name and memory released. Returns how many requests were freed."""
+        self.record("drop", entry.name)
+        freed = len(entry.pool.requests) if entry.pool is not None else 0
+        if entry.pool is not None and entry.pool.blocks.events is not None:
+            # unpublished events of a pool that is going away: subscribers just clear it
+            entry.pool.blocks.events = []
+        self._drop_pool(entry)
+        del self.pools[entry.name]
+        self.dirty.add(GLOBAL)
+        logger.warning("pool %s dropped (%d requests freed)", entry.name, freed)
+        return freed
 
     def reset_cache(self, entry: PoolEntry) -> bool:
         done = entry.pool.reset_prefix_cache()  # type: ignore[union-attr]

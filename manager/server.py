@@ -60,6 +60,7 @@ OPS: dict[str, tuple[str, bool, bool]] = {
     "evict": ("evict", True, True),
     "drain": ("drain", True, True),
     "shutdown": ("shutdown", True, True),
+    "drop_pool": ("drop_pool", True, True),
     "check": ("check", True, True),
     "cached_hashes": ("cached_hashes", True, True),
 }

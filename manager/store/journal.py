@@ -9,10 +9,11 @@ registry methods rebuilds the exact state, free-queue order, hash map and step r
 Records (msgpack lists; ``Registry.record`` writes them)::
 
     ["open", sid, identity, role, admin, version]           a session opened (hello)
-    ["end", sid]                                            deregister or expiry
+    ["end", sid, cause]                                     deregister or expiry (cause: "deregister",
+                                                            "expired"; absent in older journals)
     ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools]
     ["step", sid, msg_id, pool, ops]                        run_step again: the same results
-    ["reset", pool]   ["evict", pool, n]   ["drain", enable]
+    ["reset", pool]   ["evict", pool, n]   ["drain", enable]   ["drop", pool]
 
 The loop hands one iteration's records to the store as one *batch*:
 ``b"J" || crc32(payload) as u32le || payload``, payload ``msgpack([seq, [record...]])``, ``seq``
@@ -87,7 +88,7 @@ def apply(reg: Registry, rec: list, now: float) -> None:
             _, sid, identity, role, admin, version = rec
             reg.open_session(identity, role, admin, version, now, sid=sid)
         elif kind == "end":
-            reg.end_session(rec[1])
+            reg.end_session(rec[1], *rec[2:3])
         elif kind == "register":
             _replay_register(reg, rec)
         elif kind == "reset":
@@ -96,6 +97,8 @@ def apply(reg: Registry, rec: list, now: float) -> None:
             reg.evict(reg.pools[rec[1]], rec[2])
         elif kind == "drain":
             reg.set_draining(bool(rec[1]))
+        elif kind == "drop":
+            reg.drop_pool(reg.pools[rec[1]])
         else:
             raise CorruptState(f"journal record of unknown kind {kind!r:.40}")
     except CorruptState:
