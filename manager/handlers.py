@@ -45,6 +45,13 @@ def pool_info(entry: PoolEntry) -> dict:
     }
 
 
+def _flag(args: dict, key: str) -> bool:
+    value = args.get(key, False)
+    if type(value) is not bool:
+        raise bad_field(key, "a bool", value)
+    return value
+
+
 class Handlers:
     def __init__(
         self,
@@ -120,6 +127,7 @@ class Handlers:
             get_str(args, "incarnation", 128),
             check_spec(get_map(args, "spec")),
             get_int(args, "available_kv_bytes", 0, U63),
+            _flag(args, "replace"),
         )
         return pool_info(entry)
 
@@ -239,9 +247,7 @@ class Handlers:
 
     def drop_pool(self, sess: Session, args: dict, now: float) -> dict:
         entry = self.reg.get_pool(get_str(args, "pool", 64, pattern=POOL_NAME))
-        force = args.get("force", False)
-        if type(force) is not bool:
-            raise bad_field("force", "a bool", force)
+        force = _flag(args, "force")
         health = pool_health(entry, self.reg.sessions)
         if health.live_shards and not force:
             raise ManagerError("in_use", f"pool {entry.name!r}: {health.live_shards} shard(s) are held by live "

@@ -79,6 +79,19 @@ class PoolEntry:
         return "ready" if self.pool is not None else "pending"
 
 
+def refuse_live_owner(pool: str, shard: Shard, sid: str, sessions: dict[str, Session]) -> None:
+    """A shard held by another live session (its worker runs) is not taken over silently: a
+    second worker for the same pool is refused unless it asks to replace the first."""
+    if shard.sid is None or shard.sid == sid or shard.sid not in sessions:
+        return
+    owner = sessions[shard.sid]
+    raise ManagerError(
+        "shard_in_use",
+        f"shard {shard.rank} of pool {pool!r} is held by a live worker (session {owner.num}, "
+        f"{owner.identity}); stop it first, or register with replace (kvpool worker --replace)",
+    )
+
+
 class Registry:
     def __init__(
         self,
@@ -207,13 +220,15 @@ class Registry:
     # -- pools -----------------------------------------------------------------------------
 
     def register(
-        self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: dict, available: int
+        self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: dict, available: int,
+        replace: bool = False,
     ) -> PoolEntry:
-        """Registers one shard (idempotent for the same incarnation); see the module docstring."""
+        """Registers one shard (idempotent for the same incarnation); see the module docstring.
+        ``replace``: take over a shard another live session holds (refused otherwise)."""
         # Journaled before anything can fail, with the limits in force: a replay fails or
         # succeeds exactly as this call does, whatever the restarted manager is configured with.
         self.record("register", sess.sid, name, rank, count, incarnation, spec, available,
-                    self.max_blocks, self.max_pools)
+                    self.max_blocks, self.max_pools, replace)
         if rank >= count:
             raise ManagerError("bad_field", f"shard_rank {rank} must be < shard_count {count}")
         per_block = block_bytes(spec)
@@ -233,6 +248,8 @@ class Registry:
             self._drop_pool(entry)
             entry = self.pools[name] = PoolEntry(name, count, epoch=entry.epoch)
         old = entry.shards.get(rank)
+        if old is not None and old.incarnation != incarnation and not replace:
+            refuse_live_owner(name, old, sess.sid, self.sessions)
         if old is not None and old.incarnation == incarnation:
             if old.spec != spec or old.available_kv_bytes != available:
                 raise ManagerError(

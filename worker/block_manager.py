@@ -43,6 +43,8 @@ class BlockManager(Protocol):
 
     def deregister(self) -> None: ...
 
+    def stop_retrying(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -54,6 +56,7 @@ class LocalBlockManager:
         self.enable_caching = enable_caching
         self.max_blocks = max_blocks  # cap (tests that want memory pressure)
         self.epoch = 0
+        self.draining = False  # as the daemon's drain: allocations are refused
         self._pool: Pool | None = None
 
     def register(self, spec: dict, available_kv_bytes: int) -> dict:
@@ -67,7 +70,7 @@ class LocalBlockManager:
     def step(self, ops: list[dict]) -> list[dict]:
         if self._pool is None:
             raise ManagerReset(f"pool {self.pool!r} is not registered (manager restarted)")
-        return run_step(self._pool, "local", ops)
+        return run_step(self._pool, "local", ops, allow_alloc=not self.draining)
 
     def simulate_restart(self) -> None:
         """Forget everything, as a manager restarted without persistence would."""
@@ -90,6 +93,9 @@ class LocalBlockManager:
             self._pool.free_all()
         self._pool = None
 
+    def stop_retrying(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -106,12 +112,13 @@ class RemoteBlockManager:
 
     def __init__(self, endpoints: str | list[str], pool: str, *, shard_rank: int = 0, shard_count: int = 1,
                  incarnation: str | None = None, timeout_s: float = 5.0, register_wait_s: float = 30.0,
-                 identity: str | None = None) -> None:
+                 identity: str | None = None, replace: bool = False) -> None:
         self.client = ManagerClient(endpoints, role="worker", identity=identity, timeout_s=timeout_s)
         self.pool = pool
         self.shard_rank, self.shard_count = shard_rank, shard_count
         self.incarnation = incarnation or uuid.uuid4().hex  # new tensors, new incarnation
         self.register_wait_s = register_wait_s
+        self.replace = replace  # take the shard over from a live session (the first registration only)
         self.epoch = 0
         self._fresh_session = False
 
@@ -121,7 +128,9 @@ class RemoteBlockManager:
             self._fresh_session = False
         info = self.client.register(self.pool, shard_rank=self.shard_rank, shard_count=self.shard_count,
                                     incarnation=self.incarnation, spec=spec,
-                                    available_kv_bytes=available_kv_bytes, wait_s=self.register_wait_s)
+                                    available_kv_bytes=available_kv_bytes, wait_s=self.register_wait_s,
+                                    **({"replace": True} if self.replace else {}))
+        self.replace = False  # a later re-registration must not take the pool back from a newer worker
         self.epoch = int(info["epoch"])
         return info
 
@@ -132,6 +141,7 @@ class RemoteBlockManager:
             raise ManagerReset(str(e)) from e
         except ManagerUnavailable as e:
             self._fresh_session = True
+            self.client.sid = None  # given up: no heartbeat may find the old session gone again
             raise ManagerReset(str(e)) from e
 
     def heartbeat(self) -> None:
@@ -145,6 +155,10 @@ class RemoteBlockManager:
 
     def deregister(self) -> None:
         self.client.deregister()
+
+    def stop_retrying(self) -> None:
+        """Shutting down: no call is resent any more (a durable manager's failover window)."""
+        self.client.stop_retrying()
 
     def close(self) -> None:
         self.client.close()

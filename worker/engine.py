@@ -62,7 +62,11 @@ class Engine:
         self.resets = 0
         self._lost = False
         self._rng = random.Random(seed)
-        self._rids = itertools.count()
+        self._rids = itertools.count()  # the manager's request ids (samples, recomputations)
+        self._client_ids = itertools.count()  # req-0, req-1, ... for add_request without an id
+        # Why the last step made no progress ("draining": the manager refuses admissions), or None.
+        # The serving loop backs off while it is set instead of resending the step at once.
+        self.stalled: str | None = None
         self._requests: dict[str, list[Request]] = {}  # client id -> its live samples
         self.register()
 
@@ -89,7 +93,7 @@ class Engine:
     def add_request(self, prompt: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
-        request_id = request_id if request_id is not None else f"req-{next(self._rids)}"
+        request_id = request_id if request_id is not None else f"req-{next(self._client_ids)}"
         vocab = self.model.config.vocab_size
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -129,6 +133,7 @@ class Engine:
             self.register()
             self._lost = False
         sched = self.scheduler
+        self.stalled = None
         ops = sched.schedule()
         if not ops:
             return []
@@ -145,6 +150,8 @@ class Engine:
             logits = self.runner.execute(plan)
             sched.advance()
             events += self._sample(logits)
+        elif sched.drain_refused and not events:
+            self.stalled = "draining"
         sched.end_step()
         return events
 
@@ -153,6 +160,8 @@ class Engine:
         notices a restarted manager. Raises TPPeerLost when another rank is gone."""
         if self.tp is not None:
             self.tp.tick()
+        if self._lost:
+            return  # the session is already given up: re-registering opens a new one (no second reset)
         try:
             self.bm.heartbeat()
         except ManagerReset as e:
@@ -232,15 +241,19 @@ class Engine:
                     out[ev.request_id][ev.index].append(ev.token)
         return [out[rid] for rid in ids]
 
-    def shutdown(self) -> None:
-        """Frees every request's blocks, deregisters and stops the other ranks (SIGTERM path)."""
+    def shutdown(self, reach_manager: bool = True) -> None:
+        """Frees every request's blocks, deregisters and stops the other ranks (SIGTERM path).
+        ``reach_manager`` False (it is known unreachable): only the ranks are stopped."""
         rids = [r.rid for r in self.scheduler.running] + self.scheduler.pending_frees
         try:
-            if rids:
+            if not reach_manager:
+                raise ManagerReset("the manager is unreachable")
+            if rids and not self._lost:
                 self.bm.step([{"op": "free", "req": rid} for rid in rids])
             self.bm.deregister()
-        except ManagerReset:
-            pass  # the manager already forgot us
+        except ManagerReset as e:  # forgotten by the manager, or it did not answer: gave up
+            logger.warning("shutdown: %d requests not freed and the session not ended at the manager (%s); "
+                           "it frees them when the session times out", len(rids), e)
         finally:
             if self.tp is not None:
                 self.tp.stop()

@@ -83,6 +83,7 @@ class Scheduler:
         self._victims: list[Request] = []
         self._hold_admissions = False
         self._head_blocked = False
+        self.drain_refused = False  # the last step's admissions were refused: the manager drains
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -168,6 +169,7 @@ class Scheduler:
         plan, failed = StepPlan(), []  # failed: (request, tokens) refused for space
         self._scheduled, self._victims = [], []
         self._head_blocked = False
+        self.drain_refused = False
         for (kind, req, n), res in zip(self._actions, results):
             if kind == "free":
                 if not res.get("ok") and res.get("code") != "unknown_request":
@@ -218,7 +220,9 @@ class Scheduler:
             self.stats.cached_tokens += cached
         elif res.get("code") == "no_space":
             self._head_blocked = self._head_blocked or req is self.waiting[0]
-        elif res.get("code") != "draining":
+        elif res.get("code") == "draining":
+            self.drain_refused = True
+        else:
             req.finish_reason = f"error: {res.get('msg', res.get('code'))}"
             self.waiting.remove(req)
             self.errored.append(req)

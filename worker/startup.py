@@ -15,6 +15,7 @@ from kvpool.worker.block_manager import BlockManager
 from kvpool.worker.checkpoint import load_model
 from kvpool.worker.config import WorkerConfig
 from kvpool.worker.engine import Engine
+from kvpool.worker.host_memory import check_kv_request
 from kvpool.worker.model import LlamaForCausalLM
 from kvpool.worker.parallel import shard_model
 from kvpool.worker.profiler import (
@@ -76,6 +77,7 @@ def measure_kv_bytes(cfg: WorkerConfig, device: torch.device, dtype: torch.dtype
 
     if cfg.kv_cache_memory is not None:
         load()
+        check_kv_request(cfg.kv_cache_memory, device, "--kv-cache-memory (kv_cache_memory)")
         return holder[0], cfg.kv_cache_memory
     if device.type == "cuda":
         profile = profile_cuda(load, forward, device)
@@ -87,7 +89,10 @@ def measure_kv_bytes(cfg: WorkerConfig, device: torch.device, dtype: torch.dtype
                                     m.num_heads // tp, m.head_size, m.vocab_size, dtype.itemsize)
         profile = profile_cpu(holder[0], forward, cfg.cpu_memory_budget, floor)
     logger.info("memory profile: %s", profile)
-    return holder[0], kv_cache_budget(profile, cfg.memory_utilization)
+    kv_bytes = kv_cache_budget(profile, cfg.memory_utilization)
+    setting = "--memory-utilization" if device.type == "cuda" else "--cpu-memory-budget (cpu_memory_budget)"
+    check_kv_request(kv_bytes, device, setting)
+    return holder[0], kv_bytes
 
 
 def load_rank(cfg: WorkerConfig) -> tuple[LlamaForCausalLM, int]:

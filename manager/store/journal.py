@@ -11,7 +11,7 @@ Records (msgpack lists; ``Registry.record`` writes them)::
     ["open", sid, identity, role, admin, version]           a session opened (hello)
     ["end", sid, cause]                                     deregister or expiry (cause: "deregister",
                                                             "expired"; absent in older journals)
-    ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools]
+    ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools, replace]
     ["step", sid, msg_id, pool, ops]                        run_step again: the same results
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]   ["drop", pool]
 
@@ -108,10 +108,10 @@ def apply(reg: Registry, rec: list, now: float) -> None:
 
 
 def _replay_register(reg: Registry, rec: list) -> None:
-    _, sid, name, rank, count, incarnation, spec, available, max_blocks, max_pools = rec
+    _, sid, name, rank, count, incarnation, spec, available, max_blocks, max_pools, *rest = rec
     reg.max_blocks, reg.max_pools = max_blocks, max_pools
     try:
-        reg.register(reg.sessions[sid], name, rank, count, incarnation, spec, available)
+        reg.register(reg.sessions[sid], name, rank, count, incarnation, spec, available, bool(rest and rest[0]))
     except ManagerError:
         pass  # it failed the same way when it happened
 

@@ -113,3 +113,22 @@ def test_status_is_healthy_when_workers_left_cleanly_but_not_for_their_pool(live
     assert "healthy" in run(ep, "status")
     assert "no live worker" in run(ep, "status", "--pool", "p", code=EXIT_UNHEALTHY)
     assert "dropped" in run(ep, "drop-pool", "p")
+
+
+def test_a_second_worker_for_a_live_shard_is_refused_unless_it_replaces():
+    store = CaptureStore()
+    srv = durable_server(store=store)
+    first, second = hello(srv), hello(srv)
+    assert ok(register(srv, first, inc="i0"))["epoch"] == 1
+    refused = register(srv, second, inc="i1")
+    assert refused["status"] == "shard_in_use" and "--replace" in refused["msg"]
+    assert call(srv, "register", second, pool="p", shard_rank=0, shard_count=1, incarnation="i1", spec=SPEC,
+                available_kv_bytes=kv_bytes(64), replace="yes")["status"] == "bad_field"
+    taken = ok(call(srv, "register", second, pool="p", shard_rank=0, shard_count=1, incarnation="i1", spec=SPEC,
+                    available_kv_bytes=kv_bytes(64), replace=True))
+    assert taken["epoch"] == 2
+    assert register(srv, first, inc="i0")["status"] == "shard_in_use"  # the replaced worker cannot take it back
+    srv._commit([])
+    assert state_of(durable_server(store=store).registry) == state_of(srv.registry)
+    ok(call(srv, "deregister", second))
+    assert ok(register(srv, first, inc="i2"))["epoch"] == 3  # nobody holds it: no replace needed
