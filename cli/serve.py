@@ -266,4 +266,7 @@ def demo(num_requests: int, max_inflight: int, kv_blocks: int, seed: int, as_jso
         result = run_demo(cfg, progress=not as_json)
     except RuntimeError as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted: the demo's manager and workers are stopped", err=True)
+        sys.exit(130)
     click.echo(json.dumps(result, indent=2) if as_json else format_report(result))

@@ -38,9 +38,32 @@ def durability_options(f: Callable) -> Callable:
 
 
 def redis_options(f: Callable) -> Callable:
-    f = click.option("--namespace", default="default", show_default=True, help="Redis key namespace.")(f)
-    return click.option("--redis-url", envvar="KVPOOL_REDIS_URL", default="redis://127.0.0.1:6379/0",
-                        show_default=True, help="Redis URL; env KVPOOL_REDIS_URL.")(f)
+    """--redis-url/--namespace, else the manager's config (--config, /etc/kvpool/manager.toml,
+    KVPOOL_MANAGER_*): never a silent default database."""
+    f = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                     help="The manager's config file, for redis_url and namespace [/etc/kvpool/manager.toml "
+                          "if it exists].")(f)
+    f = click.option("--namespace", default=None, help="Redis key namespace [the manager config's, else default].")(f)
+    return click.option("--redis-url", envvar="KVPOOL_REDIS_URL", default=None,
+                        help="Redis URL; env KVPOOL_REDIS_URL [the manager config's redis_url; required "
+                             "when it has none].")(f)
+
+
+def resolve_redis(redis_url: str | None, namespace: str | None, config_path: str | None) -> tuple[str, str]:
+    """The Redis URL and namespace given, else the manager config's; a URL is required."""
+    if redis_url is None or namespace is None:
+        from kvpool.cli.layered import load_service
+
+        try:
+            cfg, _ = load_service("manager", config_path)
+        except (ValueError, OSError) as e:
+            raise click.ClickException(str(e)) from None
+        redis_url = redis_url or cfg.redis_url
+        namespace = namespace or cfg.namespace
+    if not redis_url:
+        raise click.UsageError("which Redis? pass --redis-url URL (or set redis_url in the manager's config, "
+                               "or KVPOOL_REDIS_URL / KVPOOL_MANAGER_REDIS_URL)")
+    return redis_url, namespace or "default"
 
 
 def _registry():
@@ -78,7 +101,8 @@ def _print(info: dict, as_json: bool, what: str) -> None:
 @click.option("--input", "input_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Inspect a snapshot file instead of Redis.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def snapshot(redis_url: str, namespace: str, output: str | None, input_path: str | None, as_json: bool) -> None:
+def snapshot(redis_url: str | None, namespace: str | None, config_path: str | None, output: str | None,
+             input_path: str | None, as_json: bool) -> None:
     """Dump a manager's state from Redis to a file (verified), or inspect a file."""
     from kvpool.manager.core.snapshot import CorruptState
     from kvpool.manager.store.state_file import (
@@ -96,6 +120,7 @@ def snapshot(redis_url: str, namespace: str, output: str | None, input_path: str
             reg.check_invariants()
             what = input_path
         else:
+            redis_url, namespace = resolve_redis(redis_url, namespace, config_path)
             seq = _read(redis_url, namespace, reg)
             what = f"namespace {namespace}"
     except CorruptState as e:
@@ -140,7 +165,8 @@ def _read(redis_url: str, namespace: str, reg) -> int:
               help="Keep the file's state id (moving a stopped system): clients then carry on as if nothing "
                    "happened. Without it clients see a restart and recompute, which is always safe.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def restore(path: str, redis_url: str, namespace: str, force: bool, keep_state_id: bool, as_json: bool) -> None:
+def restore(path: str, redis_url: str | None, namespace: str | None, config_path: str | None, force: bool,
+            keep_state_id: bool, as_json: bool) -> None:
     """Replace a namespace's state in Redis by a snapshot file (verified first)."""
     import redis
 
@@ -154,6 +180,7 @@ def restore(path: str, redis_url: str, namespace: str, force: bool, keep_state_i
         load_registry,
     )
 
+    redis_url, namespace = resolve_redis(redis_url, namespace, config_path)
     reg = _registry()
     try:
         with open(path, "rb") as fh:

@@ -70,6 +70,8 @@ class Handlers:
         self.started = time.monotonic()
         self.msg_id = 0  # the id of the message being handled (set by the server): retried steps
         self.store_stats: Callable[[], dict] = dict  # the state store's counters (set by the server)
+        # where KV events are published (set by the server; None: off): `kvpool events` asks
+        self.events_info: dict = {"events_endpoint": None, "events_replay_endpoint": None}
 
     # -- sessions --------------------------------------------------------------------------
 
@@ -171,6 +173,7 @@ class Handlers:
             "pools": len(reg.pools),
             "requests": reg.total_requests(),
             "draining": reg.draining,
+            **self.events_info,
             **self.counters.snapshot(),
         }
         pools = {}

@@ -93,6 +93,8 @@ class Server:
             admin_key=cfg.admin_key, request_stop=self.request_stop,
         )
         self.handlers.store_stats = self.store.stats
+        self.handlers.events_info = {"events_endpoint": cfg.events_endpoint,
+                                     "events_replay_endpoint": cfg.events_replay_endpoint}
         self._dispatch: dict[str, Handler] = {
             op: (getattr(self.handlers, name), needs_session, admin) for op, (name, needs_session, admin) in OPS.items()
         }
