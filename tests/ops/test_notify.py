@@ -1,5 +1,6 @@
 import os
 import socket
+import time
 
 from kvpool.shared.notify import Notifier
 
@@ -44,3 +45,16 @@ def test_noop_outside_systemd_and_watchdog_for_other_pid():
     other = Notifier({"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"})
     assert other.watchdog_interval is None
     assert other.ready() is False, "a dead socket is reported, not raised"
+
+
+def test_a_reader_that_falls_behind_never_blocks_the_loop(tmp_path):
+    # test_notify_daemon under load: the kernel queues 10 datagrams per socket; the 11th blocked
+    path = str(tmp_path / "notify.sock")
+    sock = _listen(path)
+    n = Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid())})
+    t0 = time.monotonic()
+    sent = [n.tick(now=100.0 + i) for i in range(600)]
+    assert time.monotonic() - t0 < 2.0 and sent.count(True) >= 1 and not all(sent)
+    sock.recv(1024)
+    assert n.stopping(), "STOPPING waits briefly for room"
+    sock.close()
