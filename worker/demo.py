@@ -133,13 +133,15 @@ class Cluster:
         with open(proc.log_path, "rb") as f:  # type: ignore[attr-defined]
             return f.read().decode(errors="replace")[-chars:]
 
-    def stop(self) -> None:
+    def stop(self, fast: bool = False) -> None:
+        """Workers first (all at once: they free and deregister), then the manager. ``fast``
+        (Ctrl-C): everything at once, killed after 2 s; the demo's manager is private anyway."""
         others = [p for p in self.procs if p not in self.workers]
-        for group in (self.workers, others):  # workers first (all at once): they free and deregister
+        for group in ([self.procs] if fast else [self.workers, others]):
             live = [p for p in group if p.poll() is None]
             for proc in live:
                 proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + (2 if fast else 10)
             for proc in live:
                 try:
                     proc.wait(max(0.1, deadline - time.monotonic()))
@@ -286,17 +288,21 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
                   f"weights), {cfg.kv_blocks} KV blocks of {cfg.block_size} tokens per worker, "
                   f"max_model_len {cfg.max_model_len}")
     say(progress, "waiting for the workers to load the model and register their pools (about 10 s)...")
+    interrupted = False
     try:
         t0 = time.monotonic()
         cluster.start()
         say(progress, f"ready in {time.monotonic() - t0:.1f}s; sending {cfg.num_requests} requests, up to "
                       f"{cfg.max_inflight} at once, each to the worker holding its longest cached prefix")
         return report(cfg, drive(cfg, cluster, progress))
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # a 2nd Ctrl-C: cleanup still runs
         try:
-            cluster.stop()
+            cluster.stop(fast=interrupted)
         finally:
             if main:
                 signal.signal(signal.SIGINT, previous)
