@@ -185,9 +185,9 @@ def generate(prompt_ids: tuple[int, ...], endpoint: str | None, pool: str, manag
 
     How each sample finished goes to stderr ("finished: length" ...). Exit status: 0 when every
     sample finished normally (stop, length), 1 when the worker refused the request or a sample
-    ended with an error, 3 when the worker cannot serve (no worker, it died, the manager is
-    draining or unreachable: the message says which), 130 on Ctrl-C. A request given up for
-    any reason is aborted on the worker.
+    ended with an error or was aborted by the worker (it shut down), 3 when the worker cannot
+    serve (no worker, it died, the manager is draining or unreachable: the message says which),
+    130 on Ctrl-C. A request given up for any reason is aborted on the worker.
     """
     from kvpool.worker.client import GenerateClient, WorkerUnavailable
 

@@ -153,8 +153,11 @@ def test_drain_backs_off_and_a_replacement_worker_takes_over_only_when_asked(clu
             assert row["health"] == "ok" and row["epoch"] == 2 and row["live_shards"] == 1
             out = kvpool("generate", "-w", c.worker_eps[0], "--max-tokens", "3", "5", "6", "7")
             assert out.returncode == 0 and len(out.stdout.split()) == 3 and "finished: length" in out.stderr
+            gen = long_generate(c)  # stopped mid-generation: not a success
+            wait_for(lambda: worker_stats(c.worker_eps[0])["running"] == 1, what="the request to run")
             new.send_signal(signal.SIGTERM)
             assert new.wait(15) == 0
+            assert gen.wait(10) == 1 and "finished: abort (the worker stopped the request" in gen.stderr.read()
         finally:
             if new.poll() is None:
                 new.kill()
