@@ -73,6 +73,7 @@ def host_available() -> tuple[int | None, str]:
 
 def device_available(device: torch.device) -> tuple[int | None, str]:
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # the profile's forward left cached blocks: they are free for the KV cache
         free, _ = torch.cuda.mem_get_info(device)
         return free, f"free memory on {device}"
     return host_available()

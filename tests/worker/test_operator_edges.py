@@ -61,3 +61,10 @@ def test_a_kv_cache_beyond_what_the_host_has_is_refused_naming_both_numbers_and_
         host_memory.check_kv_request(1 << 40, torch.device("cpu"), "--kv-cache-memory")
     msg = str(e.value)
     assert "1024.00 GiB" in msg and "3.00 GiB" in msg and "lower --kv-cache-memory" in msg
+
+
+def test_on_cuda_the_device_free_memory_is_the_limit(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    with pytest.raises(KVMemoryError, match=r"free memory on cuda:0 is 10.00 GiB .*: lower --memory-utilization"):
+        host_memory.check_kv_request(30 << 30, torch.device("cuda", 0), "--memory-utilization")
