@@ -140,8 +140,9 @@ def _serve_rank(cfg, manager_eps: list[str], endpoint: str, tp_master: str, tp_t
         if cfg.tp_size > 1:  # refuse a bad split before any rank waits for the others
             check_tp(load_config(cfg.model), cfg.tp_size)
             init_group(cfg.tp_rank, cfg.tp_size, tp_master, rank_device(cfg), tp_timeout)
-        if cfg.tp_rank == 0:
-            claim(endpoint, cfg.pool, replace)  # before the model loads: a refusal comes at once
+        if cfg.tp_rank == 0:  # before the model loads: a refusal comes at once
+            # a stale socket: the previous worker here died; its session may not have expired yet
+            replace = claim(endpoint, cfg.pool, replace) == "stale" or replace
         bm = RemoteBlockManager(manager_eps, cfg.pool, shard_rank=cfg.tp_rank, shard_count=cfg.tp_size,
                                 replace=replace)
         if cfg.tp_rank == 0:

@@ -8,7 +8,9 @@ serving (that worker keeps running, unreachable). So before binding, a worker pr
     serving  a worker answers ``ping`` there: refuse, unless the operator asked to replace it
 
 On exit a worker removes its socket file, but only if the file is still the one it bound (a
-replacement worker may have bound the same path since).
+replacement worker may have bound the same path since). So a stale file means the previous
+worker on this endpoint died: a worker restarted after a crash takes its pool's shard over
+without waiting for the dead one's session to expire (`kvpool worker` registers with replace).
 """
 
 from __future__ import annotations
@@ -50,12 +52,13 @@ def probe(endpoint: str, timeout_s: float = 1.0) -> tuple[str, str | None]:
         sock.close(linger=0)
 
 
-def claim(endpoint: str, pool: str, replace: bool) -> None:
-    """Makes ``endpoint`` ready to bind for ``pool``'s worker, or raises EndpointInUse. A tcp
-    endpoint needs nothing: binding a port in use fails by itself."""
+def claim(endpoint: str, pool: str, replace: bool) -> str:
+    """Makes ``endpoint`` ready to bind for ``pool``'s worker, or raises EndpointInUse; returns
+    what was there ("absent", "stale", "serving"). A tcp endpoint needs nothing: binding a port
+    in use fails by itself ("absent")."""
     path = ipc_path(endpoint)
     if path is None:
-        return
+        return "absent"
     state, owner = probe(endpoint)
     if state == "serving":
         if not replace:
@@ -70,6 +73,7 @@ def claim(endpoint: str, pool: str, replace: bool) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+    return state
 
 
 def bound_inode(endpoint: str) -> int | None:

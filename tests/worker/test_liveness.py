@@ -141,3 +141,17 @@ def test_a_client_timeout_aborts_the_request_on_the_worker(serving):
         wait_for(lambda: not s.server.engine.has_work())
     finally:
         client.close()
+
+
+def test_claiming_an_endpoint_removes_a_stale_file_and_refuses_a_live_worker(serving):
+    from kvpool.worker.endpoint import EndpointInUse, claim
+
+    d = tempfile.mkdtemp(prefix="kvp-")
+    stale = os.path.join(d, "w.sock")
+    open(stale, "w").close()
+    assert claim(f"ipc://{stale}", "p", replace=False) == "stale" and not os.path.exists(stale)
+    assert claim(f"ipc://{stale}", "p", replace=False) == "absent"
+    s = serving()
+    with pytest.raises(EndpointInUse, match="a live worker \\(pool 'p'\\) already serves"):
+        claim(s.endpoint, "p", replace=False)
+    assert claim(s.endpoint, "p", replace=True) == "serving" and not os.path.exists(s.endpoint[6:])
