@@ -101,3 +101,37 @@ def test_generate_refuses_out_of_range_numbers_with_a_message(args, match):
 
 def test_presets_say_they_have_seeded_random_weights():
     assert "seeded random weights" in " ".join(run("worker", "--help").split())
+
+
+def test_dropping_a_pool_tells_event_subscribers_to_clear_it(server, sock_dir):
+    import zmq
+
+    from kvpool.manager.events import decode_batch
+
+    live = server(events_endpoint=f"ipc://{sock_dir}/ev2.sock")
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"ipc://{sock_dir}/ev2.sock")
+    worker = ManagerClient(live.endpoint)
+    try:
+        epoch = worker.register("p", shard_rank=0, shard_count=1, incarnation="i", spec=SPEC,
+                                available_kv_bytes=kv_bytes(64))["epoch"]
+        rid = 0
+        while not sub.poll(200):  # until the subscription is joined and a batch arrives
+            toks = [rid + 1] * 8
+            worker.step("p", epoch, [{"op": "alloc", "req": rid, "hashes": hash_blocks(toks, 4), "prompt_len": 9,
+                                      "max_new": 9}])
+            rid += 1
+        while sub.poll(300):
+            sub.recv_multipart()
+        out = run("drop-pool", "p", "--force", env={"KVPOOL_MANAGER": live.endpoint})
+        assert f"({rid} requests freed)" in out
+        assert sub.poll(5000)
+        topic, _, payload = sub.recv_multipart()
+        assert topic == b"p" and decode_batch(payload)[1] == [["AllBlocksCleared"]]
+        assert live.server.registry.pools == {}
+    finally:
+        worker.close()
+        sub.close()
+        ctx.term()

@@ -155,3 +155,24 @@ def test_claiming_an_endpoint_removes_a_stale_file_and_refuses_a_live_worker(ser
     with pytest.raises(EndpointInUse, match="a live worker \\(pool 'p'\\) already serves"):
         claim(s.endpoint, "p", replace=False)
     assert claim(s.endpoint, "p", replace=True) == "serving" and not os.path.exists(s.endpoint[6:])
+
+
+def test_a_worker_that_cannot_reach_its_manager_is_reported_within_seconds(serving):
+    from kvpool.shared.protocol import ManagerUnavailable
+
+    s = serving()
+
+    def unreachable(ops):
+        time.sleep(0.2)  # as a call that times out, shortened
+        raise ManagerUnavailable("no reply from the manager")
+
+    s.server.engine.bm.step = unreachable
+    client = GenerateClient(s.endpoint, manager_grace_s=1.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerUnavailable) as e:
+            list(client.stream(make_prompt(20, 5), max_tokens=4))
+        assert e.value.cause == "manager_unreachable" and "cannot reach its manager" in str(e.value)
+        assert time.monotonic() - t0 < 5
+    finally:
+        client.close()
