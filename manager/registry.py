@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
+from kvpool.manager.ownership import refuse_live_owner
 from kvpool.manager.store.base import GLOBAL
 from kvpool.shared.protocol import ManagerError, block_bytes
 
@@ -77,19 +78,6 @@ class PoolEntry:
     @property
     def state(self) -> str:
         return "ready" if self.pool is not None else "pending"
-
-
-def refuse_live_owner(pool: str, shard: Shard, sid: str, sessions: dict[str, Session]) -> None:
-    """A shard held by another live session (its worker runs) is not taken over silently: a
-    second worker for the same pool is refused unless it asks to replace the first."""
-    if shard.sid is None or shard.sid == sid or shard.sid not in sessions:
-        return
-    owner = sessions[shard.sid]
-    raise ManagerError(
-        "shard_in_use",
-        f"shard {shard.rank} of pool {pool!r} is held by a live worker (session {owner.num}, "
-        f"{owner.identity}); stop it first, or register with replace (kvpool worker --replace)",
-    )
 
 
 class Registry:
