@@ -36,9 +36,9 @@ def pool_diagnosis(manager_endpoint: str, pool: str, timeout_s: float = 1.5) -> 
         return f"the manager knows no pool {pool!r} (pools: {known}): is the pool name right?{draining}"
     health = pools[pool].get("health")
     if health == "lost":
-        return f"pool {pool!r}'s worker died (its session expired): restart it.{draining}"
+        return f"the worker of pool {pool!r} died (its session expired): restart it.{draining}"
     if health == "idle":
-        return f"pool {pool!r}'s worker stopped (it deregistered): start it again.{draining}"
+        return f"the worker of pool {pool!r} stopped (it deregistered): start it again.{draining}"
     if health == "waiting":
         return f"pool {pool!r} is waiting for some of its shards to register.{draining}"
     return f"the manager still sees a live worker session for pool {pool!r}.{draining}"
