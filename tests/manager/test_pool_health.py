@@ -132,3 +132,16 @@ def test_a_second_worker_for_a_live_shard_is_refused_unless_it_replaces():
     assert state_of(durable_server(store=store).registry) == state_of(srv.registry)
     ok(call(srv, "deregister", second))
     assert ok(register(srv, first, inc="i2"))["epoch"] == 3  # nobody holds it: no replace needed
+
+
+def test_the_generate_diagnosis_names_what_the_manager_knows(live_server, sock_dir):
+    from kvpool.worker.diagnose import pool_diagnosis
+
+    live = live_server(session_timeout_s=0.6)
+    assert "knows no pool 'p'" in pool_diagnosis(live.endpoint, "p")
+    worker = ManagerClient(live.endpoint, identity="w")
+    worker.register("p", shard_rank=0, shard_count=1, incarnation="i", spec=SPEC, available_kv_bytes=kv_bytes(40))
+    assert "still sees a live worker" in pool_diagnosis(live.endpoint, "p")
+    wait_until(lambda: "died" in pool_diagnosis(live.endpoint, "p"), 10, "the worker's session to expire")
+    worker.close()
+    assert "does not answer either" in pool_diagnosis(f"ipc://{sock_dir}/none.sock", "p", timeout_s=0.3)
