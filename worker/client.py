@@ -46,7 +46,7 @@ class GenerateClient:
     """One DEALER socket to one worker; many requests may be in flight at once."""
 
     def __init__(self, endpoint: str, ctx: zmq.Context | None = None, *, connect_timeout_s: float = 2.0,
-                 liveness_s: float = 10.0, manager_grace_s: float = 5.0) -> None:
+                 liveness_s: float = 30.0, manager_grace_s: float = 5.0) -> None:
         self.endpoint = endpoint
         self.connect_timeout_s, self.liveness_s, self.manager_grace_s = connect_timeout_s, liveness_s, manager_grace_s
         self._own_ctx = ctx is None
