@@ -176,3 +176,17 @@ def test_a_worker_that_cannot_reach_its_manager_is_reported_within_seconds(servi
         assert time.monotonic() - t0 < 5
     finally:
         client.close()
+
+
+def test_a_worker_that_stops_answering_is_reported_silent(serving):
+    s = serving()
+    s._stop = True  # the loop stops (a paused or wedged worker); its socket stays open
+    s.thread.join(10)
+    client = GenerateClient(s.endpoint, liveness_s=1.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerUnavailable) as e:
+            list(client.stream(make_prompt(20, 6), max_tokens=4))
+        assert e.value.cause == "silent" and 1.0 <= time.monotonic() - t0 < 4
+    finally:
+        client.close()
