@@ -131,14 +131,14 @@ def test_drain_backs_off_and_a_replacement_worker_takes_over_only_when_asked(clu
         gen = long_generate(c)
         steps0 = admin.stats()["manager"]["ops"].get("step", 0)
         t0 = time.monotonic()
-        while gen.poll() is None and time.monotonic() - t0 < 10:
+        while gen.poll() is None and time.monotonic() - t0 < 15:
             admin.heartbeat()
             time.sleep(0.3)
-        assert gen.wait(1) == 3 and time.monotonic() - t0 < 6
+        assert gen.wait(1) == 3 and time.monotonic() - t0 < 10  # the process starts, then a heartbeat says why
         assert "the manager is draining" in gen.stderr.read()
         time.sleep(1.0)
         steps = admin.stats()["manager"]["ops"].get("step", 0) - steps0
-        assert steps < 20, f"{steps} step messages while draining"
+        assert steps < 30, f"{steps} step messages while draining"  # before the back-off: thousands
         stats = worker_stats(c.worker_eps[0])
         assert stats["waiting"] == 0 and stats["running"] == 0  # the abandoned request is dropped
         assert kvpool("drain", "-m", c.manager_ep, "--cancel").returncode == 0
