@@ -190,3 +190,13 @@ def test_a_worker_that_stops_answering_is_reported_silent(serving):
         assert e.value.cause == "silent" and 1.0 <= time.monotonic() - t0 < 4
     finally:
         client.close()
+
+
+def test_a_refusal_of_n_0_reaches_the_client(serving):
+    s = serving()
+    client = GenerateClient(s.endpoint)
+    try:
+        with pytest.raises(ValueError, match="the worker refused the request"):
+            list(client.stream(make_prompt(20, 7), max_tokens=4, n=0))
+    finally:
+        client.close()
