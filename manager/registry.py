@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
-from kvpool.manager.store.base import GLOBAL
 from kvpool.shared.protocol import ManagerError, block_bytes
 
 logger = logging.getLogger(__name__)
 
+GLOBAL = "\x00global"  # dirty marker: sessions or manager-wide flags (not a valid pool name)
 COMMON_SPEC = ("block_size", "num_layers", "head_size", "dtype")  # shards agree on these
 
 

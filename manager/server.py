@@ -32,7 +32,7 @@ from kvpool.manager.store.base import (
     StateStore,
     StoreUnavailable,
 )
-from kvpool.manager.store.recovery import INACTIVE, activate, lost_store, open_store
+from kvpool.manager.store.recovery import INACTIVE, Recovery, open_store
 from kvpool.shared.protocol import (
     SUPPORTED_VERSIONS,
     ManagerError,
@@ -81,11 +81,8 @@ class Server:
         self.registry = self.new_registry(incarnation or uuid.uuid4().hex)
         self.stats = ServerStats()
         self.store: StateStore = store or open_store(cfg)
-        # "active" serves; "recovering" (the store failed), "standby" (no lease) and "fenced"
-        # (lost the lease) answer every message with an INACTIVE error and change nothing.
-        self.mode = "active" if not self.store.durable else "starting"
-        self.exit_code = 0
-        self._next_activate = 0.0
+        self.recovery = Recovery(self.store, self.registry, lease_ms=cfg.lease_ms, new_registry=self.new_registry,
+                                 errors=self.stats.errors, request_stop=self.request_stop)
         self.publisher: EventPublisher = publisher or NullPublisher()
         self.handlers = Handlers(
             self.registry, self.stats, max_sub_ops=cfg.max_sub_ops, max_message_bytes=cfg.max_message_bytes,
@@ -111,6 +108,15 @@ class Server:
     @property
     def incarnation(self) -> str:
         return self.registry.incarnation
+
+    @property
+    def mode(self) -> str:
+        """``active``, or why it is not serving (manager/store/recovery.py ``INACTIVE``)."""
+        return self.recovery.mode
+
+    @property
+    def exit_code(self) -> int:
+        return self.recovery.exit_code
 
     def request_stop(self) -> None:
         """Stops after the current iteration (safe from a signal handler)."""
@@ -250,7 +256,7 @@ class Server:
             if now >= self._next_expiry:
                 self._expire(now)
             replies = self._commit(replies)
-        elif now >= self._next_activate:
+        elif now >= self.recovery.next_activate:
             self._activate(now)
         self._send(replies)
         if batch:
@@ -285,7 +291,7 @@ class Server:
         try:
             self.store.commit(reg, reg.dirty)
         except (StoreUnavailable, Fenced) as e:
-            return lost_store(self, e, replies or [])
+            return self.recovery.lost_store(e, replies or [])
         if reg.dirty:
             self.stats.commit_latency.observe(time.perf_counter() - t0)
             reg.dirty = set()
@@ -304,7 +310,8 @@ class Server:
 
     def _activate(self, now: float) -> None:
         """Takes the lease and recovers the state: at start, as a standby, after a store failure."""
-        activate(self, now)
+        if self.recovery.activate(now):
+            self._next_expiry = 0.0
 
     def _send(self, replies: list[list[bytes] | None]) -> None:
         sock = self.sock

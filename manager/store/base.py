@@ -6,7 +6,7 @@ The loop (manager/server.py) runs, once per iteration and in this order::
 
 so every mutation an iteration made is durable before any client hears about it (group commit:
 one commit per iteration, however many messages it held). ``dirty`` names what changed: pool
-names, plus ``GLOBAL`` when sessions or manager-wide flags (draining) changed. All state lives in the
+names, plus ``registry.GLOBAL`` when sessions or manager-wide flags (draining) changed. All state lives in the
 ``Registry`` (manager/registry.py), which a store may snapshot whole or by pool.
 
 The memory store keeps nothing (a restarted manager starts empty and workers re-register). The
@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from kvpool.manager.registry import Registry
-
-GLOBAL = "\x00global"  # dirty marker: sessions or manager-wide flags (not a valid pool name)
 
 
 class StoreUnavailable(Exception):

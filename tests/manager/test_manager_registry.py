@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from manager_helpers import SPEC, kv_bytes
 
-from kvpool.manager.registry import Registry
-from kvpool.manager.store.base import GLOBAL
+from kvpool.manager.registry import GLOBAL, Registry
 from kvpool.shared.protocol import ManagerError
 
 

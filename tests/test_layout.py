@@ -1,0 +1,120 @@
+"""The package layout's rules, read from the source: no import circles, and what may import what.
+
+Every ``import`` statement counts, wherever it is (module level, inside a function, under
+``TYPE_CHECKING``): a circle hidden in a function is still a circle a reader must untangle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("cli", "shared", "manager", "worker", "kernels")  # folder name == kvpool.<name>
+
+# What the CLI may import from the manager besides kvpool.manager.core: its public entry points.
+CLI_ENTRY_POINTS = {
+    "kvpool.manager.server": {"serve"},
+    "kvpool.manager.config": {"ManagerConfig"},
+    "kvpool.manager.store.snapshots": {"snapshot_to_file", "restore_from_file"},
+    "kvpool.manager.event_client": {"replay", "subscribe"},
+}
+
+
+def module_files() -> dict[str, Path]:
+    """kvpool module name -> file, for every module of the project's packages."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(["kvpool", *parts])] = path
+    return out
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, str | None]]:
+    """(imported project module, imported name or None) for every import statement in ``path``."""
+    is_pkg = path.name == "__init__.py"
+    here = name if is_pkg else name.rpartition(".")[0]
+    found: list[tuple[str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((sub, None) if sub in modules else (base, alias.name))
+    return [(m, n) for m, n in found if m.startswith("kvpool.")]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> project modules it imports (a module also imports the packages above it)."""
+    modules = module_files()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for target, _ in imports_of(name, path, modules):
+            parts = target.split(".")
+            for i in range(2, len(parts) + 1):
+                dep = ".".join(parts[:i])
+                if dep in modules and dep != name and not name.startswith(dep + "."):
+                    graph[name].add(dep)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle (its modules, the first repeated at the end), or None."""
+    color: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        color[m] = 1
+        path.append(m)
+        for dep in sorted(graph[m]):
+            if color.get(dep) == 1:
+                return [*path[path.index(dep):], dep]
+            if dep not in color and (cycle := visit(dep)):
+                return cycle
+        color[m] = 2
+        path.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in color and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_sees_a_circle_through_a_function_level_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_graph_has_every_kind_of_import(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvpool.x import Y\n"
+                   "def f():\n    import kvpool.z\n    from . import w\n")
+    modules = {"kvpool.pkg.w": src}
+    got = imports_of("kvpool.pkg.m", src, modules)
+    assert got == [("kvpool.x", "Y"), ("kvpool.z", None), ("kvpool.pkg.w", None)]
+
+
+def test_no_import_circles_between_project_modules():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_the_worker_imports_only_the_pool_core_from_the_manager():
+    modules = module_files()
+    bad = [
+        f"{name} imports {target}"
+        for name, path in modules.items() if name.startswith("kvpool.worker")
+        for target, _ in imports_of(name, path, modules)
+        if target.startswith("kvpool.manager") and not target.startswith("kvpool.manager.core")
+    ]
+    assert bad == [], "the worker may import only kvpool.manager.core from the manager"
