@@ -24,8 +24,7 @@ from kvpool.manager.events import EventPublisher, LoopPublisher
 from kvpool.manager.metrics import ManagerMetrics
 from kvpool.manager.registry import Registry
 from kvpool.manager.stats import ServerStats
-from kvpool.manager.store.base import EventPublisher as PublisherHook
-from kvpool.manager.store.base import NullPublisher
+from kvpool.manager.store.base import EventSink, NullSink
 from kvpool.shared.notify import Notifier
 
 logger = logging.getLogger(__name__)
@@ -49,10 +48,10 @@ class Operations:
             self.curve = CurveServer(ctx, cfg.curve_secret_key_file, cfg.curve_allowed_keys_dir)
             self.curve.apply(sock)
 
-    def start(self, ctx: zmq.Context, sock: zmq.Socket, publisher: PublisherHook) -> PublisherHook:
+    def start(self, ctx: zmq.Context, sock: zmq.Socket, publisher: EventSink) -> EventSink:
         """Binds the configured extras; returns the publisher the loop should use."""
         cfg = self.cfg
-        if cfg.events_endpoint and isinstance(publisher, NullPublisher):
+        if cfg.events_endpoint and isinstance(publisher, NullSink):
             try:
                 pub = EventPublisher(ctx, cfg.events_endpoint, cfg.events_replay_endpoint, cfg.events_buffer)
             except zmq.ZMQError as e:

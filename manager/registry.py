@@ -20,6 +20,7 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 
+from kvpool.manager.core.kv_events import AllBlocksCleared, KVEvent
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
 from kvpool.shared.protocol import ManagerError, block_bytes
@@ -92,7 +93,7 @@ class Registry:
         self.draining = False
         self.dirty: set[str] = set()  # pool names (and GLOBAL) changed this iteration
         # KV events of pools dropped this iteration (a shard left): (pool, epoch, events)
-        self.orphan_events: list[tuple[str, int, list]] = []
+        self.orphan_events: list[tuple[str, int, list[KVEvent]]] = []
         self._next_num = 1
         # The identity of this state: the incarnation without persistence; a persistent store
         # replaces it with the id it keeps with the state, so it survives restarts and failovers.
@@ -113,10 +114,9 @@ class Registry:
         self.log, self.dirty = other.log, set()
         self.orphan_events = []
         for entry in self.pools.values():
-            if entry.pool is not None and entry.pool.blocks.events is not None:
+            if entry.pool is not None:
                 # Subscribers resynchronise to the recovered cache, whatever they saw before.
-                cached = list(entry.pool.blocks.cached)
-                entry.pool.blocks.events = [("cleared",), *([("stored", cached, None)] if cached else [])]
+                entry.pool.blocks.restate_events()
 
     # -- sessions --------------------------------------------------------------------------
 
@@ -178,8 +178,8 @@ class Registry:
 
     def _drop_pool(self, entry: PoolEntry) -> None:
         """The entry's Pool is gone: subscribers drop its hashes now, not when it re-forms."""
-        if entry.pool is not None and entry.pool.blocks.events is not None:
-            self.orphan_events.append((entry.name, entry.epoch, [*entry.pool.blocks.events, ("cleared",)]))
+        if entry.pool is not None and entry.pool.blocks.events_enabled:
+            self.orphan_events.append((entry.name, entry.epoch, [*entry.pool.take_events(), AllBlocksCleared()]))
         entry.pool = None
 
     def expire(self, now: float) -> list[tuple[Session, int]]:
@@ -280,7 +280,7 @@ class Registry:
         entry.epoch += 1
         entry.pool = Pool(num_blocks, entry.spec["block_size"], enable_events=True)
         if restarted:
-            entry.pool.blocks.events.append(("cleared",))  # type: ignore[union-attr]
+            entry.pool.blocks.restate_events()  # the new pool is empty: a clear
             logger.warning("pool %s: a shard restarted; epoch %d, cache and requests dropped", entry.name, entry.epoch)
         else:
             logger.info("pool %s ready: %d blocks, epoch %d", entry.name, num_blocks, entry.epoch)

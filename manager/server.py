@@ -26,9 +26,9 @@ from kvpool.manager.operations import Operations
 from kvpool.manager.registry import Registry, Session
 from kvpool.manager.stats import ServerStats
 from kvpool.manager.store.base import (
-    EventPublisher,
+    EventSink,
     Fenced,
-    NullPublisher,
+    NullSink,
     StateStore,
     StoreUnavailable,
 )
@@ -74,7 +74,7 @@ class Server:
         cfg: ManagerConfig,
         *,
         store: StateStore | None = None,
-        publisher: EventPublisher | None = None,
+        publisher: EventSink | None = None,
         incarnation: str | None = None,
     ) -> None:
         self.cfg = cfg
@@ -83,7 +83,7 @@ class Server:
         self.store: StateStore = store or open_store(cfg)
         self.recovery = Recovery(self.store, self.registry, lease_ms=cfg.lease_ms, new_registry=self.new_registry,
                                  errors=self.stats.errors, request_stop=self.request_stop)
-        self.publisher: EventPublisher = publisher or NullPublisher()
+        self.publisher: EventSink = publisher or NullSink()
         self.handlers = Handlers(
             self.registry, self.stats, max_sub_ops=cfg.max_sub_ops, max_message_bytes=cfg.max_message_bytes,
             admin_key=cfg.admin_key, request_stop=self.request_stop,
@@ -298,10 +298,9 @@ class Server:
         batches = reg.orphan_events
         reg.orphan_events = []
         for name, entry in reg.pools.items():
-            pool = entry.pool
-            if pool is not None and pool.blocks.events:
-                batches.append((name, entry.epoch, pool.blocks.events))
-                pool.blocks.events = []
+            events = entry.pool.take_events() if entry.pool is not None else []
+            if events:
+                batches.append((name, entry.epoch, events))
         for name, epoch, events in batches:
             self.publisher.publish(name, epoch, events)
             self.stats.event_batches += 1

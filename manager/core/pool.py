@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.manager.core.block_pool import BlockPool
+from kvpool.manager.core.kv_events import KVEvent
 
 
 class PoolError(ValueError):
@@ -65,6 +66,10 @@ class Pool:
         self.stats = PoolStats()
 
     # -- lookups ---------------------------------------------------------------------------
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events queued since the last call (``BlockPool.take_events``)."""
+        return self.blocks.take_events()
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
         """Number of leading blocks of the chain that are cached (no side effects)."""

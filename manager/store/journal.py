@@ -130,6 +130,6 @@ def recover(reg: Registry, snap: bytes, blobs: list[bytes], committed: int, what
     except AssertionError as e:
         raise CorruptState(f"{what}: the recovered state breaks an invariant: {e}") from None
     for entry in reg.pools.values():  # replayed events were published when they happened
-        if entry.pool is not None and entry.pool.blocks.events:
-            entry.pool.blocks.events = []
+        if entry.pool is not None:
+            entry.pool.take_events()
     return snap_seq, seq

@@ -109,7 +109,7 @@ class Recovery:
         reg = self.registry
         for entry in reg.pools.values():  # events of uncommitted mutations are never published
             if entry.pool is not None:
-                entry.pool.blocks.events = [] if entry.pool.blocks.events is not None else None
+                entry.pool.take_events()
         reg.log, reg.dirty = [], set()
         if isinstance(err, Fenced):
             self._fence(str(err))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from manager_helpers import SPEC, kv_bytes
 
+from kvpool.manager.core.kv_events import AllBlocksCleared, BlockStored
 from kvpool.manager.registry import GLOBAL, Registry
 from kvpool.shared.protocol import ManagerError
 
@@ -39,7 +40,7 @@ def test_same_incarnation_is_idempotent_new_one_bumps_epoch_and_drops_state():
     e = reg_shard(r, s, inc="b", blocks=16)
     assert e.epoch == 2 and e.pool is not pool
     assert e.pool.requests == {} and e.pool.lookup([b"h" * 32]) == 0
-    assert e.pool.blocks.events == [("cleared",)]
+    assert e.pool.take_events() == [AllBlocksCleared()]
 
 
 def test_same_incarnation_with_another_size_is_a_conflict():
@@ -148,7 +149,7 @@ def test_a_new_shard_count_replaces_the_pool_never_leaves_it_ready_without_its_s
     e = reg_shard(r, s, rank=0, count=2, inc=inc, blocks=16)
     assert (e.state, e.shard_count, e.epoch, list(e.shards)) == ("pending", 2, 1, [0])
     r.check_invariants()  # was: "ready without all shards", serving the old block space
-    assert r.orphan_events == [("p", 1, [("stored", [b"h" * 32], None), ("cleared",)])]
+    assert r.orphan_events == [("p", 1, [BlockStored([b"h" * 32], None), AllBlocksCleared()])]
     e = reg_shard(r, s, rank=1, count=2, inc="c", blocks=16)
     assert (e.state, e.epoch) == ("ready", 2) and e.pool.requests == {}
 
