@@ -9,8 +9,9 @@ from durable_helpers import CaptureStore, call, durable_server, random_step, set
 from manager_helpers import SPEC, kv_bytes, ok
 
 from kvpool.manager.core.snapshot import CorruptState
+from kvpool.manager.mutations import DrainingSet
 from kvpool.manager.registry import Registry
-from kvpool.manager.store.journal import decode_batch, encode_batch, recover, replay
+from kvpool.manager.store.journal import decode_batch, encode_batch, encode_lists, recover, replay
 from kvpool.manager.store.state_file import decode_state, dump_registry, encode_state
 
 
@@ -157,11 +158,11 @@ def test_a_snapshot_that_breaks_an_invariant_is_refused():
 
 
 def test_batches_round_trip_and_replay_checks_their_order():
-    blob = encode_batch(4, [["drain", True]])
+    blob = encode_batch(4, [DrainingSet(True)])
     assert decode_batch(blob) == (4, [["drain", True]])
     reg = Registry("x", session_timeout_s=1.0)
     assert replay(reg, [blob], 3, 0.0) == 4 and reg.draining
     with pytest.raises(CorruptState, match="does not follow"):
         replay(Registry("x", session_timeout_s=1.0), [blob], 0, 0.0)
     with pytest.raises(CorruptState, match="unknown kind"):
-        replay(Registry("x", session_timeout_s=1.0), [encode_batch(1, [["bogus"]])], 0, 0.0)
+        replay(Registry("x", session_timeout_s=1.0), [encode_lists(1, [["bogus"]])], 0, 0.0)
