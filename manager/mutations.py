@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from kvpool.shared.protocol import KVSpec, ManagerError
+
 
 @dataclass(frozen=True)
 class SessionOpened:
@@ -44,7 +46,7 @@ class ShardRegistered:
     rank: int
     count: int
     incarnation: str
-    spec: dict  # the wire map (shared/protocol.py ``KVSpec.to_wire``)
+    spec: KVSpec  # on the wire: its map (shared/protocol.py)
     available_kv_bytes: int
     max_blocks: int
     max_pools: int
@@ -91,7 +93,10 @@ _LAYOUT = {cls: (kind, tuple(f.name for f in fields(cls))) for kind, cls in KIND
 def to_wire(rec: Mutation) -> list:
     """The record as the journal's msgpack list (the layout in the module docstring)."""
     kind, names = _LAYOUT[type(rec)]
-    return [kind, *(getattr(rec, name) for name in names)]
+    wire = [kind, *(getattr(rec, name) for name in names)]
+    if type(rec) is ShardRegistered:
+        wire[6] = rec.spec.to_wire()
+    return wire
 
 
 def from_wire(raw: object) -> Mutation:
@@ -101,4 +106,9 @@ def from_wire(raw: object) -> Mutation:
     cls = KINDS.get(raw[0]) if type(raw[0]) is str else None
     if cls is None:
         raise ValueError(f"journal record of unknown kind {raw[0]!r:.40}")
+    if cls is ShardRegistered and len(raw) > 6:
+        try:
+            raw = [*raw[:6], KVSpec.from_wire(raw[6]), *raw[7:]]
+        except ManagerError as e:
+            raise ValueError(f"register record: {e}") from None
     return cls(*raw[1:])

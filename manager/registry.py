@@ -33,7 +33,7 @@ from kvpool.manager.mutations import (
     ShardRegistered,
     StepRan,
 )
-from kvpool.shared.protocol import ManagerError, block_bytes
+from kvpool.shared.protocol import KVSpec, ManagerError
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class Session:
 class Shard:
     rank: int
     incarnation: str
-    spec: dict
+    spec: KVSpec
     available_kv_bytes: int
     num_blocks: int
     sid: str | None  # the session that registered it; None once that session is gone
@@ -77,8 +77,9 @@ class PoolEntry:
 
     @property
     def spec(self) -> dict:
+        """What every shard of the pool agrees on (COMMON_SPEC), as a wire map."""
         any_shard = next(iter(self.shards.values()))
-        return {k: any_shard.spec[k] for k in COMMON_SPEC}
+        return {k: getattr(any_shard.spec, k) for k in COMMON_SPEC}
 
     @property
     def state(self) -> str:
@@ -234,7 +235,7 @@ class Registry:
     # -- pools -----------------------------------------------------------------------------
 
     def register(
-        self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: dict, available: int
+        self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: KVSpec, available: int
     ) -> PoolEntry:
         """Registers one shard (idempotent for the same incarnation); see the module docstring."""
         rec = ShardRegistered(sess.sid, name, rank, count, incarnation, spec, available, self.max_blocks, self.max_pools)
@@ -248,7 +249,7 @@ class Registry:
             rec.pool, rec.rank, rec.count, rec.incarnation, rec.spec, rec.available_kv_bytes)
         if rank >= count:
             raise ManagerError("bad_field", f"shard_rank {rank} must be < shard_count {count}")
-        per_block = block_bytes(spec)
+        per_block = spec.block_bytes
         num_blocks = available // per_block
         if num_blocks < 2:
             raise ManagerError(
@@ -280,7 +281,7 @@ class Registry:
         self.dirty.add(name)
         return entry
 
-    def _compatible(self, entry: PoolEntry, rank: int, count: int, spec: dict) -> bool:
+    def _compatible(self, entry: PoolEntry, rank: int, count: int, spec: KVSpec) -> bool:
         """False when a new deployment replaces the pool (a new shard_count with no other shard,
         or every other shard gone and this one disagrees); raises spec_mismatch when a live
         shard disagrees. Changes nothing."""
@@ -293,8 +294,8 @@ class Registry:
             logger.warning("pool %s: shard %d registers with shard_count %d (pool: %d); replacing the pool",
                            entry.name, rank, count, entry.shard_count)
             return False
-        want = {k: others[0].spec[k] for k in COMMON_SPEC}
-        have = {k: spec[k] for k in COMMON_SPEC}
+        want = {k: getattr(others[0].spec, k) for k in COMMON_SPEC}
+        have = {k: getattr(spec, k) for k in COMMON_SPEC}
         if have == want and count == entry.shard_count:
             return True
         if all(s.sid is None or s.sid not in self.sessions for s in others):

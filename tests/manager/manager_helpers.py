@@ -8,14 +8,14 @@ import time
 
 from kvpool.manager.config import ManagerConfig
 from kvpool.manager.server import Server
-from kvpool.shared.protocol import block_bytes, encode_request, unpack
+from kvpool.shared.protocol import KVSpec, encode_request, unpack
 
 SPEC = {"block_size": 4, "num_layers": 2, "num_kv_heads": 2, "head_size": 8, "dtype": "float16"}
 CLI = [sys.executable, "-c", "from kvpool.cli.main import cli; cli()"]
 
 
 def kv_bytes(num_blocks: int, spec: dict = SPEC) -> int:
-    return num_blocks * block_bytes(spec)
+    return num_blocks * KVSpec.from_wire(spec).block_bytes
 
 
 def make_server(endpoint: str = "ipc:///tmp/kvpool-unused.sock", **cfg) -> Server:

@@ -13,6 +13,7 @@ from kvpool.manager.mutations import DrainingSet
 from kvpool.manager.registry import Registry
 from kvpool.manager.store.journal import decode_batch, encode_batch, encode_lists, recover, replay
 from kvpool.manager.store.state_file import decode_state, dump_registry, encode_state
+from kvpool.shared.protocol import KVSpec
 
 
 def register(srv, sid, pool="p", rank=0, count=1, inc="i0", blocks=48):
@@ -148,7 +149,7 @@ def test_corrupt_or_partial_state_is_refused_never_half_loaded():
 def test_a_snapshot_that_breaks_an_invariant_is_refused():
     reg = Registry("x", session_timeout_s=1.0)
     s = reg.open_session("w", "worker", True, 1, 0.0)
-    reg.register(s, "p", 0, 1, "i", dict(SPEC), kv_bytes(16))
+    reg.register(s, "p", 0, 1, "i", KVSpec(**SPEC), kv_bytes(16))
     reg.pools["p"].pool.allocate((s.sid, 1), [], 8, 8)
     d = dump_registry(reg, 0)
     d["sessions"] = []  # a request whose session is not in the state

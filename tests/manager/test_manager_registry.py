@@ -7,7 +7,7 @@ from manager_helpers import SPEC, kv_bytes
 
 from kvpool.manager.core.kv_events import AllBlocksCleared, BlockStored
 from kvpool.manager.registry import GLOBAL, Registry
-from kvpool.shared.protocol import ManagerError
+from kvpool.shared.protocol import KVSpec, ManagerError
 
 
 def make_registry(**kw) -> Registry:
@@ -16,7 +16,7 @@ def make_registry(**kw) -> Registry:
 
 
 def reg_shard(r: Registry, sess, rank=0, count=1, inc="a", blocks=64, spec=SPEC, pool="p"):
-    return r.register(sess, pool, rank, count, inc, dict(spec), kv_bytes(blocks, spec))
+    return r.register(sess, pool, rank, count, inc, KVSpec(**spec), kv_bytes(blocks, spec))
 
 
 def test_pool_is_pending_until_every_shard_registers_then_takes_the_min():
@@ -25,7 +25,7 @@ def test_pool_is_pending_until_every_shard_registers_then_takes_the_min():
     e = reg_shard(r, s0, rank=0, count=2, blocks=100)
     assert (e.state, e.epoch, e.pool) == ("pending", 0, None)
     # shard 1 holds twice the heads per block: the bytes of 70 two-head blocks hold 35 of its own
-    e = r.register(s1, "p", 1, 2, "b", {**SPEC, "num_kv_heads": 4}, kv_bytes(70))
+    e = r.register(s1, "p", 1, 2, "b", KVSpec(**{**SPEC, "num_kv_heads": 4}), kv_bytes(70))
     assert (e.state, e.epoch, e.pool.blocks.num_blocks) == ("ready", 1, 35)
     assert e.shards[0].num_blocks == 100 and e.shards[1].num_blocks == 35
 

@@ -18,12 +18,13 @@ from kvpool.manager.mutations import (
 )
 from kvpool.manager.registry import Registry
 from kvpool.manager.store.journal import apply
+from kvpool.shared.protocol import KVSpec
 
 OPS = [{"op": "alloc", "req": 1, "hashes": [], "prompt_len": 5, "max_new": 5}]
 WIRE = [
     (SessionOpened("s" * 32, "w", "worker", True, 1), ["open", "s" * 32, "w", "worker", True, 1]),
     (SessionEnded("s" * 32), ["end", "s" * 32]),
-    (ShardRegistered("s", "p", 0, 1, "i", dict(SPEC), 4096, 64, 8), ["register", "s", "p", 0, 1, "i", SPEC, 4096, 64, 8]),
+    (ShardRegistered("s", "p", 0, 1, "i", KVSpec(**SPEC), 4096, 64, 8), ["register", "s", "p", 0, 1, "i", SPEC, 4096, 64, 8]),
     (StepRan("s", 7, "p", OPS), ["step", "s", 7, "p", OPS]),
     (CacheReset("p"), ["reset", "p"]),
     (BlocksEvicted("p", 3), ["evict", "p", 3]),
@@ -50,7 +51,7 @@ def test_the_live_path_journals_exactly_what_replay_applies():
     live = Registry("a", session_timeout_s=10.0)
     live.log = []
     sess = live.open_session("w", "worker", True, 1, 0.0)
-    entry = live.register(sess, "p", 0, 1, "i", dict(SPEC), kv_bytes(16))
+    entry = live.register(sess, "p", 0, 1, "i", KVSpec(**SPEC), kv_bytes(16))
     live.step(sess, entry, OPS, 1)
     live.evict(entry, 2)
     live.set_draining(True)

@@ -14,7 +14,7 @@ import urllib.request
 from kvpool.manager.config import ManagerConfig
 from kvpool.manager.server import Server
 from kvpool.shared.metrics import parse_text
-from kvpool.shared.protocol import block_bytes
+from kvpool.shared.protocol import KVSpec
 
 SPEC = {"block_size": 4, "num_layers": 2, "num_kv_heads": 2, "head_size": 8, "dtype": "float16"}
 CLI = [sys.executable, "-c", "import sys; from kvpool.cli.main import cli; sys.exit(cli())"]
@@ -45,7 +45,7 @@ def sample(metrics: dict, name: str, **labels: str) -> float:
 
 
 def kv_bytes(num_blocks: int) -> int:
-    return num_blocks * block_bytes(SPEC)
+    return num_blocks * KVSpec.from_wire(SPEC).block_bytes
 
 
 def wait_until(pred, timeout: float = 20.0, what: str = "condition") -> None:
