@@ -105,7 +105,7 @@ class Registry:
         self.dirty: set[str] = set()  # pool names (and GLOBAL) changed this iteration
         # KV events of pools dropped this iteration (a shard left): (pool, epoch, events)
         self.orphan_events: list[tuple[str, int, list[KVEvent]]] = []
-        self._next_num = 1
+        self.next_num = 1  # the public number of the next session
         # The identity of this state: the incarnation without persistence; a persistent store
         # replaces it with the id it keeps with the state, so it survives restarts and failovers.
         self.state_id = incarnation
@@ -140,7 +140,7 @@ class Registry:
         """Takes over the state a store loaded into ``other``; this object (which the loop,
         the handlers and the metrics hold) stays, with its incarnation and limits."""
         self.sessions, self.pools, self.draining = other.sessions, other.pools, other.draining
-        self._next_num, self.state_id, self.durable = other._next_num, other.state_id, other.durable
+        self.next_num, self.state_id, self.durable = other.next_num, other.state_id, other.durable
         self.log, self.dirty = other.log, set()
         self.orphan_events = []
         for entry in self.pools.values():
@@ -157,8 +157,8 @@ class Registry:
     def _open_session(self, rec: SessionOpened, now: float) -> Session:
         if len(self.sessions) >= self.max_sessions:
             raise ManagerError("too_many_sessions", f"{self.max_sessions} sessions are open; retry later")
-        sess = Session(rec.sid, self._next_num, rec.identity, rec.role, rec.admin, rec.version, now, now)
-        self._next_num += 1
+        sess = Session(rec.sid, self.next_num, rec.identity, rec.role, rec.admin, rec.version, now, now)
+        self.next_num += 1
         self.sessions[sess.sid] = sess
         self.dirty.add(GLOBAL)
         self.record(rec)

@@ -118,3 +118,36 @@ def test_the_worker_imports_only_the_pool_core_from_the_manager():
         if target.startswith("kvpool.manager") and not target.startswith("kvpool.manager.core")
     ]
     assert bad == [], "the worker may import only kvpool.manager.core from the manager"
+
+
+def private_writes(tree: ast.AST) -> list[str]:
+    """Assignments to another object's ``_private`` attribute (``self``/``cls`` are the owner's
+    own; a classmethod of the owning class may fill the object it builds)."""
+    allowed: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and any(
+                isinstance(d, ast.Name) and d.id == "classmethod" for d in node.decorator_list):
+            allowed |= {id(sub) for sub in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else [])
+        for target in targets:
+            for sub in ast.walk(target):
+                if (isinstance(sub, ast.Attribute) and sub.attr.startswith("_") and not sub.attr.startswith("__")
+                        and not (isinstance(sub.value, ast.Name) and sub.value.id in ("self", "cls"))
+                        and id(sub) not in allowed):
+                    found.append(f"line {node.lineno}: {ast.unparse(sub)}")
+    return found
+
+
+def test_the_private_write_finder_sees_a_write_from_outside():
+    tree = ast.parse("pool.blocks._dups = {}\nself._x = 1\n"
+                     "class A:\n    @classmethod\n    def make(cls):\n        a = cls()\n        a._y = 2\n")
+    assert private_writes(tree) == ["line 1: pool.blocks._dups"]
+
+
+def test_no_module_writes_private_fields_of_another_object():
+    bad = [f"{name} {hit}" for name, path in module_files().items()
+           for hit in private_writes(ast.parse(path.read_text()))]
+    assert bad == [], "state has one owner: add a method to the owning class instead"

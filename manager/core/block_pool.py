@@ -62,6 +62,22 @@ class BlockPool:
         ref = self.ref_cnt
         return sum(1 for b in blocks if ref[b] == 0)
 
+    def duplicates(self) -> dict[bytes, list[int]]:
+        """Hash -> the blocks holding it besides its map entry (read-only: the snapshot codec)."""
+        return self._dups
+
+    @classmethod
+    def restore(cls, ref_cnt: list[int], block_hash: list[bytes | None], primary: list[int],
+                dups: dict[bytes, list[int]], free_queue: FreeQueue, num_evictions: int, *,
+                enable_caching: bool, enable_events: bool) -> BlockPool:
+        """A block pool from its parts (manager/core/snapshot.py decodes them); the caller
+        checks the invariants before using it."""
+        bp = cls(len(ref_cnt), enable_caching, enable_events)
+        bp.ref_cnt, bp.block_hash, bp._dups, bp.free_queue = ref_cnt, block_hash, dups, free_queue
+        bp.cached = {block_hash[b]: b for b in primary}  # type: ignore[misc]
+        bp.num_evictions = num_evictions
+        return bp
+
     # -- events ----------------------------------------------------------------------------
 
     @property

@@ -65,6 +65,13 @@ class Pool:
         self.requests: dict[object, Request] = {}
         self.stats = PoolStats()
 
+    @classmethod
+    def restore(cls, blocks: BlockPool, block_size: int, requests: dict[object, Request], stats: PoolStats) -> Pool:
+        """A pool from its parts (manager/core/snapshot.py decodes them)."""
+        pool = cls(2, block_size)  # a placeholder block pool, replaced below
+        pool.blocks, pool.requests, pool.stats = blocks, requests, stats
+        return pool
+
     # -- lookups ---------------------------------------------------------------------------
 
     def take_events(self) -> list[KVEvent]:

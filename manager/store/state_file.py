@@ -33,7 +33,7 @@ def dump_registry(reg: Registry, seq: int) -> dict:
         shards = [[s.rank, s.incarnation, s.spec.to_wire(), s.available_kv_bytes, s.num_blocks, s.sid]
                   for s in e.shards.values()]
         pools.append([e.name, e.shard_count, e.epoch, shards, dump_pool(e.pool) if e.pool is not None else None])
-    return {"format": FORMAT, "state_id": reg.state_id, "seq": seq, "next_num": reg._next_num,
+    return {"format": FORMAT, "state_id": reg.state_id, "seq": seq, "next_num": reg.next_num,
             "draining": reg.draining, "sessions": sessions, "pools": pools}
 
 
@@ -74,7 +74,7 @@ def load_registry(d: dict, reg: Registry, now: float) -> int:
         raise CorruptState(f"state snapshot is not loadable: {type(e).__name__}: {e}") from None
     reg.sessions = {s.sid: s for s in sessions}
     reg.pools = {e.name: e for e in pools}
-    reg.state_id, reg._next_num, reg.draining = state_id, next_num, bool(draining)
+    reg.state_id, reg.next_num, reg.draining = state_id, next_num, bool(draining)
     return seq
 
 
