@@ -151,3 +151,24 @@ def test_no_module_writes_private_fields_of_another_object():
     bad = [f"{name} {hit}" for name, path in module_files().items()
            for hit in private_writes(ast.parse(path.read_text()))]
     assert bad == [], "state has one owner: add a method to the owning class instead"
+
+
+def test_class_names_are_distinct_across_the_project():
+    where: dict[str, list[str]] = {}
+    for name, path in module_files().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(name)
+    assert {c: ms for c, ms in where.items() if len(ms) > 1} == {}
+
+
+def test_no_module_swaps_its_class():
+    """A module stays a plain module (kernels/ is out of this test's reach: its owner removes its swap)."""
+    bad = [
+        f"{name} line {node.lineno}"
+        for name, path in module_files().items() if not name.startswith("kvpool.kernels")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "__class__"
+                                                for t in node.targets)
+    ]
+    assert bad == []

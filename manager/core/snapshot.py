@@ -15,7 +15,7 @@ from dataclasses import asdict
 
 from kvpool.manager.core.block_pool import BlockPool
 from kvpool.manager.core.free_queue import FreeQueue
-from kvpool.manager.core.pool import Pool, PoolStats, Request
+from kvpool.manager.core.pool import Pool, PoolStats, RequestBlocks
 from kvpool.shared.hashing import HASH_BYTES
 
 FORMAT = 1
@@ -107,10 +107,10 @@ def _load(d: dict, enable_events: bool, verify: bool = True) -> Pool:
     bp = BlockPool.restore(ref_cnt, block_hash, _unints(d["primary"], "primary"),
                            {h: _unints(raw, "dups") for h, raw in d["dups"]}, free_queue, d["num_evictions"],
                            enable_caching=d["enable_caching"], enable_events=enable_events)
-    requests: dict[object, Request] = {}
+    requests: dict[object, RequestBlocks] = {}
     for owner, rid, blocks, num_tokens, hs, num_cached in d["requests"]:
         key = rid if owner is None else (owner, rid)
-        requests[key] = Request(_unints(blocks, "request blocks"), num_tokens, _split_hashes(hs, "request hashes"), num_cached)
+        requests[key] = RequestBlocks(_unints(blocks, "request blocks"), num_tokens, _split_hashes(hs, "request hashes"), num_cached)
     pool = Pool.restore(bp, d["block_size"], requests, PoolStats(**d["stats"]))
     if not verify:
         return pool

@@ -113,7 +113,7 @@ def test_reloading_the_allowed_keys_admits_a_new_client(secured, keys):
     with pytest.raises(ManagerUnavailable):
         stranger.hello()
     shutil.copy(k["stranger"][0], allowed)
-    live.server.ops.request_reload()  # what SIGHUP does
+    live.server.hooks.request_reload()  # what SIGHUP does
 
     def admitted() -> bool:
         try:
@@ -122,4 +122,4 @@ def test_reloading_the_allowed_keys_admits_a_new_client(secured, keys):
             return False
 
     wait_until(admitted, 10, "the new key to be accepted")
-    assert live.server.ops.curve.num_allowed == 3
+    assert live.server.hooks.curve.num_allowed == 3

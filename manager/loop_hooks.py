@@ -1,4 +1,4 @@
-"""The manager loop's operational side: CURVE, KV-event sockets, metrics, systemd notify.
+"""What hangs off the manager loop besides the store: CURVE, KV-event sockets, metrics, systemd notify.
 
 Everything here is optional (docs/operating.md) and driven by the loop's thread, which calls:
 
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 STATUS_EVERY_S = 5.0  # systemd STATUS= refresh
 
 
-class Operations:
+class LoopHooks:
     def __init__(self, cfg: ManagerConfig, registry: Registry, stats: ServerStats) -> None:
         self.cfg, self.reg, self.stats = cfg, registry, stats
         self.notifier = Notifier()
