@@ -13,11 +13,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("cli", "shared", "manager", "worker", "kernels")  # folder name == kvpool.<name>
 
 # What the CLI may import from the manager besides kvpool.manager.core: its public entry points.
+# (README "How it fits together" lists the same.)
 CLI_ENTRY_POINTS = {
     "kvpool.manager.server": {"serve"},
     "kvpool.manager.config": {"ManagerConfig"},
-    "kvpool.manager.store.snapshots": {"snapshot_to_file", "restore_from_file"},
-    "kvpool.manager.event_client": {"replay", "subscribe"},
+    "kvpool.manager.store.snapshots": {"CorruptState", "StateIOError", "load_file", "load_namespace",
+                                       "restore_namespace", "save_file", "summary"},
+    "kvpool.manager.event_client": {"EventTail"},
 }
 
 
@@ -172,3 +174,17 @@ def test_no_module_swaps_its_class():
                                                 for t in node.targets)
     ]
     assert bad == []
+
+
+def test_the_cli_uses_only_the_managers_public_entry_points():
+    modules = module_files()
+    bad = []
+    for name, path in modules.items():
+        if not name.startswith("kvpool.cli"):
+            continue
+        for target, imported in imports_of(name, path, modules):
+            if not target.startswith("kvpool.manager") or target.startswith("kvpool.manager.core"):
+                continue
+            if imported is None or imported not in CLI_ENTRY_POINTS.get(target, set()):
+                bad.append(f"{name} imports {target}{'.' + imported if imported else ''}")
+    assert bad == [], "the CLI may use kvpool.manager.core and the entry points in CLI_ENTRY_POINTS"
