@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from manager_helpers import SPEC, call, hello, make_server, ok, register
+from helpers.manager import SPEC, call, hello, make_server, ok, register
 
 from kvpool.manager.server import OPS
 from kvpool.shared.hashing import hash_blocks

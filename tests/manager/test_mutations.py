@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from manager_helpers import SPEC, kv_bytes
+from helpers.manager import SPEC, kv_bytes
 
 from kvpool.manager.mutations import (
     BlocksEvicted,

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from manager_helpers import call, make_server
+from helpers.manager import call, make_server
 
 from kvpool.manager.config import ManagerConfig
 from kvpool.shared import protocol as p

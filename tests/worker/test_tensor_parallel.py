@@ -8,8 +8,8 @@ import threading
 
 import pytest
 import torch
-from tp_factories import TPPair, rank_kv_bytes, sharded_models
-from worker_factories import TINY, assert_drained, greedy, make_engine, make_prompt, reference
+from helpers.tp import TPPair, rank_kv_bytes, sharded_models
+from helpers.worker import TINY, assert_drained, greedy, make_engine, make_prompt, reference
 
 from kvpool.manager.registry import Registry
 from kvpool.shared.protocol import KVSpec, ManagerError

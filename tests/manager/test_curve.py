@@ -10,7 +10,7 @@ import stat
 import pytest
 import zmq
 from click.testing import CliRunner
-from ops_helpers import SPEC, ThreadServer, kv_bytes, wait_until
+from helpers.manager import SPEC, LiveServer, kv_bytes, wait_until
 
 from kvpool.cli.main import cli
 from kvpool.shared.curve import ClientKeys, read_keypair, read_public_key, write_keypair
@@ -33,7 +33,7 @@ def keys(tmp_path):
 @pytest.fixture
 def secured(keys, sock_dir):
     _, allowed, k = keys
-    live = ThreadServer(endpoint=f"ipc://{sock_dir}/m.sock", curve_secret_key_file=str(k["manager"][1]),
+    live = LiveServer(endpoint=f"ipc://{sock_dir}/m.sock", curve_secret_key_file=str(k["manager"][1]),
                         curve_allowed_keys_dir=str(allowed), admin_key=ADMIN_KEY)
     clients: list[ManagerClient] = []
 

@@ -16,11 +16,13 @@ import json
 import os
 import random
 import sys
+from pathlib import Path
 
-from durable_helpers import random_step
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: tests/ holds `helpers`
 
-from kvpool.shared.protocol import KVSpec
-from kvpool.worker.manager_client import ManagerClient, ManagerUnavailable
+from helpers.durable import random_step  # noqa: E402
+from kvpool.shared.protocol import KVSpec  # noqa: E402
+from kvpool.worker.manager_client import ManagerClient, ManagerUnavailable  # noqa: E402
 
 SPEC = {"block_size": 4, "num_layers": 2, "num_kv_heads": 2, "head_size": 8, "dtype": "float16"}
 BLOCKS = 400

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from durable_helpers import CaptureStore, call, durable_server, random_step, settle, state_of
-from manager_helpers import SPEC, kv_bytes, ok
+from helpers.durable import CaptureStore, call, durable_server, random_step, settle, state_of
+from helpers.manager import SPEC, kv_bytes, ok
 
 from kvpool.manager.core.snapshot import CorruptState
 from kvpool.manager.mutations import DrainingSet

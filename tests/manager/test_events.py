@@ -2,7 +2,7 @@ import time
 
 import msgpack
 import zmq
-from ops_helpers import apply
+from helpers.manager import apply
 
 from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvpool.manager.core.pool import Pool
