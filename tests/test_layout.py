@@ -188,3 +188,37 @@ def test_the_cli_uses_only_the_managers_public_entry_points():
             if imported is None or imported not in CLI_ENTRY_POINTS.get(target, set()):
                 bad.append(f"{name} imports {target}{'.' + imported if imported else ''}")
     assert bad == [], "the CLI may use kvpool.manager.core and the entry points in CLI_ENTRY_POINTS"
+
+
+def part_of(module: str) -> str:
+    """The README table's row of a module: shared, kernels, manager.core, manager.store, manager, ..."""
+    parts = module.split(".")[1:]
+    if parts[0] == "manager" and len(parts) > 1 and parts[1] in ("core", "store"):
+        return f"manager.{parts[1]}"
+    return parts[0]
+
+
+# README "How it fits together", last column: what each part may import from the others.
+MAY_IMPORT = {
+    "shared": set(),
+    "kernels": set(),
+    "manager.core": {"shared"},
+    "manager.store": {"shared", "manager.core", "kvpool.manager.registry", "kvpool.manager.mutations",
+                      "kvpool.manager.config"},
+    "manager": {"shared", "manager.core", "manager.store"},
+    "worker": {"shared", "kernels", "manager.core"},
+    "cli": {"shared", "worker", "manager.core", *CLI_ENTRY_POINTS},
+}
+
+
+def test_each_part_imports_only_what_the_readme_table_allows():
+    graph = import_graph()
+    bad = []
+    for module, deps in graph.items():
+        mine = part_of(module)
+        for dep in deps:
+            theirs = part_of(dep)
+            if theirs != mine and theirs not in MAY_IMPORT[mine] and dep not in MAY_IMPORT[mine] \
+                    and dep != "kvpool.manager" and dep != "kvpool.manager.store":
+                bad.append(f"{module} ({mine}) imports {dep} ({theirs})")
+    assert bad == []
