@@ -1,4 +1,4 @@
-"""Tensor parallelism in one process: ranks as threads (tp_factories), exact comparisons with the
+"""Tensor parallelism in one process: ranks as threads (helpers.tp), exact comparisons with the
 single-shard worker; the command channel's framing; the registry losing a shard. Real processes
 over gloo and a manager daemon: test_tensor_parallel_procs.py."""
 
