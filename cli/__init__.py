@@ -1,5 +1,7 @@
-"""kvpool.cli: the `kvpool` command (click): one module per group of commands, and ``common``
-(options, the manager connection, output helpers, the one exit-status table).
+"""kvpool.cli: the `kvpool` command (click): one module per group of commands (``admin``: the
+manager daemon and its queries; ``serve``: worker, generate, demo; ``state``: snapshot, restore;
+``tools``: config show, events, keygen; ``bench``), and ``common`` (options, the manager
+connection, output helpers, the one exit-status table).
 
 Import rule: the CLI imports from ``kvpool.manager`` only ``kvpool.manager.core`` and the
 manager's public entry points (``server.serve``, ``config.ManagerConfig``, ``store.snapshots``,

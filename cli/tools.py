@@ -1,4 +1,4 @@
-"""Operator commands: `kvpool config show`, `kvpool events`, `kvpool keygen`."""
+"""Operator tools: `kvpool config show`, `kvpool events`, `kvpool keygen`."""
 
 from __future__ import annotations
 
