@@ -7,22 +7,21 @@ registering session is still live is a second worker for the same pool, refused 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Any
 
 from kvpool.shared.protocol import ManagerError
 
-if TYPE_CHECKING:
-    from kvpool.manager.registry import Session, Shard
 
-
-def refuse_live_owner(pool: str, shard: Shard, sid: str, sessions: dict[str, Session]) -> None:
-    """A shard held by another live session (its worker runs) is not taken over silently: a
-    second worker for the same pool is refused unless it asks to replace the first."""
-    if shard.sid is None or shard.sid == sid or shard.sid not in sessions:
+def refuse_live_owner(pool: str, rank: int, holder: str | None, caller: str, sessions: Mapping[str, Any]) -> None:
+    """Raises shard_in_use when shard ``rank`` is held by ``holder``, a live session other than
+    ``caller`` (its worker runs): a second worker for the same pool is refused unless it asks
+    to replace the first. ``sessions``: sid -> session (``num``, ``identity``)."""
+    if holder is None or holder == caller or holder not in sessions:
         return
-    owner = sessions[shard.sid]
+    owner = sessions[holder]
     raise ManagerError(
         "shard_in_use",
-        f"shard {shard.rank} of pool {pool!r} is held by a live worker (session {owner.num}, "
+        f"shard {rank} of pool {pool!r} is held by a live worker (session {owner.num}, "
         f"{owner.identity}); stop it first, or register with replace (kvpool worker --replace)",
     )

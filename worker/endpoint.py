@@ -24,7 +24,7 @@ import zmq
 logger = logging.getLogger(__name__)
 
 
-class EndpointInUse(RuntimeError):
+class EndpointInUse(ValueError):
     """Another live worker serves the endpoint; the message says how to replace it."""
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from click.testing import CliRunner
-from durable_helpers import CaptureStore, durable_server, state_of
-from manager_helpers import SPEC, call, hello, kv_bytes, ok, register, wait_until
+from helpers.durable import CaptureStore, durable_server, state_of
+from helpers.manager import SPEC, call, hello, kv_bytes, ok, register, wait_until
 
 from kvpool.cli.admin import EXIT_UNHEALTHY
 from kvpool.cli.main import cli

@@ -7,8 +7,8 @@ import subprocess
 import time
 
 import pytest
-from durable_helpers import Daemon
-from manager_helpers import CLI
+from helpers.durable import Daemon
+from helpers.manager import CLI
 
 from kvpool.worker.client import GenerateClient, WorkerUnavailable
 

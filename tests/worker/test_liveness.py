@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from worker_factories import make_engine, make_prompt
+from helpers.worker import make_engine, make_prompt
 
 from kvpool.worker.client import GenerateClient, WorkerUnavailable
 from kvpool.worker.server import WorkerServer

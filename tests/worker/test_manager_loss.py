@@ -6,7 +6,7 @@ import tempfile
 import threading
 import time
 
-from worker_factories import BLOCK_BYTES, greedy, make_prompt
+from helpers.worker import BLOCK_BYTES, greedy, make_prompt
 
 from kvpool.manager.config import ManagerConfig
 from kvpool.manager.server import Server

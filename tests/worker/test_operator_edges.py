@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from worker_factories import make_engine, make_prompt
+from helpers.worker import make_engine, make_prompt
 
 from kvpool.worker import host_memory
 from kvpool.worker.client import GenerateClient

@@ -13,7 +13,7 @@ import tempfile
 import time
 
 import pytest
-from worker_factories import make_prompt
+from helpers.worker import make_prompt
 
 from kvpool.worker.client import GenerateClient
 from kvpool.worker.demo import CLI, Cluster, DemoConfig

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from ops_helpers import SPEC, ThreadServer, kv_bytes
+from helpers.manager import SPEC, kv_bytes
 
 from kvpool.cli.main import cli
 from kvpool.shared.hashing import hash_blocks
@@ -23,16 +23,8 @@ def run(*args: str, env: dict | None = None, code: int = 0) -> str:
 
 
 @pytest.fixture
-def server(sock_dir):
-    started = []
-
-    def start(**cfg) -> ThreadServer:
-        started.append(ThreadServer(endpoint=f"ipc://{sock_dir}/m{len(started)}.sock", **cfg))
-        return started[-1]
-
-    yield start
-    for s in started:
-        s.stop()
+def server(live_server):
+    return live_server
 
 
 def test_events_says_at_once_that_the_manager_publishes_none(server):
