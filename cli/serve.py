@@ -10,6 +10,9 @@ import sys
 import click
 
 from kvpool.cli.common import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
     EXIT_TP_PEER_LOST,
     EXIT_UNREACHABLE,
     curve_options,
@@ -193,7 +196,7 @@ def generate(prompt_ids: tuple[int, ...], endpoint: str | None, pool: str, manag
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         click.echo("\ninterrupted: the request was aborted on the worker", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     finally:
         client.close()
     sys.exit(_finish_report(reasons, counts, max_tokens))
@@ -229,7 +232,7 @@ def _finish_report(reasons: list[str], counts: list[int], max_tokens: int) -> in
         elif reason.startswith("error") or reason == "?":
             failed = True
         click.echo(f"{label}finished: {reason}{note}", err=True)
-    return 1 if failed else 0
+    return EXIT_ERROR if failed else EXIT_OK
 
 
 @click.command("demo")
@@ -249,5 +252,5 @@ def demo(num_requests: int, max_inflight: int, kv_blocks: int, seed: int, as_jso
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         click.echo("\ninterrupted: the demo's manager and workers are stopped", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     click.echo(json.dumps(result, indent=2) if as_json else format_report(result))
