@@ -37,7 +37,7 @@ class BlockManager(Protocol):
 
     def step(self, ops: list[dict]) -> list[dict]: ...
 
-    def heartbeat(self) -> None: ...
+    def heartbeat(self) -> bool: ...  # True when the manager answered one just now
 
     def stats(self) -> dict: ...
 
@@ -82,8 +82,8 @@ class LocalBlockManager:
             raise ManagerReset("not registered")
         return self._pool
 
-    def heartbeat(self) -> None:
-        pass
+    def heartbeat(self) -> bool:
+        return True  # in-process: always reachable
 
     def stats(self) -> dict:
         return self._pool.snapshot_stats() if self._pool is not None else {}
@@ -144,9 +144,10 @@ class RemoteBlockManager:
             self.client.sid = None  # given up: no heartbeat may find the old session gone again
             raise ManagerReset(str(e)) from e
 
-    def heartbeat(self) -> None:
+    def heartbeat(self) -> bool:
+        """True when a heartbeat was sent and answered (False: none was due)."""
         try:
-            self.client.maybe_heartbeat()
+            return self.client.maybe_heartbeat()
         except ManagerRestarted as e:
             raise ManagerReset(str(e)) from e
 

@@ -155,17 +155,19 @@ class Engine:
         sched.end_step()
         return events
 
-    def heartbeat(self) -> None:
+    def heartbeat(self) -> bool:
         """Keeps the manager session (and the other tensor-parallel ranks) alive while idle;
-        notices a restarted manager. Raises TPPeerLost when another rank is gone."""
+        notices a restarted manager. Raises TPPeerLost when another rank is gone. True when the
+        manager answered a heartbeat just now."""
         if self.tp is not None:
             self.tp.tick()
         if self._lost:
-            return  # the session is already given up: re-registering opens a new one (no second reset)
+            return False  # the session is already given up: re-registering opens a new one (no second reset)
         try:
-            self.bm.heartbeat()
+            return self.bm.heartbeat()
         except ManagerReset as e:
             self._reset(e)
+            return False
 
     def _reset(self, err: Exception) -> None:
         logger.warning("manager lost our requests (%s): re-registering, recomputing", err)

@@ -116,7 +116,8 @@ class WorkerServer:
         if self.metrics is not None:
             self.metrics.maybe_update(self.engine)
         try:
-            self.engine.heartbeat()
+            if self.engine.heartbeat():
+                self._manager_down = None  # it answered: shutdown will free and deregister
         except ManagerError as e:
             self._manager_down = str(e)
             logger.warning("heartbeat failed: %s", e)

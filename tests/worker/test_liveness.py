@@ -200,3 +200,15 @@ def test_a_refusal_of_n_0_reaches_the_client(serving):
             list(client.stream(make_prompt(20, 7), max_tokens=4, n=0))
     finally:
         client.close()
+
+
+def test_a_manager_that_answers_again_is_no_longer_reported_down():
+    engine = make_engine()
+    server = WorkerServer(engine, "inproc://unused", "p")
+    try:
+        server._manager_down = "unavailable: no reply"  # a heartbeat failed while the worker idled
+        server.run_once()  # the next heartbeat is answered (in-process manager)
+        assert server._manager_down is None and server._waiting_reason() is None
+    finally:
+        server._sock.close()
+        server._ctx.term()
