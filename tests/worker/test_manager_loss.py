@@ -17,7 +17,7 @@ from kvpool.worker.startup import build_engine
 
 
 def start_server(endpoint: str) -> tuple[Server, threading.Thread]:
-    srv = Server(ManagerConfig(endpoint=endpoint, session_timeout_s=0.6))
+    srv = Server(ManagerConfig(endpoint=endpoint))
     srv.bind()
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -48,6 +48,7 @@ def test_a_step_lost_with_the_manager_then_a_heartbeat_to_its_successor_is_one_r
         engine.step()  # no reply: the manager may or may not have run it
         assert engine.resets == 1
         srv, thread = start_server(endpoint)
+        bm.client.heartbeat_interval_s = 0.0  # a heartbeat is due now, as the idle loop's would be
         engine.heartbeat()
         assert engine.resets == 1
         rid = engine.add_request(make_prompt(20, 1), greedy(3))
