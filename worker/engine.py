@@ -29,7 +29,7 @@ from kvpool.worker.profiler import check_fits
 from kvpool.worker.request import Request
 from kvpool.worker.runner import ModelRunner, allocate_runner
 from kvpool.worker.sampler import SampleKey, SamplingParams, sample
-from kvpool.worker.scheduler import Scheduler
+from kvpool.worker.scheduler import Batch, Output, Scheduler
 from kvpool.worker.tp import TPLeader
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class Engine:
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.block_size = scheduler.block_size
+        scheduler.eos_token_id = model.config.eos_token_id  # the model's, whoever built the scheduler
         self.tp = tp
         self.spec = kv_spec(model.config, self.block_size, self.dtype, model.tp_size)
         self.num_blocks = 0
@@ -129,24 +130,18 @@ class Engine:
             self.register()
             self._lost = False
         sched = self.scheduler
-        ops = sched.schedule()
-        if not ops:
+        plan = sched.schedule()
+        if not plan.ops and not plan.seqs:
             return []
         try:
-            results = self.bm.step(ops)
+            results = self.bm.step(plan.ops) if plan.ops else []
         except ManagerReset as e:
             self._reset(e)
             return []
-        plan = sched.commit(results)
-        events = self._collect_errors()
-        if plan.seqs:
-            if self.tp is not None:
-                self.tp.run(plan)
-            logits = self.runner.execute(plan)
-            sched.advance()
-            events += self._sample(logits)
-        sched.end_step()
-        return events
+        batch = plan.batch(results)
+        outputs = self._run(batch)
+        errored = sched.update(plan, results, outputs)
+        return self._end_with_error(errored) + self._token_events(outputs)
 
     def heartbeat(self) -> None:
         """Keeps the manager session (and the other tensor-parallel ranks) alive while idle;
@@ -164,14 +159,20 @@ class Engine:
         self.resets += 1
         self._lost = True
 
-    def _collect_errors(self) -> list[TokenEvent]:
-        errored, self.scheduler.errored = self.scheduler.errored, []
+    def _end_with_error(self, errored: list[Request]) -> list[TokenEvent]:
         for req in errored:
             self._forget(req)
         return [ev for r in errored for ev in self._end_events(r, r.finish_reason or "error")]
 
-    def _sample(self, logits: torch.Tensor) -> list[TokenEvent]:
-        sampling = [req for req, _ in self.scheduler.scheduled if req.num_computed == len(req.tokens)]
+    def _run(self, batch: Batch) -> list[Output]:
+        """The forward pass over ``batch`` and its sampled tokens (a new parallel sample of an
+        n > 1 request comes with its parent)."""
+        if not batch.seqs:
+            return []
+        if self.tp is not None:
+            self.tp.run(batch)
+        logits = self.runner.execute(batch)
+        sampling = [req for req, seq in zip(batch.reqs, batch.seqs) if seq.sample]
         keys, owners = [], []
         for row, req in enumerate(sampling):
             count = 1 if req.forked else req.params.n
@@ -184,33 +185,31 @@ class Engine:
         if len(owners) > len(sampling):  # an unforked n > 1 request draws n rows from its logits
             logits = logits[torch.tensor([row for row, _, _ in owners], dtype=torch.long, device=logits.device)]
         tokens = sample(logits, keys)
-        events = []
+        outputs = []
         for (_, req, i), tok in zip(owners, tokens):
-            target = req if i == 0 else self._child(req, i, tok)
-            events.append(self._accept(target, tok))
+            outputs.append(Output(req, tok) if i == 0 else Output(self._child(req, i), tok, req))
             if i == 0:
-                target.forked = True
-        return events
+                req.forked = True
+        return outputs
 
-    def _child(self, parent: Request, index: int, token: int) -> Request:
+    def _child(self, parent: Request, index: int) -> Request:
         child = Request(next(self._rids), parent.client_id, index, parent.tokens[: parent.num_prompt],
                         parent.num_prompt, parent.params, parent.seed, self.block_size)
         child.forked = True
         self._requests.setdefault(parent.client_id, []).append(child)  # the parent may have ended
-        self.scheduler.spawn(parent, child)
         return child
 
-    def _accept(self, req: Request, token: int) -> TokenEvent:
-        req.append(token)
-        reason = None
-        if token == self.model.config.eos_token_id and not req.params.ignore_eos:
-            reason = "stop"
-        elif req.num_output >= req.params.max_tokens or len(req.tokens) >= self.scheduler.max_model_len:
-            reason = "length"
-        if reason is not None:
-            self.scheduler.finish(req, reason)
-            self._forget(req)
-        return TokenEvent(req.client_id, req.index, token, reason is not None, reason)
+    def _token_events(self, outputs: list[Output]) -> list[TokenEvent]:
+        events = []
+        for out in outputs:
+            req = out.req
+            if req.finish_reason == "abort":
+                continue  # aborted while its step ran: its final event was sent by abort
+            if req.finish_reason is not None:
+                self._forget(req)
+            events.append(TokenEvent(req.client_id, req.index, out.token, req.finish_reason is not None,
+                                     req.finish_reason))
+        return events
 
     def _forget(self, req: Request) -> None:
         reqs = self._requests.get(req.client_id, [])

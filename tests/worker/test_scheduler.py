@@ -9,7 +9,7 @@ from kvpool.manager.core.step import run_step
 from kvpool.shared.hashing import hash_blocks
 from kvpool.worker.request import Request
 from kvpool.worker.sampler import SamplingParams
-from kvpool.worker.scheduler import Scheduler
+from kvpool.worker.scheduler import Output, Scheduler
 
 BS = 4
 
@@ -26,14 +26,11 @@ def make_req(rid: int, n_tokens: int, first: int = 10) -> Request:
 
 def run(sched: Scheduler, pool: Pool, sampled: int = 7):
     """One step without a model: every sequence that reaches its end samples ``sampled``."""
-    ops = sched.schedule()
-    plan = sched.commit(run_step(pool, "w", ops))
-    sched.advance()
-    for req, _ in sched.scheduled:
-        if req.num_computed == len(req.tokens):
-            req.append(sampled)
-    sched.end_step()
-    return ops, plan
+    plan = sched.schedule()
+    results = run_step(pool, "w", plan.ops)
+    batch = plan.batch(results)
+    sched.update(plan, results, [Output(req, sampled) for req, s in zip(batch.reqs, batch.seqs) if s.sample])
+    return plan.ops, batch
 
 
 def test_admission_ops_exact():

@@ -19,7 +19,7 @@ from kvpool.worker.kv_cache import allocate_kv_caches, kv_spec
 from kvpool.worker.model import build_model
 from kvpool.worker.parallel import TPPeerLost, check_tp
 from kvpool.worker.runner import ModelRunner
-from kvpool.worker.scheduler import SeqPlan, StepPlan
+from kvpool.worker.step_plan import Batch, BatchSeq
 from kvpool.worker.tp import HEAD, Channel, TPLeader, decode_plan, encode_plan
 
 # -- sharding ---------------------------------------------------------------------------------
@@ -68,8 +68,8 @@ def test_two_shards_compute_the_logits_of_one():
     full = build_model(TINY, torch.float32, "cpu", seed=0)
     ranks = sharded_models(2)
     prompt = make_prompt(37, 1)
-    plans = [StepPlan([SeqPlan(prompt[:20], 0, [3, 1], False), SeqPlan(prompt[:5], 0, [2], True)]),
-             StepPlan([SeqPlan(prompt[20:], 20, [3, 1, 4], True)], copies=[(2, 5)])]
+    plans = [Batch([BatchSeq(prompt[:20], 0, [3, 1], False), BatchSeq(prompt[:5], 0, [2], True)]),
+             Batch([BatchSeq(prompt[20:], 20, [3, 1, 4], True)], copies=[(2, 5)])]
 
     def runner(model, kv_heads):
         caches = allocate_kv_caches(TINY.num_layers, 8, 16, kv_heads, TINY.head_size, torch.float32, "cpu")
@@ -191,7 +191,7 @@ class FakeDist:
 def test_channel_frames_a_plan_in_one_or_two_broadcasts(monkeypatch, num_tokens):
     fake = FakeDist()
     monkeypatch.setattr(tp_module.dist, "broadcast", fake.broadcast)
-    plan = StepPlan([SeqPlan(list(range(num_tokens)), 7, [4, 9, 2], True), SeqPlan([5], 0, [3], False)],
+    plan = Batch([BatchSeq(list(range(num_tokens)), 7, [4, 9, 2], True), BatchSeq([5], 0, [3], False)],
                     copies=[(3, 8)])
     channel = Channel(torch.device("cpu"))
     fake.sending = True
