@@ -15,6 +15,7 @@ from kvpool.manager.registry import Registry
 from kvpool.shared.protocol import ManagerError
 from kvpool.worker import tp as tp_module
 from kvpool.worker.config import PRESETS, WorkerConfig
+from kvpool.worker.engine import Engine
 from kvpool.worker.kv_cache import allocate_kv_caches, kv_spec
 from kvpool.worker.model import build_model
 from kvpool.worker.parallel import TPPeerLost, check_tp
@@ -108,6 +109,7 @@ def test_greedy_output_prefix_hits_and_forks_equal_one_shard():
         forked = engine.generate([make_prompt(37, 8)], greedy(6, n=3))  # copy-on-write copies on both ranks
         assert forked == single.generate([make_prompt(37, 8)], greedy(6, n=3))
         assert forked == [[reference(single, make_prompt(37, 8), 6)] * 3]
+        pair.settle()
         assert pair.followers[0].steps == len(forwards) > 0  # every forward ran on both ranks
     finally:
         pair.close()
@@ -125,6 +127,7 @@ def test_the_follower_applies_copy_on_write_to_its_slice():
         ranks = (engine.runner, follower.runner)
         original = [[c[:, parent.block_table[2], :5].clone() for c in r.kv_caches] for r in ranks]
         engine.step()  # fork + copy-on-write + decode
+        pair.settle()
         tables = {r.block_table[2] for r in engine.scheduler.running}
         assert len(tables) == 3
         for runner, before in zip(ranks, original):
@@ -159,6 +162,30 @@ def test_per_rank_kv_memory_halves_for_the_same_num_blocks():
         assert pair.engine.stats()["tp_size"] == 2 and pair.engine.stats()["kv_cache_bytes"] == tp2
         print(f"\nKV bytes per rank for {single.num_blocks} blocks of tiny (fp32): tp 1 {tp1}, tp 2 {tp2} "
               f"({tp2 / tp1:.2f}x)")
+    finally:
+        pair.close()
+
+
+def test_the_pair_waits_for_a_slow_follower_to_register(monkeypatch):
+    """The follower registers on its own thread; the helper waits for it (it once raced)."""
+    real = tp_module.TPFollower.register
+    gate = threading.Event()
+
+    def slow_register(self):
+        gate.wait(5)  # released only once rank 0 has finished its own registration
+        real(self)
+
+    monkeypatch.setattr(tp_module.TPFollower, "register", slow_register)
+    real_engine_register = Engine.register
+
+    def engine_register(self):
+        real_engine_register(self)
+        gate.set()
+
+    monkeypatch.setattr(Engine, "register", engine_register)
+    pair = TPPair(num_blocks=64)
+    try:
+        assert pair.followers[0].runner is not None and pair.followers[0].num_blocks == 64
     finally:
         pair.close()
 
