@@ -97,6 +97,7 @@ class Scheduler:
         return max(0, self.max_model_len - num_tokens) if self.static else 0
 
     def _new_hashes(self, req: Request, num_tokens: int) -> list[bytes]:
+        """Hashes of the blocks full once ``num_tokens`` are computed that the manager lacks."""
         if not self.caching:
             return []
         return req.hasher.hashes[req.num_hashes_sent : num_tokens // self.block_size]
@@ -106,7 +107,7 @@ class Scheduler:
         requests' in-flight counters and the queues of frees and forks it sends)."""
         plan = StepPlan()
         for parent, child in self.pending_forks:
-            plan.add({"op": "fork", "req": parent.rid, "child": child.rid}, SubOp("fork", child, child.generation))
+            self._fork(plan, parent, child)
         for rid in self.pending_frees:
             plan.add({"op": "free", "req": rid}, SubOp("free", None))
         self.pending_forks, self.pending_frees = [], []
@@ -123,18 +124,41 @@ class Scheduler:
         return plan
 
     def _schedule_running(self, plan: StepPlan, req: Request, n: int) -> None:
+        """Schedules ``n`` more tokens of ``req``; an extend only when they need a block it does
+        not hold (lookahead included) or a fork left it sharing a partial block. The hashes of
+        blocks that became full ride along with that extend (PROTOCOL.md, "Sparse steps")."""
         start = req.num_computed + req.num_scheduled
         num_tokens = start + n
-        hashes = self._new_hashes(req, num_tokens)
-        undo = (req.num_hashes_sent, req.synced_tokens, req.num_slots)
-        op = plan.add({"op": "extend", "req": req.rid, "num_tokens": num_tokens, "hashes": hashes,
-                       "lookahead": self._lookahead(num_tokens)}, SubOp("extend", req, req.generation, n, undo))
-        req.num_hashes_sent += len(hashes)
-        req.synced_tokens = num_tokens
+        lookahead = self._lookahead(num_tokens)
+        op = -1
+        if req.must_sync or num_tokens + lookahead > req.num_slots:
+            op = self._extend(plan, req, num_tokens, lookahead, n)
         sample = num_tokens == len(req.tokens) + req.num_pending_samples
         plan.seqs.append(ScheduledSeq(req, req.generation, n, start, op, sample))
         req.num_scheduled += n
         req.num_pending_samples += sample
+
+    def _extend(self, plan: StepPlan, req: Request, num_tokens: int, lookahead: int, n: int) -> int:
+        hashes = self._new_hashes(req, num_tokens)
+        undo = (req.num_hashes_sent, req.synced_tokens, req.num_slots)
+        op = {"op": "extend", "req": req.rid, "num_tokens": num_tokens, "hashes": hashes, "lookahead": lookahead}
+        index = plan.add(op, SubOp("extend" if n else "sync", req, req.generation, n, undo))
+        req.num_hashes_sent += len(hashes)
+        req.synced_tokens = num_tokens
+        req.num_slots = max(req.num_slots, -(-(num_tokens + lookahead) // self.block_size) * self.block_size)
+        return index
+
+    def _fork(self, plan: StepPlan, parent: Request, child: Request) -> None:
+        """The child shares the blocks of the parent's computed tokens: the manager's view of the
+        parent is brought up to them first, and both must write through the manager next."""
+        tokens = parent.num_computed
+        if parent.synced_tokens != tokens:
+            self._extend(plan, parent, tokens, self._lookahead(tokens), 0)
+        plan.add({"op": "fork", "req": parent.rid, "child": child.rid}, SubOp("fork", child, child.generation))
+        child.synced_tokens = tokens
+        child.num_slots = -(-tokens // self.block_size) * self.block_size
+        child.num_hashes_sent = min(parent.num_hashes_sent, tokens // self.block_size)
+        parent.must_sync = child.must_sync = True
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         if not self.waiting:
@@ -189,12 +213,12 @@ class Scheduler:
             req = sub.req
             if req is not None and req.generation != sub.generation:
                 continue  # it moved on (finished, aborted, lost) after the plan was made
-            if sub.kind == "free" or sub.kind == "sync":
-                if not res.get("ok") and res.get("code") not in ("unknown_request", "no_space"):
-                    logger.warning("%s refused: %s", sub.kind, res)
+            if sub.kind == "free":
+                if not res.get("ok") and res.get("code") != "unknown_request":
+                    logger.warning("free refused: %s", res)
             elif sub.kind == "fork":
                 self._apply_fork(req, res)
-            elif sub.kind == "extend":
+            elif sub.kind in ("extend", "sync"):
                 self._apply_extend(sub, res, failed)
             elif not self._apply_alloc(sub, res, refused_admissions):
                 errored.append(req)
@@ -228,7 +252,7 @@ class Scheduler:
             for index, _, dst in res["copies"]:
                 req.block_table[index] = dst
             req.num_slots = max(req.num_slots, len(req.block_table) * self.block_size)
-            req.must_sync = False
+            req.must_sync = req.must_sync and sub.kind == "sync"  # a write went through: copied
             return
         req.num_hashes_sent, req.synced_tokens, req.num_slots = sub.undo
         if res.get("code") == "no_space":
