@@ -5,6 +5,10 @@
     while engine.has_work():
         for ev in engine.step(): ...                                          # TokenEvent
 
+With ``overlap`` (the default) step N+1's message goes to the manager before step N's forward
+pass and is collected after it, so the round trip hides behind the compute (``manager_wait_s``
+counts the time a step still waited).
+
 The engine owns the KV tensors (allocated once from the num_blocks the manager returned at
 registration) and re-registers when the manager forgot its requests (``ManagerReset``): every
 request is then recomputed from its tokens, the sampled ones included.
@@ -18,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +34,7 @@ from kvpool.worker.profiler import check_fits
 from kvpool.worker.request import Request
 from kvpool.worker.runner import ModelRunner, allocate_runner
 from kvpool.worker.sampler import SampleKey, SamplingParams, sample
-from kvpool.worker.scheduler import Batch, Output, Scheduler
+from kvpool.worker.scheduler import Batch, Output, Scheduler, StepPlan
 from kvpool.worker.tp import TPLeader
 
 logger = logging.getLogger(__name__)
@@ -46,7 +51,8 @@ class TokenEvent:
 
 class Engine:
     def __init__(self, model: LlamaForCausalLM, block_manager: BlockManager, scheduler: Scheduler,
-                 available_kv_bytes: int, *, seed: int = 0, tp: TPLeader | None = None) -> None:
+                 available_kv_bytes: int, *, seed: int = 0, tp: TPLeader | None = None,
+                 overlap: bool = True) -> None:
         self.model = model
         self.bm = block_manager
         self.scheduler = scheduler
@@ -62,6 +68,9 @@ class Engine:
         self.registrations = 0
         self.resets = 0
         self._lost = False
+        self.overlap = overlap
+        self.manager_wait_s = 0.0  # time a step spent blocked on the manager's answer
+        self._ready: tuple[StepPlan, list[dict], Batch] | None = None  # overlap: answered, not run
         self._rng = random.Random(seed)
         self._rids = itertools.count()
         self._requests: dict[str, list[Request]] = {}  # client id -> its live samples
@@ -119,7 +128,7 @@ class Engine:
         return [TokenEvent(req.client_id, i, None, True, reason) for i in indices]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._lost
+        return self.scheduler.has_work() or self._lost or self._ready is not None
 
     # -- one step --------------------------------------------------------------------------
 
@@ -129,12 +138,14 @@ class Engine:
         if self._lost:
             self.register()
             self._lost = False
+        if self.overlap:
+            return self._step_overlapped()
         sched = self.scheduler
         plan = sched.schedule()
         if not plan.ops and not plan.seqs:
             return []
         try:
-            results = self.bm.step(plan.ops) if plan.ops else []
+            results = self._wait(self.bm.send_step(plan.ops)) if plan.ops else []
         except ManagerReset as e:
             self._reset(e)
             return []
@@ -142,6 +153,47 @@ class Engine:
         outputs = self._run(batch)
         errored = sched.update(plan, results, outputs)
         return self._end_with_error(errored) + self._token_events(outputs)
+
+    def _step_overlapped(self) -> list[TokenEvent]:
+        """Step N's batch runs while the manager answers step N+1's message, which was composed
+        assuming every sequence of step N yields a token (``update`` reconciles: a request that
+        finished frees its extra slot, one refused for space is preempted before it runs)."""
+        sched = self.scheduler
+        ready, self._ready = self._ready, None
+        if ready is None:  # nothing in flight: ask for step N and wait
+            plan = sched.schedule()
+            if not plan.ops and not plan.seqs:
+                return []
+            try:
+                results = self._wait(self.bm.send_step(plan.ops)) if plan.ops else []
+            except ManagerReset as e:
+                self._reset(e)
+                return []
+            ready = (plan, results, plan.batch(results))
+        plan, results, batch = ready
+        following = sched.schedule()  # step N+1
+        try:
+            ticket = self.bm.send_step(following.ops) if following.ops else None
+        except ManagerReset as e:
+            self._reset(e)
+            return []
+        outputs = self._run(batch)
+        events = self._end_with_error(sched.update(plan, results, outputs)) + self._token_events(outputs)
+        try:
+            answers = self._wait(ticket) if ticket is not None else []
+        except ManagerReset as e:
+            self._reset(e)
+            return events
+        if following.ops or following.seqs:
+            self._ready = (following, answers, following.batch(answers))
+        return events
+
+    def _wait(self, ticket: object) -> list[dict]:
+        start = time.perf_counter()
+        try:
+            return self.bm.recv_step(ticket)
+        finally:
+            self.manager_wait_s += time.perf_counter() - start
 
     def heartbeat(self) -> None:
         """Keeps the manager session (and the other tensor-parallel ranks) alive while idle;
@@ -155,6 +207,7 @@ class Engine:
 
     def _reset(self, err: Exception) -> None:
         logger.warning("manager lost our requests (%s): re-registering, recomputing", err)
+        self._ready = None
         self.scheduler.reset()
         self.resets += 1
         self._lost = True
@@ -254,6 +307,7 @@ class Engine:
             "steps": s.steps, "preemptions": s.preemptions, "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens, "computed_tokens": s.computed_tokens,
             "peak_blocks": s.peak_blocks, "peak_running": s.peak_running,
-            "registrations": self.registrations, "resets": self.resets,
+            "registrations": self.registrations, "resets": self.resets, "overlap": self.overlap,
+            "manager_wait_s": self.manager_wait_s,
             "tp_size": self.model.tp_size, "kv_cache_bytes": self.runner.kv_bytes if self.runner else 0,
         }

@@ -8,11 +8,20 @@ Two calls per step (the shape of nano-vllm's and vLLM v1's schedulers)::
     outputs = sample(runner.execute(batch))     # [(request, token, parent or None)]
     errored = scheduler.update(plan, results, outputs)
 
-``schedule`` composes the message: forks, frees, then one extend per running request oldest
-first, then allocs for waiting requests FCFS, all within the token budget. ``update`` applies the
+``schedule`` composes the message: forks, frees, then the running requests oldest first, then
+allocs for waiting requests FCFS, all within the token budget. A running request gets an extend
+only when its tokens need a block it does not hold, or after a fork (sparse steps, PROTOCOL.md
+section 6); otherwise it runs in blocks it holds without a sub-op. ``update`` applies the
 manager's answers (block tables, admissions, refusals), marks the tokens computed, appends the
 sampled tokens, finishes and spawns requests, and preempts. Frees and forks decided in ``update``
 travel at the head of the next message.
+
+Overlap (the engine's default): ``schedule`` may run again before the previous plan's ``update``,
+assuming each sequence of that plan yields a token (the requests' in-flight counters say what is
+assumed). A request whose alloc or first sample of n > 1 is in flight sits that step out; an
+extend built on a step in flight carries ``base``, so it is refused when that step was. ``update``
+reconciles: entries of requests that finished, were aborted or preempted since no longer count,
+and a request refused for space with its next step already sent is rewound (or preempted).
 
 Preemption by recompute: when the manager answers no_space to running requests' extends, the
 newest running requests are preempted (the refused ones included) until the blocks they hold
@@ -114,8 +123,8 @@ class Scheduler:
         budget = self.token_budget
         for req in self.running:
             n = min(req.num_remaining, budget)
-            if n == 0 or req.admitting:
-                continue
+            if n == 0 or req.admitting or (req.num_pending_samples and not req.forked):
+                continue  # its next step depends on answers still in flight (cached count, forks)
             self._schedule_running(plan, req, n)
             budget -= n
         if not self.hold_admissions:
@@ -142,6 +151,8 @@ class Scheduler:
         hashes = self._new_hashes(req, num_tokens)
         undo = (req.num_hashes_sent, req.synced_tokens, req.num_slots)
         op = {"op": "extend", "req": req.rid, "num_tokens": num_tokens, "hashes": hashes, "lookahead": lookahead}
+        if req.num_scheduled:  # built on a step still in flight: valid only if that one succeeded
+            op["base"] = req.synced_tokens
         index = plan.add(op, SubOp("extend" if n else "sync", req, req.generation, n, undo))
         req.num_hashes_sent += len(hashes)
         req.synced_tokens = num_tokens
@@ -288,8 +299,7 @@ class Scheduler:
     def _choose_victims(self, failed: list[tuple[Request, int]]) -> list[Request]:
         """Preempts newest-first until the blocks they hold cover what the refused requests
         lacked (an estimate: the manager stays the judge, a shortfall fails again next step).
-        Returns the victims that run this step (preempted after it). A refused request whose
-        next step is already in flight cannot wait for a retry: it is preempted as well."""
+        Returns the victims that run this step (preempted after it)."""
         short = {req: self._blocks_short(req, n) for req, n in failed}
         need = sum(short.values())
         victims = []
@@ -299,10 +309,21 @@ class Scheduler:
             victims.append(victim)
             need -= len(victim.block_table) + short.get(victim, 0)
         for req, n in failed:
-            if req in self.running and (req in victims or req.num_scheduled > n):
+            if req not in self.running:
+                continue
+            if req in victims:
                 self._preempt(req)  # it did not run this step: preempt it now
+            elif req.num_scheduled > n:
+                self._rewind(req)
         self.hold_admissions = True
         return victims
+
+    def _rewind(self, req: Request) -> None:
+        """``req`` was refused while its next step was already sent (overlap): that one carries
+        a ``base`` the manager no longer matches, so it is refused too and changes nothing; the
+        request keeps its blocks and retries from its computed tokens."""
+        req.num_scheduled = req.num_pending_samples = 0
+        req.generation += 1  # the in-flight step's entries no longer count
 
     def _settle(self, plan: StepPlan, ran: list[tuple[Request, int, int]]) -> None:
         """The plan's sequences are no longer in flight; the ones that ran are computed."""
@@ -340,10 +361,12 @@ class Scheduler:
         logger.info("preempted %r", req)
 
     def _lose(self, req: Request) -> None:
-        """The manager holds nothing for ``req``: recompute it from scratch, nothing to free."""
+        """The manager refused ``req`` for bad input: recompute it from scratch. Its free tells
+        the manager to drop whatever it may still hold (unknown_request when nothing)."""
         if req not in self.running:
             return  # already lost (a refused fork, then its refused extend)
         self.running.remove(req)
+        self.pending_frees.append(req.rid)
         req.reset_kv()
         self.waiting.appendleft(req)
 

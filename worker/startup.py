@@ -110,7 +110,7 @@ def build_engine(cfg: WorkerConfig, block_manager: BlockManager) -> Engine:
                       enable_chunked_prefill=cfg.enable_chunked_prefill,
                       static_prealloc=cfg.static_prealloc)
     tp = TPLeader(Channel(rank_device(cfg)), cfg.tp_size) if cfg.tp_size > 1 else None
-    return Engine(model, block_manager, sched, kv_bytes, seed=cfg.seed, tp=tp)
+    return Engine(model, block_manager, sched, kv_bytes, seed=cfg.seed, tp=tp, overlap=cfg.overlap)
 
 
 def build_follower(cfg: WorkerConfig, block_manager: BlockManager) -> TPFollower:

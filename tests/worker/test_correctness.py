@@ -38,9 +38,10 @@ def test_partial_hit():
     assert engine.stats()["cached_tokens"] == 32  # two full blocks of the shared 40 tokens
 
 
-def test_shared_prefix_in_one_step():
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_shared_prefix_in_one_step(overlap):
     """A request hitting blocks that another request computes in the same forward pass."""
-    engine = make_engine()
+    engine = make_engine(overlap=overlap)
     system = make_prompt(48, 4)
     prompts = [system + make_prompt(5 + i, 10 + i) for i in range(3)]
     outs = engine.generate(prompts, greedy(6))
@@ -65,8 +66,9 @@ def test_chunked_prefill():
     assert outs[1] == [reference(engine, short, 6)]
 
 
-def test_preempted_and_resumed():
-    engine = make_engine(max_blocks=14, max_model_len=128)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_preempted_and_resumed(overlap):
+    engine = make_engine(max_blocks=14, max_model_len=128, overlap=overlap)
     prompts = [make_prompt(30 + i, 20 + i) for i in range(4)]
     outs = engine.generate(prompts, greedy(60))
     stats = engine.stats()
@@ -76,8 +78,9 @@ def test_preempted_and_resumed():
     assert_drained(engine)
 
 
-def test_fork_parallel_samples():
-    engine = make_engine()
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_fork_parallel_samples(overlap):
+    engine = make_engine(overlap=overlap)
     p = make_prompt(37, 8)  # a partial last block: shared by the samples, copied on write
     outs = engine.generate([p], greedy(12, n=3))
     pool = engine.bm.core.snapshot_stats()
@@ -116,8 +119,9 @@ def test_skipped_copies_are_detected(monkeypatch):
         test_fork_copies_the_shared_partial_block()
 
 
-def test_after_manager_restart():
-    engine = make_engine()
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_after_manager_restart(overlap):
+    engine = make_engine(overlap=overlap)
     prompts = [make_prompt(20 + 7 * i, 30 + i) for i in range(3)]
     ids = [engine.add_request(p, greedy(15)) for p in prompts]
     out = {rid: [] for rid in ids}

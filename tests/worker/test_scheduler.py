@@ -161,15 +161,15 @@ def test_static_prealloc_reserves_max_model_len():
 def test_one_manager_message_per_step():
     engine = make_engine(max_num_batched_tokens=32)
     calls = []
-    real = engine.bm.step
-    engine.bm.step = lambda ops: calls.append(len(ops)) or real(ops)
+    real = engine.bm.send_step
+    engine.bm.send_step = lambda ops: calls.append(len(ops)) or real(ops)
     for i in range(5):
         engine.add_request(make_prompt(10 + 9 * i, i), greedy(5, n=2 if i == 2 else 1))
     steps = 0
     while engine.has_work():
         engine.step()
         steps += 1
-    assert len(calls) <= steps and all(calls)  # a step with nothing to ask sends nothing
+    assert 0 < len(calls) <= steps and all(calls)  # a step with nothing to ask sends nothing
 
 
 def test_admission_leaves_room_for_running_requests_to_grow():
@@ -235,4 +235,71 @@ def test_a_fork_first_brings_the_managers_view_of_the_parent_up_to_date():
         ("extend", 0, 11), ("fork", 0, None), ("extend", 0, 12), ("extend", 1, 12)]
     parent_table, child_table = (s.block_table for s in batch.seqs)
     assert parent_table[:2] == child_table[:2] and parent_table[2] != child_table[2]  # copied on write
+    pool.check_invariants()
+
+
+def pipelined(sched: Scheduler, pool: Pool, steps: int, sampled: int = 7) -> list[tuple[list[dict], list[dict]]]:
+    """Overlapped steps without a model: step N+1's message reaches the manager before step N's
+    outcome is applied. Returns each message and its results."""
+    sent, ready = [], None
+    for _ in range(steps):
+        if ready is None:
+            plan = sched.schedule()
+            results = run_step(pool, "w", plan.ops)
+            sent.append((plan.ops, results))
+            ready = (plan, results, plan.batch(results))
+        plan, results, batch = ready
+        following = sched.schedule()
+        answers = run_step(pool, "w", following.ops)
+        sent.append((following.ops, answers))
+        sched.update(plan, results, [Output(r, sampled) for r, s in zip(batch.reqs, batch.seqs) if s.sample])
+        ready = (following, answers, following.batch(answers)) if following.ops or following.seqs else None
+    return sent
+
+
+def test_overlap_a_finished_request_frees_the_block_its_next_step_took():
+    sched, pool = make_sched(), Pool(32, BS)
+    a = Request(0, "c0", 0, list(range(10, 17)), 7, SamplingParams(max_tokens=2), 0, BS)
+    sched.add(a)
+    sent = pipelined(sched, pool, 3)
+    ops = [o for msg, _ in sent for o in msg]
+    # token 8 fits block 2; the step after it assumes token 9 and asks for block 3 on the count
+    # step 1 left (base 7), with the hash of block 2 that token 8 fills; the request finishes
+    # with token 9, so block 3 is freed unused
+    assert {"op": "extend", "req": 0, "num_tokens": 9, "hashes": hash_blocks(a.tokens[:8], BS)[1:2],
+            "lookahead": 0, "base": 7} in ops
+    assert a.finish_reason == "length" and len(a.tokens) == 9
+    assert ops[-1] == {"op": "free", "req": 0} and not sched.has_work()
+    assert pool.snapshot_stats()["used_blocks"] == 0
+    pool.check_invariants()
+
+
+def test_overlap_a_refused_request_keeps_its_blocks_and_its_step_in_flight_is_void():
+    sched, pool = make_sched(), Pool(7, BS)  # three 8-token prompts fill all 6 blocks
+    reqs = [make_req(i, 8, first=10 * i + 10) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    sent = pipelined(sched, pool, 4)
+    assert [r["code"] for r in sent[2][1]] == ["no_space"] * 3  # token 9 needs a third block
+    assert sent[3] == ([], [])  # token 10 would fit the block token 9 asked for: nothing to send
+    # newest preempted; the other two were rewound (their in-flight step voided) and retry
+    assert [(o["op"], o["req"], o.get("base")) for o in sent[4][0]] == [
+        ("free", 2, None), ("extend", 0, None), ("extend", 1, None)]
+    assert sched.running[:2] == reqs[:2] and sent[5][0][0]["req"] == 2  # it asks to come back
+    assert [r.num_computed for r in reqs] == [9, 9, 0] and sched.stats.preemptions == 1
+    for r in reqs[:2]:
+        assert pool.requests[("w", r.rid)].blocks == r.block_table and len(r.block_table) == 3
+    pool.check_invariants()
+
+
+def test_overlap_a_step_built_on_a_refused_one_is_refused_with_stale_base():
+    sched, pool = make_sched(max_num_batched_tokens=8), Pool(4, BS)  # 3 usable blocks
+    a = make_req(0, 20)
+    sched.add(a)
+    sent = pipelined(sched, pool, 3)
+    assert [(o["num_tokens"], o.get("base"), r.get("code")) for msg, res in sent[2:4] for o, r in zip(msg, res)] \
+        == [(16, None, "no_space"), (20, 16, "stale_base")]  # 8 more prompt tokens, then the last 4
+    assert list(sched.waiting) == [a] and a.num_computed == 0  # preempted before either ran
+    assert [o["op"] for o in sent[4][0]] == ["free"] and ("w", 0) not in pool.requests
+    assert pool.lookup(a.hasher.hashes) == 2  # the 8 computed tokens; nothing uncomputed
     pool.check_invariants()
