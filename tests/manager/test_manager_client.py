@@ -82,9 +82,10 @@ def test_a_step_sent_with_begin_is_answered_while_the_caller_works(live_server):
 
 def test_an_unanswered_begin_step_raises_unavailable_at_end(sock_dir):
     live = LiveServer(f"ipc://{sock_dir}/gone.sock")
-    c = ManagerClient(live.endpoint, timeout_s=0.3)
+    c = ManagerClient(live.endpoint, timeout_s=10)
     epoch = reg(c)["epoch"]
     live.stop()
+    c.timeout_s = 0.3
     pending = c.begin_step("p", epoch, [])
     with pytest.raises(ManagerUnavailable, match="no reply to 'step'"):
         c.end_step(pending)
