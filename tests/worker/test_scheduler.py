@@ -303,3 +303,28 @@ def test_overlap_a_step_built_on_a_refused_one_is_refused_with_stale_base():
     assert [o["op"] for o in sent[4][0]] == ["free"] and ("w", 0) not in pool.requests
     assert pool.lookup(a.hasher.hashes) == 2  # the 8 computed tokens; nothing uncomputed
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_with_overlap_the_next_block_is_asked_for_before_the_token_that_needs_it_is_sampled(overlap):
+    engine = make_engine(overlap=overlap)
+    rid = engine.add_request(make_prompt(16, 3), greedy(40))
+    req = engine.scheduler.waiting[0]
+    asked = []  # (num_tokens of each extend, tokens the request knew when it was sent, base)
+    real = engine.bm.send_step
+
+    def send(ops):
+        asked.extend((o["num_tokens"], len(req.tokens), o.get("base")) for o in ops if o["op"] == "extend")
+        return real(ops)
+
+    engine.bm.send_step = send
+    while engine.has_work():
+        engine.step()
+    assert [t for t, _, _ in asked] == [17, 33, 49]  # one extend per block entered
+    # the step asked for computes the token at index num_tokens - 1: without overlap it is
+    # known when the message leaves; with overlap the message leaves while the step before
+    # (which samples it) runs, built on that step's count. The first decode follows the
+    # admission, which sits a step out, so nothing is in flight then.
+    assert asked[0] == (17, 17, None)
+    assert asked[1:] == ([(33, 32, 17), (49, 48, 33)] if overlap else [(33, 33, None), (49, 49, None)])
+    assert rid not in engine._requests
