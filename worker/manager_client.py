@@ -301,9 +301,15 @@ class ManagerClient:
         """The reply to ``msg_id``, within timeout_s of its sending."""
         sock = self._sock
         deadline = self._last_call + self.timeout_s
-        while sock is not None and (left := deadline - time.monotonic()) > 0 and sock.poll(left * 1000, zmq.POLLIN):
+        while sock is not None:
             try:
-                reply = unpack(sock.recv())
+                raw = sock.recv(zmq.NOBLOCK)  # a reply that came during the caller's work: no poll
+            except zmq.Again:
+                if (left := deadline - time.monotonic()) <= 0 or not sock.poll(left * 1000, zmq.POLLIN):
+                    break
+                continue
+            try:
+                reply = unpack(raw)
             except Exception:  # not msgpack: not from a manager; keep waiting
                 continue
             if type(reply) is dict and reply.get("id") == msg_id:
