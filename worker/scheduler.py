@@ -156,7 +156,7 @@ class Scheduler:
         index = plan.add(op, SubOp("extend" if n else "sync", req, req.generation, n, undo))
         req.num_hashes_sent += len(hashes)
         req.synced_tokens = num_tokens
-        req.num_slots = max(req.num_slots, -(-(num_tokens + lookahead) // self.block_size) * self.block_size)
+        req.num_slots = max(req.num_slots, _cdiv(num_tokens + lookahead, self.block_size) * self.block_size)
         return index
 
     def _fork(self, plan: StepPlan, parent: Request, child: Request) -> None:
@@ -167,7 +167,7 @@ class Scheduler:
             self._extend(plan, parent, tokens, self._lookahead(tokens), 0)
         plan.add({"op": "fork", "req": parent.rid, "child": child.rid}, SubOp("fork", child, child.generation))
         child.synced_tokens = tokens
-        child.num_slots = -(-tokens // self.block_size) * self.block_size
+        child.num_slots = _cdiv(tokens, self.block_size) * self.block_size
         child.num_hashes_sent = min(parent.num_hashes_sent, tokens // self.block_size)
         parent.must_sync = child.must_sync = True
 
@@ -180,7 +180,7 @@ class Scheduler:
             n = min(len(req.tokens), budget)
             if slots <= 0 or n == 0 or (not self.chunked and n < len(req.tokens)):
                 break
-            room -= -(-(n + self._lookahead(n)) // self.block_size)
+            room -= _cdiv(n + self._lookahead(n), self.block_size)
             if room < 0 and (self.running or admitted):
                 break  # an idle pool still tries its head: the manager has the last word
             hashes = list(req.hasher.hashes) if self.caching else []
@@ -294,7 +294,7 @@ class Scheduler:
         return False
 
     def _blocks_short(self, req: Request, n: int) -> int:
-        return max(0, -(-(req.num_computed + n) // self.block_size) - len(req.block_table))
+        return max(0, _cdiv(req.num_computed + n, self.block_size) - len(req.block_table))
 
     def _choose_victims(self, failed: list[tuple[Request, int]]) -> list[Request]:
         """Preempts newest-first until the blocks they hold cover what the refused requests

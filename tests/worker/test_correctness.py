@@ -139,3 +139,22 @@ def test_after_manager_restart(overlap):
     assert engine.stats()["registrations"] == 2 and engine.stats()["resets"] == 1
     assert [out[rid] for rid in ids] == [reference(engine, p, 15) for p in prompts]
     assert_drained(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_an_abort_while_its_step_is_in_flight_frees_everything(overlap):
+    engine = make_engine(overlap=overlap)
+    prompts = [make_prompt(14 + 9 * i, 40 + i) for i in range(3)]
+    ids = [engine.add_request(p, greedy(30)) for p in prompts]
+    out = {rid: [] for rid in ids}
+    for _ in range(6):  # the victim decodes; with overlap its next step is already answered
+        for ev in engine.step():
+            out[ev.request_id].append(ev.token)
+    ended = engine.abort(ids[1])
+    assert [(ev.token, ev.finished, ev.finish_reason) for ev in ended] == [(None, True, "abort")]
+    while engine.has_work():
+        for ev in engine.step():
+            out[ev.request_id].append(ev.token)
+    assert out[ids[0]] == reference(engine, prompts[0], 30) and out[ids[2]] == reference(engine, prompts[2], 30)
+    assert 0 < len(out[ids[1]]) < 30
+    assert_drained(engine)
