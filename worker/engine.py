@@ -228,6 +228,8 @@ class Engine:
         sampling = [req for req, seq in zip(batch.reqs, batch.seqs) if seq.sample]
         keys, owners = [], []
         for row, req in enumerate(sampling):
+            if req.finish_reason is not None:
+                continue  # aborted after its batch was made (overlap): nothing to sample
             count = 1 if req.forked else req.params.n
             for i in range(count):
                 index = req.index if req.forked else i
@@ -235,8 +237,9 @@ class Engine:
                 owners.append((row, req, i))
         if not owners:
             return []
-        if len(owners) > len(sampling):  # an unforked n > 1 request draws n rows from its logits
-            logits = logits[torch.tensor([row for row, _, _ in owners], dtype=torch.long, device=logits.device)]
+        rows = [row for row, _, _ in owners]
+        if rows != list(range(len(sampling))):  # an unforked n > 1 request draws n rows; aborted ones none
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         tokens = sample(logits, keys)
         outputs = []
         for (_, req, i), tok in zip(owners, tokens):

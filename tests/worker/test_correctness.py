@@ -158,3 +158,17 @@ def test_an_abort_while_its_step_is_in_flight_frees_everything(overlap):
     assert out[ids[0]] == reference(engine, prompts[0], 30) and out[ids[2]] == reference(engine, prompts[2], 30)
     assert 0 < len(out[ids[1]]) < 30
     assert_drained(engine)
+
+
+def test_aborting_parallel_samples_whose_first_sample_is_in_flight_spawns_nothing():
+    engine = make_engine(max_num_batched_tokens=16)  # overlap on: the last chunk's batch waits ready
+    rid = engine.add_request(make_prompt(40, 3), greedy(5, n=3))
+    engine.step()
+    engine.step()  # chunk 2 ran; chunk 3, which samples, is answered and waiting to run
+    assert engine._ready is not None and engine._ready[2].seqs[0].sample
+    assert [ev.index for ev in engine.abort(rid)] == [0, 1, 2]
+    events = []
+    while engine.has_work():
+        events += engine.step()
+    assert events == [] and engine._requests == {}
+    assert_drained(engine)
