@@ -180,13 +180,15 @@ class Scheduler:
             n = min(len(req.tokens), budget)
             if slots <= 0 or n == 0 or (not self.chunked and n < len(req.tokens)):
                 break
-            room -= _cdiv(n + self._lookahead(n), self.block_size)
+            blocks = _cdiv(n + self._lookahead(n), self.block_size)
+            room -= blocks
             if room < 0 and (self.running or admitted):
                 break  # an idle pool still tries its head: the manager has the last word
             hashes = list(req.hasher.hashes) if self.caching else []
             op = plan.add({"op": "alloc", "req": req.rid, "hashes": hashes, "prompt_len": len(req.tokens),
                            "max_new": n, "lookahead": self._lookahead(n)}, SubOp("alloc", req, req.generation, n))
             plan.seqs.append(ScheduledSeq(req, req.generation, n, 0, op))
+            req.num_slots = blocks * self.block_size  # an estimate until the answer comes
             admitted.append(req)
             budget -= n
             slots -= 1
@@ -205,6 +207,7 @@ class Scheduler:
         if self.num_blocks is None:
             return 1 << 62
         held = len({b for r in self.running for b in r.block_table})
+        held += sum(r.num_slots // self.block_size for r in self.running if r.admitting)  # answers in flight
         growth = 0 if self.static else len(self.running)
         return self.num_blocks - 1 - held - growth
 
@@ -286,6 +289,7 @@ class Scheduler:
             self.stats.cached_tokens += cached
             return True
         self.running.remove(req)
+        req.num_slots = 0
         if res.get("code") in ("no_space", "draining"):
             refused.append(req)
             return True
@@ -373,7 +377,7 @@ class Scheduler:
     def _track_usage(self) -> None:
         s = self.stats
         s.steps += 1
-        s.peak_running = max(s.peak_running, len(self.running))
+        s.peak_running = max(s.peak_running, sum(not r.admitting for r in self.running))
         blocks = {b for r in self.running for b in r.block_table}
         s.peak_blocks = max(s.peak_blocks, len(blocks))
 
