@@ -158,15 +158,22 @@ def test_claiming_an_endpoint_removes_a_stale_file_and_refuses_a_live_worker(ser
 
 
 def test_a_worker_that_cannot_reach_its_manager_is_reported_within_seconds(serving):
+    # as RemoteBlockManager behaves: a step without a reply gives the session up (ManagerReset),
+    # then re-registering finds no manager (ManagerUnavailable) until it is back
     from kvpool.shared.protocol import ManagerUnavailable
+    from kvpool.worker.block_manager import ManagerReset
 
     s = serving()
+    bm = s.server.engine.bm
 
-    def unreachable(ops):
+    def lost(ops):
+        raise ManagerReset("unavailable: no reply to 'step'")
+
+    def unreachable(spec, available):
         time.sleep(0.2)  # as a call that times out, shortened
-        raise ManagerUnavailable("no reply from the manager")
+        raise ManagerUnavailable("no reply to 'hello'")
 
-    s.server.engine.bm.step = unreachable
+    bm.step, bm.register, bm.heartbeat = lost, unreachable, lambda: False
     client = GenerateClient(s.endpoint, manager_grace_s=1.0)
     try:
         t0 = time.monotonic()
