@@ -19,10 +19,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kvpool.kernels.copy_blocks import _copy_blocks_kernel  # noqa: E402
+from kvpool.kernels.copy_blocks_triton import _copy_blocks_kernel  # noqa: E402
 from kvpool.kernels.decode_split_kv import _decode_split_kv_kernel, _merge_splits_kernel  # noqa: E402
-from kvpool.kernels.paged_attention import _paged_attention_kernel  # noqa: E402
-from kvpool.kernels.reshape_and_cache import _reshape_and_cache_kernel  # noqa: E402
+from kvpool.kernels.paged_attention_triton import _paged_attention_kernel  # noqa: E402
+from kvpool.kernels.reshape_and_cache_triton import _reshape_and_cache_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 I32 = "i32"
