@@ -99,22 +99,25 @@ class Tiles:
     num_warps: int
 
 
-def choose_tiles(head_size: int, avg_rows: float, qpk: int, tile_n: int | None = None) -> Tiles:
+def choose_tiles(
+    head_size: int, avg_rows: float, qpk: int, elem_bytes: int, tile_n: int | None = None
+) -> Tiles:
     """Rows and K/V tile by head size, so the fp32 accumulator and the tiles fit in registers.
 
     Compiled for sm_90 (tests/kernels/gpu_compile_check.py prints registers and stack per
-    variant): a 64-row prefill tile at head 256 spills 6-10 KB (fp32) and 0.1-0.4 KB (bf16) of
-    stack, at head 512 up to 26 KB; 64 rows need 8 warps even at head 128. The rows halve as the
-    padded head doubles past 128, the K/V tile drops to 16 positions past 128, and programs of 32
-    rows or more get 8 warps. Decode-heavy batches use 16 rows (the smallest tl.dot M); a
-    program always holds at least one whole GQA group (qpk rows).
+    variant; --sweep every shape): a 64-row prefill tile spills 6-10 KB of stack at head 256 in
+    fp32 and 0.1-0.4 KB in bf16, up to 26 KB at head 512; 64 rows need 8 warps even at head 128,
+    and a 16-row fp32 program at head 128 spills with 32-position K/V tiles. So: prefill rows
+    halve as the padded head doubles past 128; the K/V tile drops from 32 to 16 positions past
+    head 128 and for 16-row fp32 programs; programs of 32 rows or more get 8 warps. Decode-heavy batches use 16 rows (the smallest tl.dot M); a program always holds at
+    least one whole GQA group (qpk rows).
     """
     head_p2 = dot_dim(head_size)
     prefill_rows = max(16, 64 * 128 // max(head_p2, 128))
     rows = prefill_rows if qpk * avg_rows >= 64 else 16
     block_m = max(rows, dot_dim(qpk))
     if tile_n is None:
-        tile_n = 32 if head_p2 <= 128 else 16
+        tile_n = 16 if head_p2 > 128 or (elem_bytes == 4 and block_m == 16) else 32
     if tile_n < 16 or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n {tile_n} must be a power of two >= 16")
     return Tiles(block_m, tile_n, 8 if block_m >= 32 else 4)

@@ -149,7 +149,7 @@ def decode_split_kv(
         return out
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     qpk, head_p2 = num_heads // num_kv_heads, dot_dim(head_size)
-    tiles = choose_tiles(head_size, 1, qpk, tile_n)
+    tiles = choose_tiles(head_size, 1, qpk, query.element_size(), tile_n)
     chunk = triton.cdiv(triton.cdiv(max(meta.max_seq_len, 1), num_splits), tiles.tile_n) * tiles.tile_n
     part_out = torch.empty(
         num_seqs, num_heads, num_splits, head_p2, dtype=torch.float32, device=query.device

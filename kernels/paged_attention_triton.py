@@ -130,7 +130,7 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     qpk = num_heads // num_kv_heads
-    tiles = choose_tiles(head_size, num_tokens / num_seqs, qpk, tile_n)
+    tiles = choose_tiles(head_size, num_tokens / num_seqs, qpk, query.element_size(), tile_n)
     block_q = tiles.block_m // qpk
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     bt = meta.block_tables

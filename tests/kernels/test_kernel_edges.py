@@ -14,6 +14,7 @@ from kernel_factories import DEVICE, assert_close, make_batch, naive_attention
 
 import kvpool.kernels as kernels
 from kvpool.kernels import AttentionInputError, AttentionMetadata, dispatch
+from kvpool.kernels.attention_common import choose_tiles
 
 BACKENDS = ["torch", "triton"]
 
@@ -137,3 +138,16 @@ def test_both_paths_refuse_the_same_inputs(backend, path, case, message):
     backend(path)
     with pytest.raises(AttentionInputError, match=message):
         kernels.paged_attention(*_bad_inputs(case))
+
+
+@pytest.mark.parametrize(
+    "num_heads,head_size,q_lens,seq_lens,rows",
+    [(4, 256, [40, 1], [45, 17], 32), (2, 512, [1, 40], [3, 45], 16)],
+)
+def test_large_heads_with_their_smaller_tiles_match_float64(backend, num_heads, head_size, q_lens,
+                                                            seq_lens, rows):
+    backend("triton")
+    batch = make_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=1, head_size=head_size)
+    avg_rows = batch.query.shape[0] / len(q_lens)
+    assert choose_tiles(head_size, avg_rows, num_heads, 4).block_m == rows
+    assert_close(kernels.paged_attention(*batch.args()), naive_attention(batch))
