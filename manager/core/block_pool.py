@@ -80,15 +80,14 @@ class BlockPool:
 
         The caller checks ``n <= num_free`` first (allocations are all-or-nothing).
         """
-        fq = self.free_queue
+        fq, ref = self.free_queue, self.ref_cnt
         blocks = fq.pop_unhashed(n)
-        if len(blocks) < n:
-            evicted = fq.pop_hashed(n - len(blocks))
-            self._drop_hashes(evicted)
-            blocks += evicted
-        ref = self.ref_cnt
         for b in blocks:
             ref[b] = 1
+        if len(blocks) < n:
+            evicted = fq.pop_hashed(n - len(blocks))
+            self._drop_hashes(evicted, new_ref=1)
+            blocks += evicted
         return blocks
 
     def free_blocks(self, blocks_tail_first: Iterable[int]) -> None:
@@ -97,7 +96,7 @@ class BlockPool:
         Callers pass a request's blocks tail-first so a hash chain is evicted from its end.
         """
         ref, bhash = self.ref_cnt, self.block_hash
-        push_front, set_lru = self.free_queue.releaser()
+        push_front, lru = self.free_queue.releaser()
         for b in blocks_tail_first:
             r = ref[b] - 1
             ref[b] = r
@@ -105,14 +104,14 @@ class BlockPool:
                 if bhash[b] is None:
                     push_front(b)
                 else:
-                    set_lru(b, None)
+                    lru[b] = None  # a subscript store: cheaper than calling lru.__setitem__
 
     def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[bytes], parent: bytes | None) -> None:
         """Records the hashes of blocks that became full (``parent`` precedes hashes[0])."""
         if not self.enable_caching:
             return
-        bhash, cached = self.block_hash, self.cached
-        stored: list[bytes] = []
+        bhash, cached, events = self.block_hash, self.cached, self.events
+        stored: list[bytes] = []  # for the event only
         for b, h in zip(blocks, hashes):
             if bhash[b] is not None:
                 continue  # a prefix-cache hit: already recorded
@@ -121,9 +120,10 @@ class BlockPool:
                 self._dups.setdefault(h, []).append(b)
             else:
                 cached[h] = b
-                stored.append(h)
-        if stored and self.events is not None:
-            self.events.append(("stored", stored, parent))
+                if events is not None:
+                    stored.append(h)
+        if stored:
+            events.append(("stored", stored, parent))  # type: ignore[union-attr]
 
     def evict(self, n: int) -> int:
         """Drops the hashes of up to ``n`` free cached blocks, LRU first; returns how many."""
@@ -146,13 +146,15 @@ class BlockPool:
             self.events.append(("cleared",))
         return True
 
-    def _drop_hashes(self, blocks: list[int]) -> None:
-        """Lazy eviction: blocks leaving the free queue for reuse lose their hash."""
-        bhash, cached, dups, events = self.block_hash, self.cached, self._dups, self.events
+    def _drop_hashes(self, blocks: list[int], new_ref: int = 0) -> None:
+        """Lazy eviction: blocks leaving the free queue for reuse lose their hash and get
+        ``new_ref`` (1: handed out now; 0: they stay free)."""
+        bhash, cached, dups, events, ref = self.block_hash, self.cached, self._dups, self.events, self.ref_cnt
         for b in blocks:
+            ref[b] = new_ref
             h = bhash[b]
             bhash[b] = None
-            if dups or cached[h] != b:  # type: ignore[index]
+            if h in dups:  # else b is h's only holder, so cached[h] == b (invariant 4)
                 self._drop_shared(b, h)  # type: ignore[arg-type]
                 continue
             del cached[h]  # type: ignore[arg-type]

@@ -101,11 +101,12 @@ class Pool:
         stats.hit_tokens += num_cached
         num_tokens = num_cached + min(max_new_tokens, num_prompt_tokens - num_cached)
         num_new = _cdiv(num_tokens + lookahead, bs) - len(hits)
-        if num_new > bp.num_free - bp.num_reclaimable(hits):
+        if num_new > bp.num_free - (bp.num_reclaimable(hits) if hits else 0):
             stats.no_space += 1
             return None
         stats.allocations += 1
-        bp.touch(hits)
+        if hits:
+            bp.touch(hits)
         blocks = hits + bp.get_new_blocks(num_new)
         req = Request(blocks, num_tokens, list(hashes), len(hits))
         self.requests[req_id] = req
