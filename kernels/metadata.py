@@ -238,3 +238,23 @@ def check_cache_write(
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
         _need(int(slot_mapping.min()) >= -1 and int(slot_mapping.max()) < num_slots,
               f"slot_mapping must hold -1 (skip) or slots in [0, {num_slots})")
+
+
+def check_copy_blocks(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Refuses copy_blocks inputs (one rule for CPU and Triton)."""
+    _need(bool(kv_caches), "kv_caches is empty: pass every layer's cache")
+    first = kv_caches[0]
+    _need(first.dim() == 5 and first.shape[0] == 2,
+          f"each kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size], got {tuple(first.shape)}")
+    _need(all(c.shape == first.shape and c.stride() == first.stride() and c.dtype == first.dtype
+              and c.device == first.device for c in kv_caches),
+          "all layers' kv_caches must share shape, strides, dtype and device")
+    _need(block_mapping.dim() == 2 and block_mapping.shape[1] == 2 and block_mapping.dtype == torch.int64,
+          f"block_mapping must be int64 [n, 2] of (src, dst), got {block_mapping.dtype} {tuple(block_mapping.shape)}")
+    if block_mapping.device.type == "cpu" and block_mapping.numel():
+        num_blocks = first.shape[1]
+        _need(int(block_mapping.min()) >= 0 and int(block_mapping.max()) < num_blocks,
+              f"block_mapping names blocks outside [0, {num_blocks})")
+        dst = block_mapping[:, 1].tolist()
+        _need(len(set(dst)) == len(dst) and not set(dst) & set(block_mapping[:, 0].tolist()),
+              "block_mapping destinations must be distinct and must not be sources of the same call")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .metadata import AttentionMetadata, check_attention, check_cache_write
+from .metadata import AttentionMetadata, check_attention, check_cache_write, check_copy_blocks
 
 # Bound on the fp32 temporaries (gathered K/V, scores) of one query chunk (~256 MiB).
 _MAX_TEMP_ELEMS = 1 << 26
@@ -36,6 +36,7 @@ def reshape_and_cache_ref(
 
 def copy_blocks_ref(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
     # block_mapping: [n, 2] of (src, dst); every source is read before any destination is written.
+    check_copy_blocks(kv_caches, block_mapping)
     src = block_mapping[:, 0].to(torch.long)
     dst = block_mapping[:, 1].to(torch.long)
     for kv_cache in kv_caches:

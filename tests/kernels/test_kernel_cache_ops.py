@@ -111,3 +111,21 @@ def test_cache_ops_bf16_on_gpu():
     copy_blocks_ref(expected, mapping)
     copy_blocks(caches, mapping)
     assert all(torch.equal(a, b) for a, b in zip(caches, expected, strict=True))
+
+
+@pytest.mark.parametrize("copy", [copy_blocks, copy_blocks_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize(
+    "mapping,message",
+    [
+        (torch.tensor([[1, 2]], dtype=torch.int32), "block_mapping must be int64"),
+        (torch.tensor([[1, 2], [2, 3]]), "must not be sources of the same call"),
+        (torch.tensor([[1, 9]]), r"block_mapping names blocks outside \[0, 7\)"),
+    ],
+)
+def test_both_copy_paths_refuse_the_same_mappings(copy, mapping, message):
+    # The reference used to take int32 and chained copies that the concurrent kernel cannot order.
+    caches = [_random_cache(7, 16, 1, 64, torch.float32)]
+    before = caches[0].clone()
+    with pytest.raises(AttentionInputError, match=message):
+        copy(caches, mapping)
+    assert torch.equal(caches[0], before)
