@@ -127,3 +127,18 @@ def test_package_imports_and_computes_without_triton():
     res = _run_python(code, KVPOOL_KERNEL_BACKEND="auto")
     # Scale 0 makes the logits equal: positions 0 (V = 0) and 1 (V = 1) average to 0.5 x 8 dims.
     assert res.returncode == 0 and res.stdout.strip() == "4.0", res.stderr
+
+
+def test_public_names_stay_functions_after_kernel_modules_load():
+    # Kernel modules are named *_triton, so loading them cannot rebind the package's public
+    # functions; the package is a plain module (no __class__ swap keeps them bound).
+    import types
+
+    import kvpool.kernels.copy_blocks_triton  # noqa: F401
+    import kvpool.kernels.paged_attention_triton  # noqa: F401
+    import kvpool.kernels.reshape_and_cache_triton  # noqa: F401
+
+    assert type(kernels) is types.ModuleType
+    for name in ("paged_attention", "reshape_and_cache", "copy_blocks"):
+        assert getattr(kernels, name) is getattr(dispatch, name)
+    assert set(kernels.__all__) <= set(dir(kernels))
