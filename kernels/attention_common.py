@@ -109,7 +109,8 @@ def choose_tiles(
     fp32 and 0.1-0.4 KB in bf16, up to 26 KB at head 512; 64 rows need 8 warps even at head 128,
     and a 16-row fp32 program at head 128 spills with 32-position K/V tiles. So: prefill rows
     halve as the padded head doubles past 128; the K/V tile drops from 32 to 16 positions past
-    head 128 and for 16-row fp32 programs; programs of 32 rows or more get 8 warps. Decode-heavy batches use 16 rows (the smallest tl.dot M); a program always holds at
+    head 128 and for 16-row fp32 programs; programs of 32 rows or more, or with a padded head
+    of 256 or more, get 8 warps. Decode-heavy batches use 16 rows (the smallest tl.dot M); a program always holds at
     least one whole GQA group (qpk rows).
     """
     head_p2 = dot_dim(head_size)
@@ -120,7 +121,7 @@ def choose_tiles(
         tile_n = 16 if head_p2 > 128 or (elem_bytes == 4 and block_m == 16) else 32
     if tile_n < 16 or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n {tile_n} must be a power of two >= 16")
-    return Tiles(block_m, tile_n, 8 if block_m >= 32 else 4)
+    return Tiles(block_m, tile_n, 8 if block_m >= 32 or head_p2 >= 256 else 4)
 
 
 def refuse_interpreted_bf16(kernel: object, dtype: torch.dtype) -> None:

@@ -80,7 +80,7 @@ def variants():
         for head in (80, 128, 256, 512):
             tiles, sig, const, warps = _attention(dt, head, 4, 64)
             yield f"paged_attention {dt} gqa4 head{head} prefill {tiles}", kernel, sig, const, warps, True
-        for head in (128, 512):
+        for head in (128, 256, 512):
             tiles, sig, const, warps = _attention(dt, head, 4, 1)
             yield f"paged_attention {dt} gqa4 head{head} decode {tiles}", kernel, sig, const, warps, True
             tiles, sig, const, warps = _attention(dt, head, 4, 1, split=True)

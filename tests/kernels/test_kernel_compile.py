@@ -22,8 +22,8 @@ def test_kernels_compile_for_a_gpu_target_without_spills():
     )
     print(res.stdout)  # registers, stack and shared memory per variant (pytest -s shows them)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "SPILL" not in res.stdout and res.stdout.count("ok ") == 19, res.stdout
-    assert res.stdout.count("stack     0") == 19, res.stdout
+    assert "SPILL" not in res.stdout and res.stdout.count("ok ") == 23, res.stdout
+    assert res.stdout.count("stack     0") == 23, res.stdout
 
 
 @pytest.mark.parametrize(
@@ -32,7 +32,8 @@ def test_kernels_compile_for_a_gpu_target_without_spills():
         (128, 64, 1, 2, Tiles(64, 32, 8)),  # prefill, head <= 128: the 64-row tile
         (80, 1, 4, 2, Tiles(16, 32, 4)),  # decode
         (256, 64, 1, 2, Tiles(32, 16, 8)),  # 64 rows would spill at head 256
-        (512, 64, 4, 4, Tiles(16, 16, 4)),
+        (512, 64, 4, 4, Tiles(16, 16, 8)),
+        (256, 1, 4, 2, Tiles(16, 16, 8)),  # 16 rows at head 256 spill a little with 4 warps
         (128, 1, 4, 4, Tiles(16, 16, 4)),  # a 16-row fp32 program spills with 32-wide tiles
         (512, 1, 32, 2, Tiles(32, 16, 8)),  # a program holds a whole GQA group
     ],
