@@ -19,7 +19,7 @@ the tensors are on the CPU and are skipped on CUDA, where reading them would sta
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -46,6 +46,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None  # [num_tokens] int64
     sliding_window: int | None = None  # None = off; else each query sees its last n positions
     softcap: float | None = None  # None = off; else logits become c * tanh(logits / c)
+    # (num_blocks, block_size) of caches whose block ids were checked: once per step, not per layer
+    _tables_checked: set = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -114,7 +116,8 @@ def _slots(query_lens: list[int], seq_lens: list[int], table: torch.Tensor, bloc
     # The slot of token j of sequence s: position seq_lens[s] - q_len + j in its block table.
     q = torch.tensor(query_lens, dtype=torch.int64)
     num_tokens = int(q.sum())
-    seq = torch.repeat_interleave(torch.arange(len(query_lens)), q)
+    # output_size: without it repeat_interleave syncs its threads (milliseconds on a busy CPU)
+    seq = torch.repeat_interleave(torch.arange(len(query_lens)), q, output_size=num_tokens)
     first = torch.tensor(seq_lens, dtype=torch.int64) - q
     starts = torch.cumsum(q, 0) - q
     pos = first[seq] + torch.arange(num_tokens) - starts[seq]
@@ -124,17 +127,18 @@ def _slots(query_lens: list[int], seq_lens: list[int], table: torch.Tensor, bloc
 def _check_fields(m: AttentionMetadata) -> None:
     """Dtypes, shapes, devices and the scalar options: cheap, no reads of tensor contents."""
     num_seqs = m.seq_lens.shape[0] if m.seq_lens.dim() == 1 else -1
+    width = m.block_tables.shape[1] if m.block_tables.dim() == 2 else -1
     for name, t, dtype, shape in (
         ("query_start_loc", m.query_start_loc, torch.int32, (num_seqs + 1,)),
         ("seq_lens", m.seq_lens, torch.int32, (num_seqs,)),
-        ("block_tables", m.block_tables, torch.int32, (num_seqs, m.block_tables.shape[-1])),
+        ("block_tables", m.block_tables, torch.int32, (num_seqs, width)),
     ):
         _need(t.dtype == dtype and tuple(t.shape) == shape,
               f"{name} must be {dtype} of shape {shape} (num_seqs {num_seqs}), got "
               f"{t.dtype} {tuple(t.shape)}")
         _need(t.device == m.seq_lens.device, f"{name} is on {t.device}, seq_lens on {m.seq_lens.device}")
     _need(m.query_start_loc.is_contiguous() and m.seq_lens.is_contiguous()
-          and (m.block_tables.shape[1] <= 1 or m.block_tables.stride(1) == 1),
+          and (width <= 1 or m.block_tables.stride(1) == 1),
           "query_start_loc, seq_lens and block_tables rows must be contiguous")
     if m.slot_mapping is not None:
         _need(m.slot_mapping.dtype == torch.int64 and m.slot_mapping.dim() == 1,
@@ -202,6 +206,8 @@ def _check_table(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
     _need(num_tokens == query.shape[0],
           f"query has {query.shape[0]} tokens, query_start_loc says {num_tokens}")
     block_size, num_blocks = kv_cache.shape[2], kv_cache.shape[1]
+    if (num_blocks, block_size) in meta._tables_checked:
+        return
     needed = (meta.seq_lens.to(torch.int64) + block_size - 1) // block_size
     _need(meta.num_seqs == 0 or int(needed.max()) <= meta.block_tables.shape[1],
           f"block_tables has {meta.block_tables.shape[1]} columns; the longest sequence needs "
@@ -210,6 +216,7 @@ def _check_table(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
     ids = meta.block_tables[used]
     _need(ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < num_blocks),
           f"block_tables name blocks outside [0, {num_blocks}) within the sequences' lengths")
+    meta._tables_checked.add((num_blocks, block_size))
 
 
 def check_cache_write(

@@ -39,7 +39,8 @@ def build_metadata(plan: StepPlan, block_size: int, device: torch.device | str, 
     qsl = torch.zeros(len(seqs) + 1, dtype=torch.int64)
     torch.cumsum(q, 0, out=qsl[1:])
     # position of token t of sequence s: starts[s] + (t - qsl[s])
-    positions = torch.repeat_interleave(starts - qsl[:-1], q) + torch.arange(int(qsl[-1]))
+    num_tokens = int(qsl[-1])
+    positions = torch.repeat_interleave(starts - qsl[:-1], q, output_size=num_tokens) + torch.arange(num_tokens)
     sample = torch.tensor([s.sample for s in seqs], dtype=torch.bool)
     ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64)
 
