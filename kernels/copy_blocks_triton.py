@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .metadata import AttentionInputError, check_copy_blocks
+from .checks import check_copy_blocks
+from .metadata import AttentionInputError
 
 
 @triton.jit

@@ -19,7 +19,8 @@ from .attention_common import (
     dot_precision,
     refuse_interpreted_bf16,
 )
-from .metadata import AttentionInputError, AttentionMetadata, check_attention
+from .checks import check_attention
+from .metadata import AttentionInputError, AttentionMetadata
 
 
 @triton.jit

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from . import reference
+from .checks import check_attention
 from .metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,8 @@ def paged_attention(
     ops = _ops_for(query)
     if ops is None:
         return reference.paged_attention_ref(query, kv_cache, meta, out=out)
+    out = torch.empty_like(query) if out is None else out
+    check_attention(query, kv_cache, meta, out)  # before choosing a kernel from the shapes
     num_splits = decode_splits(query, kv_cache, meta)
     if num_splits > 1:
         return ops.decode_split_kv(query, kv_cache, meta, num_splits, out=out)

@@ -24,7 +24,8 @@ from .attention_common import (
     dot_precision,
     refuse_interpreted_bf16,
 )
-from .metadata import AttentionMetadata, check_attention
+from .checks import check_attention
+from .metadata import AttentionMetadata
 
 
 @triton.jit

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .metadata import AttentionMetadata, check_attention, check_cache_write, check_copy_blocks
+from .checks import check_attention, check_cache_write, check_copy_blocks
+from .metadata import AttentionMetadata
 
 # Bound on the fp32 temporaries (gathered K/V, scores) of one query chunk (~256 MiB).
 _MAX_TEMP_ELEMS = 1 << 26

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .metadata import check_cache_write
+from .checks import check_cache_write
 
 
 @triton.jit
