@@ -18,6 +18,7 @@ the tensors are on the CPU and are skipped on CUDA, where reading them would sta
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, replace
 
@@ -60,6 +61,18 @@ class AttentionMetadata:
         batch with empty queries ([2, 0]) has as many tokens as sequences but is not decode.
         """
         return self.max_query_len == 1 and num_tokens == self.num_seqs
+
+    def with_options(self, sliding_window: int | None = None, softcap: float | None = None) -> AttentionMetadata:
+        """This batch with one layer's own window and softcap (models that vary them by layer).
+
+        Checks only the two options; the tensors, already checked, are shared (so is the record
+        of checked block tables), which keeps a per-layer call cheap.
+        """
+        _check_options(sliding_window, softcap)
+        other = copy.copy(self)  # no __post_init__: nothing but the options changes
+        object.__setattr__(other, "sliding_window", sliding_window)
+        object.__setattr__(other, "softcap", softcap)
+        return other
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
         """The same metadata with its tensors on ``device`` (copied without a sync)."""
@@ -152,17 +165,21 @@ def _check_fields(m: AttentionMetadata) -> None:
         raise AttentionInputError(
             f"max_query_len {m.max_query_len} and max_seq_len {m.max_seq_len} must be >= 0"
         )
-    if not (m.sliding_window is None or (isinstance(m.sliding_window, int) and m.sliding_window >= 1)):
-        raise AttentionInputError(
-            f"sliding_window must be None (no window) or an int >= 1, got {m.sliding_window!r}"
-        )
-    if not (m.softcap is None or (math.isfinite(m.softcap) and m.softcap > 0)):
-        raise AttentionInputError(
-            f"softcap must be None (no capping) or a finite number > 0, got {m.softcap!r}"
-        )
+    _check_options(m.sliding_window, m.softcap)
     if not (math.isfinite(m.scale)):
         raise AttentionInputError(
             f"scale must be finite, got {m.scale!r}"
+        )
+
+
+def _check_options(sliding_window: int | None, softcap: float | None) -> None:
+    if not (sliding_window is None or (isinstance(sliding_window, int) and sliding_window >= 1)):
+        raise AttentionInputError(
+            f"sliding_window must be None (no window) or an int >= 1, got {sliding_window!r}"
+        )
+    if not (softcap is None or (math.isfinite(softcap) and softcap > 0)):
+        raise AttentionInputError(
+            f"softcap must be None (no capping) or a finite number > 0, got {softcap!r}"
         )
 
 

@@ -151,3 +151,16 @@ def test_large_heads_with_their_smaller_tiles_match_float64(backend, num_heads, 
     avg_rows = batch.query.shape[0] / len(q_lens)
     assert choose_tiles(head_size, avg_rows, num_heads, 4).block_m == rows
     assert_close(kernels.paged_attention(*batch.args()), naive_attention(batch))
+
+
+@pytest.mark.parametrize("path", BACKENDS)
+def test_per_layer_options_share_the_checked_batch(backend, path):
+    # A model whose layers differ in window (Qwen2's sliding layers) swaps only the options.
+    backend(path)
+    batch = make_batch([3, 1], [20, 9], num_heads=2, num_kv_heads=1)
+    layer = batch.meta.with_options(sliding_window=4, softcap=3.0)
+    assert layer.block_tables is batch.meta.block_tables and batch.meta.sliding_window is None
+    assert_close(kernels.paged_attention(batch.query, batch.kv_cache, layer),
+                 naive_attention(batch, sliding_window=4, softcap=3.0))
+    with pytest.raises(AttentionInputError, match="sliding_window must be None"):
+        batch.meta.with_options(sliding_window=0)
