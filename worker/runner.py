@@ -1,4 +1,4 @@
-"""Runs a step plan: copy-on-write copies, batch metadata, the forward pass over the paged cache.
+"""Runs a batch: copy-on-write copies, batch metadata, the forward pass over the paged cache.
 
 The attention part of the metadata is one ``AttentionMetadata`` (kvpool.kernels, DESIGN.md
 "Kernels"), built once per step from host lists and checked there; every layer's attention call
@@ -14,7 +14,7 @@ import torch
 from kvpool.kernels import AttentionMetadata, copy_blocks, paged_attention, reshape_and_cache
 from kvpool.worker.kv_cache import allocate_kv_caches
 from kvpool.worker.model import LlamaForCausalLM
-from kvpool.worker.scheduler import StepPlan
+from kvpool.worker.step_plan import Batch
 
 
 @dataclass
@@ -25,7 +25,7 @@ class BatchMetadata:
     logits_indices: torch.Tensor  # [R] int64: the last token of each sampling sequence
 
 
-def build_metadata(plan: StepPlan, block_size: int, device: torch.device | str, scale: float = 1.0,
+def build_metadata(plan: Batch, block_size: int, device: torch.device | str, scale: float = 1.0,
                    sliding_window: int | None = None) -> BatchMetadata:
     seqs = plan.seqs
     q_lens = [len(s.token_ids) for s in seqs]
@@ -66,7 +66,7 @@ class ModelRunner:
         return sum(c.numel() * c.element_size() for c in self.kv_caches)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, *, sample: bool = True) -> torch.Tensor | None:
+    def execute(self, plan: Batch, *, sample: bool = True) -> torch.Tensor | None:
         """fp32 logits [R, vocab] for the plan's sampling sequences, in plan order; None without
         ``sample`` (a tensor-parallel follower only writes its KV slice and joins the all-reduces)."""
         if plan.copies:  # copy-on-write orders from the manager, before any write of this step
