@@ -94,7 +94,8 @@ class Cluster:
     def start_manager(self) -> subprocess.Popen:
         return self._spawn(["manager", "--manager", self.manager_ep], "manager")
 
-    def start(self, timeout_s: float = 60.0) -> None:
+    def start(self, timeout_s: float = 60.0, worker_args: tuple[str, ...] = ()) -> None:
+        """The manager, then the workers (``worker_args`` added to each worker's command line)."""
         self.start_manager()
         c = self.cfg
         m = PRESETS[c.model]
@@ -105,7 +106,7 @@ class Cluster:
                 ["worker", "--manager", self.manager_ep, "--pool", pool, "--endpoint", ep,
                  "--model", c.model, "--block-size", str(c.block_size), "--max-model-len",
                  str(c.max_model_len), "--kv-cache-memory", str(kv_bytes), "--threads", "1",
-                 "--seed", str(c.seed), "--dtype", "float32", "--device", "cpu"], pool))
+                 "--seed", str(c.seed), "--dtype", "float32", "--device", "cpu", *worker_args], pool))
         self.workers = workers
         for proc, ep in zip(workers, self.worker_eps):
             self.wait_ready(proc, ep, timeout_s)

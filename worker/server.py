@@ -32,12 +32,12 @@ from kvpool.shared.notify import Notifier
 from kvpool.shared.protocol import ManagerError
 from kvpool.worker.engine import Engine, TokenEvent
 from kvpool.worker.metrics import WorkerMetrics
-from kvpool.worker.sampler import SamplingParams
+from kvpool.worker.wire import MAX_MESSAGE_BYTES, client_id, decode, op_of, parse_generate
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 100
-PARAM_KEYS = ("max_tokens", "temperature", "top_p", "seed", "n", "ignore_eos")
-MAX_MESSAGE_BYTES = 4 << 20
+MAX_BATCH = 256  # messages read per iteration: a flood cannot stop the engine from stepping
+MAX_OPEN_REQUESTS = 4096  # client requests queued or running; more are refused until some finish
 
 
 def pack(obj: dict) -> bytes:
@@ -78,7 +78,7 @@ class WorkerServer:
     def run_once(self) -> None:
         busy = self.engine.has_work()
         if self._sock.poll(0 if busy else IDLE_POLL_MS, zmq.POLLIN):
-            while True:
+            for _ in range(MAX_BATCH):
                 try:
                     frames = self._sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -103,38 +103,35 @@ class WorkerServer:
             logger.warning("heartbeat failed: %s", e)
 
     def _handle(self, ident: bytes, payload: bytes) -> None:
+        """One message; anything wrong with it becomes an error reply (never an exception)."""
         cid = ""
         try:
-            msg = msgpack.unpackb(payload, raw=False)
-            if type(msg) is not dict:
-                raise ValueError("a message must be a msgpack map")
-            op, cid = msg.get("op"), str(msg.get("id", ""))
+            msg = decode(payload)
+            op = op_of(msg)
+            cid = client_id(msg)
             if op == "generate":
-                self._generate(ident, cid, msg)
+                self._generate(ident, msg)
             elif op == "abort":
                 self._abort(ident, cid)
             elif op == "stats":
                 self._reply(ident, {"id": cid, "stats": {"pool": self.pool, **self.engine.stats()}})
-            elif op == "ping":
-                self._reply(ident, {"id": cid, "pong": self.pool})
             else:
-                raise ValueError(f"unknown op {op!r}; known: generate, abort, stats, ping")
-        except (ValueError, TypeError, msgpack.UnpackException) as e:
+                self._reply(ident, {"id": cid, "pong": self.pool})
+        except ValueError as e:
             self._reply(ident, {"id": cid, "error": str(e), "finished": True})
+        except Exception:  # a bug, not the client's fault: it must not stop the worker either
+            logger.exception("internal error handling a generate-socket message")
+            self._reply(ident, {"id": cid, "error": "internal worker error (logged)", "finished": True})
 
-    def _generate(self, ident: bytes, cid: str, msg: dict) -> None:
-        raw = msg.get("params") or {}
-        if type(raw) is not dict:
-            raise ValueError("params must be a map")
-        params = SamplingParams(**{k: raw[k] for k in PARAM_KEYS if k in raw})
-        prompt = msg.get("prompt")
-        if type(prompt) is not list:
-            raise ValueError("prompt must be a list of token ids")
+    def _generate(self, ident: bytes, msg: dict) -> None:
+        req = parse_generate(msg)
+        if len(self._clients) >= MAX_OPEN_REQUESTS:
+            raise ValueError(f"the worker has {MAX_OPEN_REQUESTS} open requests; retry when some finished")
         eid = f"c{self._next}"
         self._next += 1
-        self.engine.add_request(prompt, params, request_id=eid)
-        self._clients[eid] = (ident, cid)
-        self._open[eid] = params.n
+        self.engine.add_request(req.prompt, req.params, request_id=eid)
+        self._clients[eid] = (ident, req.client_id)
+        self._open[eid] = req.params.n
 
     def _abort(self, ident: bytes, cid: str) -> None:
         # ids are the client's own (every GenerateClient starts at "generate-0"): match the sender too
@@ -165,7 +162,10 @@ class WorkerServer:
         if self.metrics is not None:
             self.metrics.close()
         for eid in list(self._clients):
-            self._send_events(self.engine.abort(eid))
+            try:
+                self._send_events(self.engine.abort(eid))
+            except Exception:  # one bad request must not keep the worker from deregistering
+                logger.exception("aborting request %s on shutdown failed", eid)
         try:
             self.engine.shutdown()
         except ManagerError as e:
