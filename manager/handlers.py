@@ -11,6 +11,7 @@ import hmac
 import time
 from collections.abc import Callable
 
+from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.registry import PoolEntry, Registry, Session
 from kvpool.manager.stats import ServerStats
 from kvpool.shared.protocol import (
@@ -26,6 +27,7 @@ from kvpool.shared.protocol import (
     get_int,
     get_map,
     get_str,
+    short_repr,
 )
 
 U63 = (1 << 63) - 1
@@ -76,7 +78,7 @@ class Handlers:
         common = [v for v in SUPPORTED_VERSIONS if v in versions]
         if not common:
             raise ManagerError("unsupported_version", f"manager speaks versions {list(SUPPORTED_VERSIONS)}, "
-                               f"client {versions!r:.60}", {"versions": list(SUPPORTED_VERSIONS)})
+                               f"client {short_repr(versions)}", {"versions": list(SUPPORTED_VERSIONS)})
         sess = self.reg.open_session(identity, role, self._admin_ok(role, args.get("admin_key")), max(common), now)
         timeout = float(self.reg.session_timeout_s)
         return {
@@ -241,7 +243,7 @@ class Handlers:
     def check(self, sess: Session, args: dict, now: float) -> dict:
         try:
             self.reg.check_invariants()
-        except AssertionError as e:
+        except InvariantBroken as e:
             raise ManagerError("invariant_broken", str(e)) from e
         return {"pools": len(self.reg.pools), "sessions": len(self.reg.sessions),
                 "requests": self.reg.total_requests()}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import reprlib
 from typing import Any
 
 import msgpack
@@ -121,9 +122,36 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack(payload: bytes) -> Any:
-    """Decodes one payload; raises (ValueError and friends) on anything that is not msgpack."""
-    return msgpack.unpackb(payload, raw=False, strict_map_key=True)
+class TooComplex(ValueError):
+    """A payload holds more maps and arrays than any request needs (refused while decoding)."""
+
+
+def max_containers(max_sub_ops: int = MAX_SUB_OPS) -> int:
+    """Maps and arrays a request may hold: a step's envelope, args and ops list, and per sub-op
+    its map and its hash list, with room to spare."""
+    return 4 * max_sub_ops + 256
+
+
+def unpack(payload: bytes, max_objects: int | None = None) -> Any:
+    """Decodes one payload; raises (ValueError and friends) on anything that is not msgpack.
+
+    With ``max_objects``, decoding is bounded the way a request is: no array longer than
+    twice ``MAX_HASHES`` (a longer list is refused by its field's check), no map of more than 64 keys, no ext types, and at most ``max_objects``
+    maps and arrays in all, counted as they are built, so a payload of millions of empty maps
+    is refused after building a few thousand (``TooComplex``), not after building them all.
+    """
+    if max_objects is None:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    left = [max_objects]
+
+    def count(obj: Any) -> Any:
+        left[0] -= 1
+        if left[0] < 0:
+            raise TooComplex(f"more than {max_objects} maps and arrays in one message (the limit)")
+        return obj
+
+    return msgpack.unpackb(payload, raw=False, strict_map_key=True, max_array_len=2 * MAX_HASHES, max_map_len=64,
+                           max_ext_len=0, object_hook=count, list_hook=count)
 
 
 def encode_request(msg_id: int, op: str, sid: str | None, args: dict) -> bytes:
@@ -176,8 +204,18 @@ def default_endpoint() -> str:
 _MISSING: Any = object()
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 4, 4, 40, 40
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """A client's value for an error message: bounded in depth and length (a value nested a
+    thousand levels deep must not recurse, nor a huge one fill the reply)."""
+    return _SHORT.repr(value)[:limit]
+
+
 def bad_field(key: str, want: str, got: Any) -> ManagerError:
-    return ManagerError("bad_field", f"field {key!r} must be {want}, got {got!r:.60}")
+    return ManagerError("bad_field", f"field {key!r} must be {want}, got {short_repr(got)}")
 
 
 def get_int(args: dict, key: str, lo: int, hi: int, default: Any = _MISSING) -> int:
@@ -213,7 +251,7 @@ def get_hashes(args: dict, key: str = "hashes") -> list[bytes]:
         raise bad_field(key, f"a list of at most {MAX_HASHES} {HASH_BYTES}-byte bins", hs)
     for h in hs:
         if type(h) is not bytes or len(h) != HASH_BYTES:
-            raise ManagerError("bad_hash", f"every hash must be a {HASH_BYTES}-byte bin, got {h!r:.40}")
+            raise ManagerError("bad_hash", f"every hash must be a {HASH_BYTES}-byte bin, got {short_repr(h, 40)}")
     return hs
 
 
@@ -226,7 +264,7 @@ def check_spec(spec: dict) -> dict:
         "head_size": get_int(spec, "head_size", 1, 1 << 12),
         "dtype": spec.get("dtype"),
     }
-    if out["dtype"] not in DTYPE_BYTES:
+    if type(out["dtype"]) is not str or out["dtype"] not in DTYPE_BYTES:
         raise bad_field("dtype", f"one of {sorted(DTYPE_BYTES)}", out["dtype"])
     return out
 

@@ -212,7 +212,7 @@ def test_an_internal_error_is_answered_and_counted(monkeypatch):
 def test_msgpack_ext_types_and_str_hashes_are_refused():
     srv, sid = ready_server()
     ext = msgpack.ExtType(1, b"x" * 32)
-    assert call(srv, "lookup", sid, pool="p", hashes=[ext])["status"] == "bad_hash"
+    assert call(srv, "lookup", sid, pool="p", hashes=[ext])["status"] == "bad_message"  # refused while decoding
     assert call(srv, "lookup", sid, pool="p", hashes=["a" * 32])["status"] == "bad_hash"
 
 
@@ -222,3 +222,77 @@ def test_a_sub_op_with_more_hashes_than_max_hashes_is_a_bad_field():
     res = ok(call(srv, "step", sid, pool="p", epoch=1, ops=[{**alloc(1), "hashes": hashes}]))["results"]
     assert res[0]["code"] == "bad_field" and str(MAX_HASHES) in res[0]["msg"]
     assert ok(call(srv, "stats", sid))["pools"]["p"]["requests"] == 0
+
+
+def _deep(levels: int) -> list:
+    v: list = []
+    for _ in range(levels):
+        v = [v]
+    return v
+
+
+@pytest.mark.parametrize("dtype", [["float16"], {"float16": 1}, _deep(1000), b"float16", 2])
+def test_register_with_a_container_or_deep_dtype_is_bad_field_not_internal(dtype):
+    srv = make_server()
+    sid = hello(srv)
+    reply = register(srv, sid, spec={**SPEC, "dtype": dtype})
+    assert reply["status"] == "bad_field" and "dtype" in reply["msg"] and len(reply["msg"]) < 300
+
+
+@pytest.mark.parametrize("where", ["pool", "epoch", "identity", "op", "req", "prompt_len", "child", "n"])
+def test_a_value_nested_1000_deep_in_a_validated_field_is_a_proper_error(where):
+    srv, sid = ready_server()
+    deep = _deep(1000)
+    if where in ("req", "prompt_len", "child"):
+        sub = {**alloc(1), where: deep} if where != "child" else {"op": "fork", "req": 1, "child": deep}
+        reply = call(srv, "step", sid, pool="p", epoch=1, ops=[sub])
+        result = ok(reply)["results"][0]
+        assert result["ok"] is False and result["code"] in ("bad_field", "unknown_request"), result
+        assert len(result["msg"]) < 300
+        return
+    if where == "identity":
+        reply = call(srv, "hello", identity=deep)
+    elif where == "op":
+        reply = unpack(srv.handle_payload(pack({"v": 1, "id": 3, "op": deep, "args": {}}), 0.0))
+    elif where == "n":
+        admin = hello(srv)
+        reply = call(srv, "evict", admin, pool="p", n=deep)
+    else:
+        reply = call(srv, "step", sid, **{"pool": "p", "epoch": 1, "ops": [], where: deep})
+    assert reply["status"] in ("bad_field", "unknown_op", "unknown_pool"), reply
+    assert srv.stats.errors["internal"] == 0 and len(reply["msg"]) < 300
+
+
+def test_an_array_of_empty_maps_is_refused_while_decoding_before_it_is_built():
+    import tracemalloc
+
+    srv = make_server()
+    n = srv.cfg.max_message_bytes - 16
+    one_array = b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n  # one array of ~8M empty maps
+    k = MAX_HASHES  # 63 arrays of k empty maps each: every array within the length limit
+    many_arrays = b"\xdc" + (63).to_bytes(2, "big") + (b"\xdd" + k.to_bytes(4, "big") + b"\x80" * k) * 63
+    assert len(many_arrays) < srv.cfg.max_message_bytes
+    for bomb, why in ((one_array, "exceeds max_array_len"), (many_arrays, "maps and arrays in one message")):
+        tracemalloc.start()
+        try:
+            replies = [unpack(srv.handle_payload(bomb, 0.0)) for _ in range(12)]
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert {r["status"] for r in replies} == {"bad_message"} and why in replies[0]["msg"], replies[0]
+        assert peak < 16 << 20, f"decoding built {peak >> 20} MiB of objects before refusing"
+    nested = pack({"v": 1, "id": 1, "op": "hello", "args": {"x": [[{}] * 4000] * 3}})
+    assert unpack(srv.handle_payload(nested, 0.0))["status"] == "bad_message"
+    assert ok(call(srv, "hello"))["sid"]  # and a normal message right after is served
+
+
+def test_extend_with_more_hashes_than_full_blocks_is_refused_as_alloc_is():
+    srv, sid = ready_server()
+    ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1, n_tokens=8)]))  # 2 full blocks of 4
+    res = ok(call(srv, "step", sid, pool="p", epoch=1,
+                  ops=[{"op": "extend", "req": 1, "num_tokens": 9, "hashes": H[2:6]}]))["results"][0]
+    assert res["ok"] is False and res["code"] == "bad_hashes", res
+    res = ok(call(srv, "step", sid, pool="p", epoch=1,
+                  ops=[{"op": "extend", "req": 1, "num_tokens": 12, "hashes": H[2:3]}]))["results"][0]
+    assert res["ok"] is True, res
+    ok(call(srv, "check", sid))
