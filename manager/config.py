@@ -29,6 +29,10 @@ class ManagerConfig:
     max_pools: int = 256
     max_blocks: int = 1 << 22  # per pool; a shard reporting more KV memory is clamped to this
     max_batch: int = 4096  # messages handled per loop iteration (bounds reply latency under flood)
+    max_step_blocks: int = 1 << 16  # blocks one step may hand out or share (bounds a message's work)
+    max_session_blocks: int = 1 << 23  # blocks of the shards one session may register, all pools
+    max_total_blocks: int = 1 << 26  # blocks of every pool together (the manager's memory is per block)
+    max_model_len: int = 1 << 20  # tokens per request when a pool declares none; the most one may declare
     send_hwm: int = 1000  # replies queued per client; a client that does not read loses replies
     # -- operations (docs/operating.md) --
     metrics_port: int = 0  # Prometheus /metrics on this TCP port; 0: off (the packaged config: 9400)
@@ -65,6 +69,8 @@ class ManagerConfig:
             raise ValueError("admin_key must be at least 8 characters (or unset to allow every client)")
         for name, lo in (("max_message_bytes", 1024), ("max_sub_ops", 1), ("max_sessions", 1),
                          ("max_pools", 1), ("max_blocks", 2), ("max_batch", 1), ("send_hwm", 1),
+                         ("max_step_blocks", 1), ("max_session_blocks", 2), ("max_total_blocks", 2),
+                         ("max_model_len", 1),
                          ("events_buffer", 1)):
             v = getattr(self, name)
             if type(v) is not int or v < lo:

@@ -21,6 +21,7 @@ import zmq
 
 from kvpool.manager.config import ManagerConfig
 from kvpool.manager.core.snapshot import CorruptState
+from kvpool.manager.guards import Bounds
 from kvpool.manager.handlers import Handlers
 from kvpool.manager.operations import Operations
 from kvpool.manager.registry import Registry, Session
@@ -92,6 +93,7 @@ class Server:
         self.handlers = Handlers(
             self.registry, self.stats, max_sub_ops=cfg.max_sub_ops, max_message_bytes=cfg.max_message_bytes,
             admin_key=cfg.admin_key, request_stop=self.request_stop,
+            bounds=Bounds(cfg.max_step_blocks, cfg.max_session_blocks, cfg.max_total_blocks, cfg.max_model_len),
         )
         self.handlers.store_stats = self.store.stats
         self._dispatch: dict[str, Handler] = {

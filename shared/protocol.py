@@ -66,6 +66,10 @@ ERROR_CODES = {
                          "(a step with the same id)",
     "not_active": "this manager is a standby, or lost its lease: try the next endpoint",
     "stale_request": "a step id older than the session's last step: a late duplicate, not run",
+    "not_owner": "the pool (or the shard) belongs to other live sessions: only they or an admin may step on it "
+                 "or register over it (register with replace: true takes a shard over)",
+    "quota_exceeded": "the registration would take the session or the manager past its block quota",
+    "step_too_large": "a step would hand out or share more than max_step_blocks blocks: split it",
     "internal": "a manager bug; the message was logged",
 }
 
@@ -255,8 +259,9 @@ def get_hashes(args: dict, key: str = "hashes") -> list[bytes]:
     return hs
 
 
-def check_spec(spec: dict) -> dict:
-    """A validated KV spec: {block_size, num_layers, num_kv_heads, head_size, dtype}."""
+def check_spec(spec: dict, max_model_len: int = 1 << 20) -> dict:
+    """A validated KV spec: {block_size, num_layers, num_kv_heads, head_size, dtype}, and
+    ``max_model_len`` (tokens per request, at most the manager's) when the shard declares it."""
     out = {
         "block_size": get_int(spec, "block_size", 1, 1 << 16),
         "num_layers": get_int(spec, "num_layers", 1, 1 << 12),
@@ -266,6 +271,8 @@ def check_spec(spec: dict) -> dict:
     }
     if type(out["dtype"]) is not str or out["dtype"] not in DTYPE_BYTES:
         raise bad_field("dtype", f"one of {sorted(DTYPE_BYTES)}", out["dtype"])
+    if "max_model_len" in spec:
+        out["max_model_len"] = get_int(spec, "max_model_len", 1, max_model_len)
     return out
 
 

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import msgpack
 import zmq
 
+from kvpool.shared.curve import ClientKeys
+
 
 class WorkerUnavailable(RuntimeError):
     pass
@@ -17,12 +19,15 @@ class WorkerUnavailable(RuntimeError):
 class GenerateClient:
     """One DEALER socket to one worker; many requests may be in flight at once."""
 
-    def __init__(self, endpoint: str, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, endpoint: str, ctx: zmq.Context | None = None, curve: ClientKeys | None = None) -> None:
+        """``curve``: the worker's public key and this client's keys, when the worker runs CURVE."""
         self.endpoint = endpoint
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(self.sock)
         self.sock.connect(endpoint)
         self._ids = itertools.count()
 

@@ -55,7 +55,9 @@ class Engine:
         self.dtype, self.device = p.dtype, p.device
         self.block_size = scheduler.block_size
         self.tp = tp
-        self.spec = kv_spec(model.config, self.block_size, self.dtype, model.tp_size)
+        # max_model_len: the manager bounds the tokens of one sub-op by it (manager/guards.py)
+        self.spec = {**kv_spec(model.config, self.block_size, self.dtype, model.tp_size),
+                     "max_model_len": scheduler.max_model_len}
         self.num_blocks = 0
         self.runner: ModelRunner | None = None
         self.registrations = 0

@@ -125,7 +125,15 @@ class ManagerClient:
         deadline = time.monotonic() + wait_s
         pause = 0.02
         while True:
-            body = self.call("register", retry=True, **args)
+            try:
+                body = self.call("register", retry=True, **args)
+            except ManagerError as e:
+                # The shard is held by a live session (a previous process of this worker that has
+                # not expired yet, or a second worker for the pool): wait for it, up to wait_s.
+                if e.code != "not_owner" or time.monotonic() >= deadline:
+                    raise
+                logger.warning("pool %s: %s; retrying until the holder's session ends", pool, e.message)
+                body = {}
             if body.get("state") == "ready":
                 return body
             if time.monotonic() >= deadline:

@@ -28,6 +28,7 @@ import time
 import msgpack
 import zmq
 
+from kvpool.shared.curve import CurveServer
 from kvpool.shared.notify import Notifier
 from kvpool.shared.protocol import ManagerError
 from kvpool.worker.engine import Engine, TokenEvent
@@ -45,7 +46,9 @@ def pack(obj: dict) -> bytes:
 
 
 class WorkerServer:
-    def __init__(self, engine: Engine, endpoint: str, pool: str, *, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(self, engine: Engine, endpoint: str, pool: str, *, metrics: WorkerMetrics | None = None,
+                 curve: tuple[str, str] | None = None) -> None:
+        """``curve``: (this worker's NAME.key_secret, the allowed clients' key directory)."""
         self.engine = engine
         self.metrics = metrics
         self.notifier = Notifier()
@@ -55,6 +58,9 @@ class WorkerServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.curve = CurveServer(self._ctx, *curve) if curve else None
+        if self.curve is not None:
+            self.curve.apply(self._sock)
         self._clients: dict[str, tuple[bytes, str]] = {}  # engine id -> (routing id, client's id)
         self._open: dict[str, int] = {}  # engine id -> samples not finished yet
         self._next = 0
@@ -172,5 +178,7 @@ class WorkerServer:
             logger.warning("could not free at the manager on shutdown: %s", e)
         self.engine.bm.close()
         self._sock.close(linger=200)
+        if self.curve is not None:
+            self.curve.close()
         self._ctx.term()
         logger.info("worker for pool %s stopped", self.pool)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from manager_helpers import SPEC, call, hello, make_server, ok, register
+from manager_helpers import SPEC, call, hello, kv_bytes, make_server, ok, register
 
 from kvpool.manager.server import OPS
 from kvpool.shared.hashing import hash_blocks
@@ -79,7 +79,7 @@ def test_step_runs_sub_ops_in_order_and_reports_each():
 
 def test_requests_are_scoped_per_session():
     srv, a = ready_server()
-    b = hello(srv)
+    b = hello(srv, role="admin")  # an admin may step on a pool it holds no shard of
     ok(call(srv, "step", a, pool="p", epoch=1, ops=[alloc(1)]))
     res = ok(call(srv, "step", b, pool="p", epoch=1, ops=[{"op": "free", "req": 1}, alloc(1)]))["results"]
     assert res[0]["code"] == "unknown_request" and res[1]["ok"]  # b's request 1 is another request
@@ -110,7 +110,7 @@ def test_a_pool_is_not_ready_until_all_shards_register_and_epoch_moves_on_restar
     assert call(srv, "step", sid, pool="p", epoch=1, ops=[])["status"] == "pool_not_ready"
     assert ok(register(srv, sid, rank=1, count=2, inc="i1", blocks=40)) | {} == {
         "pool": "p", "state": "ready", "epoch": 1, "registered": 2, "shard_count": 2, "num_blocks": 40,
-        "block_size": 4}
+        "block_size": 4, "max_model_len": 1 << 20}
     ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1)]))
     assert ok(register(srv, sid, rank=1, count=2, inc="i1-restarted", blocks=40))["epoch"] == 2
     assert call(srv, "step", sid, pool="p", epoch=1, ops=[])["status"] == "stale_epoch"
@@ -296,3 +296,79 @@ def test_extend_with_more_hashes_than_full_blocks_is_refused_as_alloc_is():
                   ops=[{"op": "extend", "req": 1, "num_tokens": 12, "hashes": H[2:3]}]))["results"][0]
     assert res["ok"] is True, res
     ok(call(srv, "check", sid))
+
+
+def test_only_the_pools_shard_sessions_or_an_admin_may_step_on_it_or_register_over_it():
+    srv, owner = ready_server()
+    other = hello(srv)
+    assert call(srv, "step", other, pool="p", epoch=1, ops=[alloc(1)])["status"] == "not_owner"
+    taken = register(srv, other, inc="hijack", blocks=32)  # a new incarnation of a live session's shard
+    assert taken["status"] == "not_owner" and "replace" in taken["msg"]
+    assert ok(call(srv, "pools", owner))["pools"][0]["epoch"] == 1, "the refused registration changed nothing"
+    ok(call(srv, "step", owner, pool="p", epoch=1, ops=[alloc(1)]))
+    # the same incarnation from a new session (a worker whose session timed out) re-binds the shard
+    again = hello(srv)
+    assert ok(register(srv, again, blocks=32))["epoch"] == 1
+    assert call(srv, "step", owner, pool="p", epoch=1, ops=[])["status"] == "not_owner"
+    # an explicit replacement takes the shard over; the old owner is then refused
+    body = ok(call(srv, "register", other, pool="p", shard_rank=0, shard_count=1, incarnation="new", spec=SPEC,
+                   available_kv_bytes=kv_bytes(32), replace=True))
+    assert body["epoch"] == 2
+    assert register(srv, again, inc="i0-restarted", blocks=32)["status"] == "not_owner"
+    admin = hello(srv, role="admin")
+    ok(call(srv, "step", admin, pool="p", epoch=2, ops=[alloc(1)]))
+    ok(call(srv, "deregister", other))  # a pool whose shards' sessions are gone is anyone's
+    assert ok(register(srv, again, inc="i0-after", blocks=32))["epoch"] == 3
+    assert call(srv, "register", again, pool="p", shard_rank=0, shard_count=1, incarnation="x", spec=SPEC,
+                available_kv_bytes=kv_bytes(32), replace="yes")["status"] == "bad_field"
+    ok(call(srv, "check", admin))
+
+
+def test_a_worker_role_is_no_admin_for_ownership_even_without_an_admin_key():
+    srv, owner = ready_server()  # no admin key: every session may run admin ops ...
+    intruder = hello(srv, role="worker")
+    assert ok(call(srv, "pools", intruder))["pools"]  # ... but owning a pool needs a shard or role admin
+    assert call(srv, "step", intruder, pool="p", epoch=1, ops=[])["status"] == "not_owner"
+
+
+def test_registrations_beyond_the_session_and_total_block_quotas_are_refused():
+    srv = make_server(max_session_blocks=100, max_total_blocks=150)
+    a, b = hello(srv), hello(srv)
+    ok(register(srv, a, pool="p1", blocks=60))
+    over = register(srv, a, pool="p2", blocks=41)
+    assert over["status"] == "quota_exceeded" and "max_session_blocks" in over["msg"]
+    ok(register(srv, a, pool="p2", blocks=40))
+    ok(register(srv, a, pool="p1", inc="i1", blocks=60))  # re-registering its own shard counts once
+    over = register(srv, b, pool="p3", blocks=51)
+    assert over["status"] == "quota_exceeded" and "max_total_blocks" in over["msg"]
+    ok(register(srv, b, pool="p3", blocks=50))
+    assert sorted(p["pool"] for p in ok(call(srv, "pools", a))["pools"]) == ["p1", "p2", "p3"]
+
+
+def test_tokens_per_sub_op_are_bounded_by_the_pools_declared_max_model_len():
+    srv = make_server()
+    sid = hello(srv)
+    body = ok(register(srv, sid, blocks=64, spec={**SPEC, "max_model_len": 64}))
+    assert body["max_model_len"] == 64
+    for sub in ({**alloc(1), "prompt_len": 65, "max_new": 1}, {**alloc(1), "lookahead": 65},
+                {"op": "extend", "req": 1, "num_tokens": 65}):
+        reply = call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(9), sub])
+        assert reply["status"] == "bad_field" and "max_model_len" in reply["msg"], reply
+    assert ok(call(srv, "stats", sid))["pools"]["p"]["requests"] == 0, "a refused step runs no sub-op"
+    assert register(srv, sid, pool="q", spec={**SPEC, "max_model_len": (1 << 20) + 1})["status"] == "bad_field"
+
+
+def test_the_blocks_one_step_may_hand_out_or_share_are_bounded():
+    srv = make_server(max_step_blocks=40)
+    sid = hello(srv)
+    ok(register(srv, sid, blocks=1000))
+    # block_size 4: each alloc of 16 tokens may take 4 blocks (+1 margin): 8 fit, 9 do not
+    assert ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(r, hashes=[]) for r in range(8)]))
+    reply = call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(r, hashes=[]) for r in range(8, 17)])
+    assert reply["status"] == "step_too_large" and "max_step_blocks" in reply["msg"]
+    # growth within one step is projected: admit small, then extend and fork it in the same message
+    grow = [alloc(100, n_tokens=4, hashes=[]), {"op": "extend", "req": 100, "num_tokens": 160}]
+    assert call(srv, "step", sid, pool="p", epoch=1, ops=grow)["status"] == "step_too_large"
+    forks = [{"op": "fork", "req": 0, "child": 200 + i} for i in range(9)]  # 4 blocks shared each
+    assert call(srv, "step", sid, pool="p", epoch=1, ops=forks + [alloc(300, hashes=[])])["status"] == "step_too_large"
+    assert ok(call(srv, "stats", sid))["pools"]["p"]["requests"] == 8
