@@ -265,7 +265,11 @@ class ManagerClient:
                 reply = unpack(sock.recv())
             except Exception:  # not msgpack: not from a manager; keep waiting
                 continue
-            if type(reply) is dict and reply.get("id") == msg_id:
+            if type(reply) is not dict:
+                continue
+            # A nil id answers a request the manager could not read (too large, not decodable):
+            # with one request in flight on this socket, it is this one (PROTOCOL.md section 2).
+            if reply.get("id") == msg_id or (reply.get("id") is None and reply.get("status") != "ok"):
                 return reply
         self._give_up(op)
 
