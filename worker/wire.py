@@ -1,7 +1,8 @@
 """The generate socket's messages as the worker reads them: bounded decoding, one record.
 
 Anyone who can reach the socket can send anything, so a payload is decoded with msgpack's
-Unpacker limits (no array or map longer than a real message needs, no ext types, no deep
+Unpacker limits (no array or map longer than a real message needs, no ext types) and at most
+``MAX_CONTAINERS`` maps and arrays, counted as they are built (no bomb of empty maps, no deep
 nesting) and a generate message becomes a ``GenerateMessage`` only through ``parse_generate``;
 ``Engine.add_request`` checks the prompt against the model and
 ``SamplingParams`` checks its own fields. Every failure is a ValueError whose text goes back to
@@ -19,31 +20,30 @@ from kvpool.worker.sampler import SamplingParams
 MAX_MESSAGE_BYTES = 4 << 20
 MAX_PROMPT_TOKENS = 1 << 20  # longer than any max_model_len we accept; the engine checks the real one
 MAX_ID_LEN = 128
-MAX_DEPTH = 4  # {"params": {...}} is the deepest a message gets
+MAX_CONTAINERS = 64  # maps and arrays in one message: a generate message has 3
 OPS = ("generate", "abort", "stats", "ping")
 
 
-def _depth_ok(value: object, depth: int) -> bool:
-    if type(value) is dict:
-        return depth > 0 and all(_depth_ok(v, depth - 1) for v in value.values())
-    if type(value) is list:
-        return depth > 0 and all(type(v) not in (list, dict) or _depth_ok(v, depth - 1) for v in value)
-    return True
-
-
 def decode(payload: bytes) -> dict:
-    """One message map; ValueError for anything else (not msgpack, too big, too deep)."""
+    """One message map; ValueError for anything else (not msgpack, too big, too many containers)."""
     if len(payload) > MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {len(payload)} bytes; the limit is {MAX_MESSAGE_BYTES}")
+    left = [MAX_CONTAINERS]
+
+    def count(obj: object) -> object:
+        left[0] -= 1
+        if left[0] < 0:
+            raise ValueError(f"more than {MAX_CONTAINERS} maps and arrays")
+        return obj
+
     try:
         msg = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_array_len=MAX_PROMPT_TOKENS,
-                              max_map_len=32, max_str_len=1 << 16, max_bin_len=1 << 16, max_ext_len=0)
+                              max_map_len=32, max_str_len=1 << 16, max_bin_len=1 << 16, max_ext_len=0,
+                              object_hook=count, list_hook=count)
     except Exception as e:  # msgpack raises several types (ValueError, ExtraData, StackError, ...)
-        raise ValueError(f"not one msgpack value within the limits: {type(e).__name__}") from None
+        raise ValueError(f"not one msgpack value within the limits: {type(e).__name__}: {e}"[:200]) from None
     if type(msg) is not dict:
         raise ValueError(f"a message must be a msgpack map, got {type(msg).__name__}")
-    if not _depth_ok(msg, MAX_DEPTH):
-        raise ValueError(f"a message nests at most {MAX_DEPTH} levels deep")
     return msg
 
 

@@ -90,3 +90,23 @@ def test_hostile_messages_get_an_error_reply_and_queue_nothing():
         assert not engine.has_work()
     finally:
         _close(server)
+
+
+def test_an_array_of_empty_maps_is_refused_while_decoding():
+    import tracemalloc
+
+    engine, server, sent = _server()
+    n = (4 << 20) - 64
+    head = pack({"op": "generate", "id": "g"})[1:]  # the map's two pairs, without its header
+    bomb = b"\x83" + head + b"\xa6prompt" + b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n
+    try:
+        tracemalloc.start()
+        try:
+            server._handle(b"A", bomb[: 4 << 20])
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert len(sent) == 1 and "error" in sent[0][1] and not engine.has_work()
+        assert peak < 16 << 20, f"decoding built {peak >> 20} MiB before refusing"
+    finally:
+        _close(server)
