@@ -126,6 +126,10 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+# Every byte that cannot be a map or array header (fixmap, fixarray, map16/32, array16/32).
+_NOT_CONTAINER_HEADERS = bytes(b for b in range(256) if not (0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF))
+
+
 class TooComplex(ValueError):
     """A payload holds more maps and arrays than any request needs (refused while decoding)."""
 
@@ -146,6 +150,10 @@ def unpack(payload: bytes, max_objects: int | None = None) -> Any:
     """
     if max_objects is None:
         return msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    if len(payload.translate(None, _NOT_CONTAINER_HEADERS)) <= max_objects:
+        # Fewer bytes that could start a map or an array than the limit: nothing to count.
+        return msgpack.unpackb(payload, raw=False, strict_map_key=True, max_array_len=2 * MAX_HASHES,
+                               max_map_len=64, max_ext_len=0)
     left = [max_objects]
 
     def count(obj: Any) -> Any:
