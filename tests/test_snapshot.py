@@ -103,9 +103,20 @@ def test_a_corrupt_snapshot_is_refused_under_python_dash_O():
                 load_pool(d)
             except CorruptState:
                 refused += 1
+        from kvpool.manager.core.block_pool import InvariantBroken
+        from kvpool.manager.registry import Registry
+        reg = Registry("inc", session_timeout_s=10.0)
+        sess = reg.open_session("w", "worker", False, 1, 0.0)
+        spec = {"block_size": 4, "num_layers": 1, "num_kv_heads": 1, "head_size": 2, "dtype": "float16"}
+        entry = reg.register(sess, "p", 0, 1, "i", spec, 1 << 20)
+        entry.pool.allocate(("no-such-session", 1), [], 8, 8)  # what a corrupt journal could leave
+        try:
+            reg.check_invariants()
+        except InvariantBroken:
+            refused += 1
         print("refused", refused)
     """)
     out = subprocess.run([sys.executable, "-O", "-c", code.replace('assert False, "asserts must be off"', check)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["refused", "3"]
+    assert out.stdout.split() == ["refused", "4"]
