@@ -238,7 +238,8 @@ class Server:
     def run_once(self, timeout_ms: int) -> int:
         """One iteration; returns how many messages it handled."""
         sock = self.sock
-        assert sock is not None, "bind() first"
+        if sock is None:
+            raise RuntimeError("Server.run_once before bind()")
         batch: list[list[bytes]] = []
         if self.ops.wait(sock, timeout_ms):
             t0 = time.perf_counter()
