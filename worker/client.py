@@ -33,7 +33,11 @@ class GenerateClient:
 
     def send(self, op: str, **body: object) -> str:
         rid = str(body.pop("id", None) or f"{op}-{next(self._ids)}")
-        self.sock.send(msgpack.packb({"op": op, "id": rid, **body}, use_bin_type=True))
+        try:  # a socket whose connection was refused (CURVE) has nowhere to queue: never block
+            self.sock.send(msgpack.packb({"op": op, "id": rid, **body}, use_bin_type=True), zmq.NOBLOCK)
+        except zmq.Again:
+            raise WorkerUnavailable(f"cannot send to the worker at {self.endpoint}: no connection (refused by "
+                                    "its CURVE keys, or its queue is full); open a new client") from None
         return rid
 
     def submit(self, prompt: list[int], **params: object) -> str:

@@ -65,14 +65,19 @@ class WorkerServer:
         self._open: dict[str, int] = {}  # engine id -> samples not finished yet
         self._next = 0
         self._stop = False
+        self._reload = False  # SIGHUP: re-read the allowed CURVE keys at the next iteration
 
     def request_stop(self, *_: object) -> None:
         self._stop = True
+
+    def request_reload(self, *_: object) -> None:
+        self._reload = True
 
     def serve(self) -> None:
         self._sock.bind(self.endpoint)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.request_stop)
+        signal.signal(signal.SIGHUP, self.request_reload)
         logger.info("worker for pool %s serving at %s", self.pool, self.endpoint)
         self.notifier.ready(f"pool {self.pool}: serving at {self.endpoint}")
         try:
@@ -101,6 +106,10 @@ class WorkerServer:
                 logger.warning("manager unavailable: %s", e)
                 time.sleep(0.2)
         self.notifier.tick()
+        if self._reload:
+            self._reload = False
+            if self.curve is not None:
+                self.curve.reload()
         if self.metrics is not None:
             self.metrics.maybe_update(self.engine)
         try:

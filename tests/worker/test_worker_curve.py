@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
+import time
 
 import pytest
 import torch
@@ -49,6 +51,12 @@ def test_a_curve_worker_serves_allowed_keys_and_refuses_the_others(tmp_path):
                                     *map(str, prompt)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert [int(t) for t in out.stdout.split()] == tokens
+        shutil.copy(keys["stranger"][0], allowed)  # allowed from now on: SIGHUP re-reads the directory
+        worker.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        welcome = GenerateClient(ep, curve=ClientKeys.load(str(keys["worker"][0]), str(keys["stranger"][1])))
+        clients.append(welcome)
+        assert welcome.call("ping", timeout_s=10)["pong"] == cluster.pools[0]
         assert good.call("ping")["pong"] == cluster.pools[0] and worker.poll() is None
     finally:
         for c in clients:
