@@ -9,10 +9,14 @@ import sys
 
 import click
 
+from kvpool.cli.common import (
+    EXIT_TP_PEER_LOST,
+    EXIT_UNREACHABLE,
+    curve_options,
+    export_curve_env,
+    log_options,
+)
 from kvpool.shared.protocol import ManagerError, default_endpoint
-
-EXIT_UNREACHABLE = 3
-EXIT_TP_PEER_LOST = 4
 
 
 def default_worker_endpoint(pool: str) -> str:
@@ -37,9 +41,6 @@ def _default_tp_master() -> str:
 
 def worker_service_options(f):
     """Metrics, logs and CURVE options of `kvpool worker` (None: the config file's / default)."""
-    from kvpool.cli.admin import curve_options
-    from kvpool.cli.layered import log_options
-
     f = click.option("--curve-allowed-keys-dir", default=None,
                      help="Directory of the NAME.key files of clients allowed on the generate socket.")(f)
     f = click.option("--curve-secret-key-file", default=None,
@@ -69,6 +70,8 @@ def worker_service_options(f):
 @click.option("--cpu-memory-budget", default="2GiB", show_default=True, callback=_bytes,
               help="Host memory treated as the device on CPU.")
 @click.option("--no-prefix-caching", is_flag=True, help="Send no block hashes (no prefix reuse).")
+@click.option("--no-overlap", is_flag=True, help="Wait for the manager before each forward pass "
+              "(default: send step N+1 while step N computes).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=0, help="torch CPU threads (0: torch's default).")
 @click.option("--tp-size", default=1, show_default=True,
@@ -84,16 +87,14 @@ def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: s
            endpoint: str | None, dtype: str, device: str,
            block_size: int, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
            memory_utilization: float, kv_cache_memory: int | None, cpu_memory_budget: int,
-           no_prefix_caching: bool, seed: int, threads: int, tp_size: int, tp_rank: int | None,
+           no_prefix_caching: bool, no_overlap: bool, seed: int, threads: int, tp_size: int, tp_rank: int | None,
            tp_master: str, tp_timeout: float, **_: object) -> None:
     """Serve generate requests from paged KV memory whose blocks the manager hands out.
 
     With --tp-size N the pool is one model over N ranks (one process, one GPU each), each holding
     its slice of the KV heads; rank 0 serves requests, every rank registers as a shard.
     """
-    from kvpool.cli.admin import export_curve_env
-
-    cfg, source = _worker_config(ctx, config_path, no_prefix_caching)
+    cfg, source = _worker_config(ctx, config_path, no_prefix_caching, no_overlap)
     export_curve_env(ctx)  # every ManagerClient of this process and of its tensor-parallel ranks
     if cfg.tp_size > 1 and tp_rank is None:
         from kvpool.worker.launch import launch
@@ -111,37 +112,26 @@ def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: s
     _serve_rank(cfg, cfg.manager.split(","), cfg.endpoint or default_worker_endpoint(cfg.pool), tp_master, tp_timeout)
 
 
-def _worker_config(ctx: click.Context, config_path: str | None, no_prefix_caching: bool):
+def _worker_config(ctx: click.Context, config_path: str | None, no_prefix_caching: bool, no_overlap: bool):
     """Defaults < config file < KVPOOL_WORKER_* < options given (cli/layered.py)."""
     from kvpool.cli.layered import explicit_flags, load_service
 
     flags, labels = explicit_flags(ctx, "worker", {"manager_ep": "manager"})
     if no_prefix_caching:
         flags["enable_prefix_caching"], labels["enable_prefix_caching"] = False, "flag"
+    if no_overlap:
+        flags["overlap"], labels["overlap"] = False, "flag"
     return load_service("worker", config_path, flags, labels)
 
 
 def _serve_rank(cfg, manager_eps: list[str], endpoint: str, tp_master: str, tp_timeout: float) -> None:
     """One worker, or one tensor-parallel rank: joins the group, loads its share, serves/follows."""
-    from kvpool.worker.block_manager import RemoteBlockManager
-    from kvpool.worker.checkpoint import load_config
-    from kvpool.worker.metrics import WorkerMetrics
-    from kvpool.worker.parallel import TPPeerLost, check_tp, close_group, init_group
+    from kvpool.worker.parallel import TPPeerLost
     from kvpool.worker.profiler import KVMemoryError
-    from kvpool.worker.server import WorkerServer
-    from kvpool.worker.startup import build_engine, build_follower, rank_device
+    from kvpool.worker.startup import serve_rank
 
     try:
-        if cfg.tp_size > 1:  # refuse a bad split before any rank waits for the others
-            check_tp(load_config(cfg.model), cfg.tp_size)
-            init_group(cfg.tp_rank, cfg.tp_size, tp_master, rank_device(cfg), tp_timeout)
-        bm = RemoteBlockManager(manager_eps, cfg.pool, shard_rank=cfg.tp_rank, shard_count=cfg.tp_size)
-        if cfg.tp_rank == 0:
-            engine = build_engine(cfg, bm)
-            curve = (cfg.curve_secret_key_file, cfg.curve_allowed_keys_dir) if cfg.curve_secret_key_file else None
-            WorkerServer(engine, endpoint, cfg.pool, metrics=WorkerMetrics.start(cfg), curve=curve).serve()
-        else:
-            build_follower(cfg, bm).run()
+        serve_rank(cfg, manager_eps, endpoint, tp_master, tp_timeout)
     except (ValueError, KVMemoryError) as e:
         raise click.ClickException(str(e)) from None
     except ManagerError as e:
@@ -152,8 +142,6 @@ def _serve_rank(cfg, manager_eps: list[str], endpoint: str, tp_master: str, tp_t
                    "epoch moves on when the lost shard's session ends or it re-registers; restart every "
                    "rank of the pool.", err=True)
         sys.exit(EXIT_TP_PEER_LOST)
-    finally:
-        close_group()
 
 
 @click.command("generate")

@@ -34,7 +34,7 @@ class ManagerConfig:
     max_total_blocks: int = 1 << 26  # blocks of every pool together (the manager's memory is per block)
     max_model_len: int = 1 << 20  # tokens per request when a pool declares none; the most one may declare
     send_hwm: int = 1000  # replies queued per client; a client that does not read loses replies
-    # -- operations (docs/operating.md) --
+    # -- operating (docs/operating.md) --
     metrics_port: int = 0  # Prometheus /metrics on this TCP port; 0: off (the packaged config: 9400)
     metrics_host: str = "127.0.0.1"  # address the metrics endpoint binds (0.0.0.0: every interface)
     events_endpoint: str | None = None  # KV events PUB socket (vLLM wire format), e.g. tcp://*:5557

@@ -81,7 +81,7 @@ def _entry_blocks(reg: Registry, entry: PoolEntry) -> int:
 
 def max_model_len(bounds: Bounds, entry: PoolEntry) -> int:
     """The pool's token bound per request: the least its shards declared, at most the manager's."""
-    declared = [s.spec.get("max_model_len", bounds.max_model_len) for s in entry.shards.values()]
+    declared = [s.spec.max_model_len for s in entry.shards.values() if s.spec.max_model_len is not None]
     return min([bounds.max_model_len, *declared])
 
 

@@ -21,10 +21,9 @@ from kvpool.shared.protocol import (
     PROTOCOL_VERSION,
     ROLES,
     SUPPORTED_VERSIONS,
+    KVSpec,
     ManagerError,
     bad_field,
-    block_bytes,
-    check_spec,
     get_hashes,
     get_int,
     get_map,
@@ -122,12 +121,14 @@ class Handlers:
         name = get_str(args, "pool", 64, pattern=POOL_NAME)
         rank, count = get_int(args, "shard_rank", 0, 4095), get_int(args, "shard_count", 1, 4096)
         incarnation = get_str(args, "incarnation", 128)
-        spec = check_spec(get_map(args, "spec"), self.bounds.max_model_len)
+        spec = KVSpec.from_wire(get_map(args, "spec"))
+        if spec.max_model_len is not None and spec.max_model_len > self.bounds.max_model_len:
+            raise bad_field("max_model_len", f"an int in [1, {self.bounds.max_model_len}]", spec.max_model_len)
         available = get_int(args, "available_kv_bytes", 0, U63)
         replace = args.get("replace", False)
         if type(replace) is not bool:
             raise bad_field("replace", "a bool", replace)
-        check_register(self.reg, self.bounds, sess, name, rank, incarnation, available // block_bytes(spec), replace)
+        check_register(self.reg, self.bounds, sess, name, rank, incarnation, available // spec.block_bytes, replace)
         entry = self.reg.register(sess, name, rank, count, incarnation, spec, available)
         return {**pool_info(entry), "max_model_len": max_model_len(self.bounds, entry)}
 
@@ -195,7 +196,7 @@ class Handlers:
                 cached_blocks=len(pool.blocks.cached) if pool else 0,
                 requests=len(pool.requests) if pool else 0,
                 shards=[{"rank": s.rank, "incarnation": s.incarnation, "num_blocks": s.num_blocks,
-                         "num_kv_heads": s.spec["num_kv_heads"], "session": live[s.sid].num if s.sid in live else None}
+                         "num_kv_heads": s.spec.num_kv_heads, "session": live[s.sid].num if s.sid in live else None}
                         for s in sorted(entry.shards.values(), key=lambda s: s.rank)],
             )
             out.append(info)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import reprlib
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -36,6 +37,7 @@ PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 MAX_MESSAGE_BYTES = 8 << 20  # a larger request gets "too_large"
 MAX_SUB_OPS = 1024  # sub-ops in one step message
+MAX_MODEL_LEN = 1 << 20  # tokens per request a shard may declare (spec.max_model_len), and the default bound
 MAX_HASHES = 1 << 17  # hashes in one lookup/locate, or one sub-op (2M tokens at block_size 16)
 ROLES = ("worker", "admin", "router", "observer")
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -267,24 +269,52 @@ def get_hashes(args: dict, key: str = "hashes") -> list[bytes]:
     return hs
 
 
-def check_spec(spec: dict, max_model_len: int = 1 << 20) -> dict:
-    """A validated KV spec: {block_size, num_layers, num_kv_heads, head_size, dtype}, and
-    ``max_model_len`` (tokens per request, at most the manager's) when the shard declares it."""
-    out = {
-        "block_size": get_int(spec, "block_size", 1, 1 << 16),
-        "num_layers": get_int(spec, "num_layers", 1, 1 << 12),
-        "num_kv_heads": get_int(spec, "num_kv_heads", 1, 1 << 12),
-        "head_size": get_int(spec, "head_size", 1, 1 << 12),
-        "dtype": spec.get("dtype"),
-    }
-    if type(out["dtype"]) is not str or out["dtype"] not in DTYPE_BYTES:
-        raise bad_field("dtype", f"one of {sorted(DTYPE_BYTES)}", out["dtype"])
-    if "max_model_len" in spec:
-        out["max_model_len"] = get_int(spec, "max_model_len", 1, max_model_len)
-    return out
+_SPEC_LIMITS = {"block_size": 1 << 16, "num_layers": 1 << 12, "num_kv_heads": 1 << 12, "head_size": 1 << 12}
 
 
-def block_bytes(spec: dict) -> int:
-    """KV bytes one block takes on one shard, over all layers (K and V)."""
-    per_layer = 2 * spec["block_size"] * spec["num_kv_heads"] * spec["head_size"] * DTYPE_BYTES[spec["dtype"]]
-    return per_layer * spec["num_layers"]
+@dataclass(frozen=True)
+class KVSpec:
+    """The KV-cache layout of one shard: what a worker registers and the manager sizes blocks by.
+
+    Validated here and nowhere else (``bad_field`` naming the field); on the wire it is the map
+    ``{block_size, num_layers, num_kv_heads, head_size, dtype}`` (``to_wire`` / ``from_wire``).
+    ``num_kv_heads`` is this shard's share of the model's heads.
+    """
+
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str  # a key of DTYPE_BYTES
+    # The most tokens one request of this shard's engine holds, when it declares it; the manager
+    # bounds each sub-op's tokens by the least its shards declare (manager/guards.py).
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for key, hi in _SPEC_LIMITS.items():
+            get_int(vars(self), key, 1, hi)
+        if type(self.dtype) is not str or self.dtype not in DTYPE_BYTES:  # a list would be unhashable
+            raise bad_field("dtype", f"one of {sorted(DTYPE_BYTES)}", self.dtype)
+        if self.max_model_len is not None:
+            get_int(vars(self), "max_model_len", 1, MAX_MODEL_LEN)
+
+    @classmethod
+    def from_wire(cls, spec: object) -> KVSpec:
+        """The spec a wire map describes (other keys are ignored); ``bad_field`` otherwise."""
+        if type(spec) is not dict:
+            raise bad_field("spec", "a map", spec)
+        return cls(*(spec.get(key, _MISSING) for key in _SPEC_LIMITS), spec.get("dtype"),  # type: ignore[arg-type]
+                   spec.get("max_model_len"))
+
+    def to_wire(self) -> dict:
+        out = {"block_size": self.block_size, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+               "head_size": self.head_size, "dtype": self.dtype}
+        if self.max_model_len is not None:
+            out["max_model_len"] = self.max_model_len
+        return out
+
+    @property
+    def block_bytes(self) -> int:
+        """KV bytes one block takes on one shard, over all layers (K and V)."""
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_size * DTYPE_BYTES[self.dtype]
+        return per_layer * self.num_layers

@@ -1,7 +1,8 @@
 """Where the scheduler's block decisions are made: the manager, local or remote.
 
 The scheduler only needs ``step(ops) -> results`` (one round trip per scheduler step, schemas as
-in ``kvpool.manager.core.step``) plus registration around it. ``LocalBlockManager`` embeds a real
+in ``kvpool.manager.core.step``) plus registration around it; ``send_step``/``recv_step`` split
+that round trip so the worker computes while the manager answers. ``LocalBlockManager`` embeds a real
 ``Pool`` and runs steps through ``run_step`` (tests, benchmarks); ``RemoteBlockManager`` talks to
 the manager daemon through ``ManagerClient``. Both raise ``ManagerReset`` when the manager no
 longer holds this worker's requests: the engine then re-registers and recomputes.
@@ -9,13 +10,15 @@ longer holds this worker's requests: the engine then re-registers and recomputes
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
+from collections.abc import Iterator
 from typing import Protocol
 
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
-from kvpool.shared.protocol import ManagerRestarted, ManagerUnavailable, StaleEpoch, block_bytes
+from kvpool.shared.protocol import KVSpec, ManagerRestarted, ManagerUnavailable, StaleEpoch
 from kvpool.worker.manager_client import ManagerClient
 
 logger = logging.getLogger(__name__)
@@ -25,17 +28,21 @@ class ManagerReset(Exception):
     """The manager forgot this worker's requests (restart, new epoch): re-register, recompute."""
 
 
-def spec_num_blocks(spec: dict, available_kv_bytes: int) -> int:
+def spec_num_blocks(spec: KVSpec, available_kv_bytes: int) -> int:
     """Blocks of ``spec`` that fit ``available_kv_bytes`` (the same arithmetic as the manager's)."""
-    return available_kv_bytes // block_bytes(spec)
+    return available_kv_bytes // spec.block_bytes
 
 
 class BlockManager(Protocol):
     pool: str
 
-    def register(self, spec: dict, available_kv_bytes: int) -> dict: ...
+    def register(self, spec: KVSpec, available_kv_bytes: int) -> dict: ...
 
     def step(self, ops: list[dict]) -> list[dict]: ...
+
+    def send_step(self, ops: list[dict]) -> object: ...
+
+    def recv_step(self, ticket: object) -> list[dict]: ...
 
     def heartbeat(self) -> None: ...
 
@@ -56,18 +63,25 @@ class LocalBlockManager:
         self.epoch = 0
         self._pool: Pool | None = None
 
-    def register(self, spec: dict, available_kv_bytes: int) -> dict:
+    def register(self, spec: KVSpec, available_kv_bytes: int) -> dict:
         num_blocks = spec_num_blocks(spec, available_kv_bytes)
         if self.max_blocks is not None:
             num_blocks = min(num_blocks, self.max_blocks)
-        self._pool = Pool(num_blocks, spec["block_size"], enable_caching=self.enable_caching)
+        self._pool = Pool(num_blocks, spec.block_size, enable_caching=self.enable_caching)
         self.epoch += 1
-        return {"num_blocks": num_blocks, "block_size": spec["block_size"], "epoch": self.epoch}
+        return {"num_blocks": num_blocks, "block_size": spec.block_size, "epoch": self.epoch}
 
     def step(self, ops: list[dict]) -> list[dict]:
         if self._pool is None:
             raise ManagerReset(f"pool {self.pool!r} is not registered (manager restarted)")
         return run_step(self._pool, "local", ops)
+
+    def send_step(self, ops: list[dict]) -> object:
+        """In process the answer is ready at once (the caller's overlap then costs nothing)."""
+        return self.step(ops)
+
+    def recv_step(self, ticket: object) -> list[dict]:
+        return ticket  # type: ignore[return-value]
 
     def simulate_restart(self) -> None:
         """Forget everything, as a manager restarted without persistence would."""
@@ -115,19 +129,31 @@ class RemoteBlockManager:
         self.epoch = 0
         self._fresh_session = False
 
-    def register(self, spec: dict, available_kv_bytes: int) -> dict:
+    def register(self, spec: KVSpec, available_kv_bytes: int) -> dict:
         if self._fresh_session:
             self.client.hello()
             self._fresh_session = False
         info = self.client.register(self.pool, shard_rank=self.shard_rank, shard_count=self.shard_count,
-                                    incarnation=self.incarnation, spec=spec,
+                                    incarnation=self.incarnation, spec=spec.to_wire(),
                                     available_kv_bytes=available_kv_bytes, wait_s=self.register_wait_s)
         self.epoch = int(info["epoch"])
         return info
 
     def step(self, ops: list[dict]) -> list[dict]:
+        return self.recv_step(self.send_step(ops))
+
+    def send_step(self, ops: list[dict]) -> object:
+        with self._resets():
+            return self.client.begin_step(self.pool, self.epoch, ops)
+
+    def recv_step(self, ticket: object) -> list[dict]:
+        with self._resets():
+            return self.client.end_step(ticket)  # type: ignore[arg-type]
+
+    @contextlib.contextmanager
+    def _resets(self) -> Iterator[None]:
         try:
-            return self.client.step(self.pool, self.epoch, ops)
+            yield
         except (ManagerRestarted, StaleEpoch) as e:
             raise ManagerReset(str(e)) from e
         except ManagerUnavailable as e:

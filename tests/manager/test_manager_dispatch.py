@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from manager_helpers import SPEC, call, hello, kv_bytes, make_server, ok, register
+from helpers.manager import SPEC, call, hello, kv_bytes, make_server, ok, register
 
 from kvpool.manager.server import OPS
 from kvpool.shared.hashing import hash_blocks
@@ -198,7 +198,7 @@ def test_commit_and_events_run_once_per_iteration_before_replies():
     srv._commit()
     assert srv.store.commits == 1 and srv.registry.dirty == set()
     assert srv.publisher.events == 1  # one "stored" event for the 7 cached blocks
-    assert srv.registry.pools["p"].pool.blocks.events == []
+    assert srv.registry.pools["p"].pool.take_events() == []
 
 
 def test_an_internal_error_is_answered_and_counted(monkeypatch):
@@ -372,3 +372,21 @@ def test_the_blocks_one_step_may_hand_out_or_share_are_bounded():
     forks = [{"op": "fork", "req": 0, "child": 200 + i} for i in range(9)]  # 4 blocks shared each
     assert call(srv, "step", sid, pool="p", epoch=1, ops=forks + [alloc(300, hashes=[])])["status"] == "step_too_large"
     assert ok(call(srv, "stats", sid))["pools"]["p"]["requests"] == 8
+
+
+def test_an_extend_with_a_base_runs_only_on_the_tokens_it_was_built_on():
+    """A pipelined worker sends step N+1 before it knows step N's answers: ``base`` says which
+    num_tokens step N left, so a refused step N makes step N+1 refuse too, changing nothing."""
+    srv, sid = ready_server()
+    ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1)]))  # 16 tokens, 4 blocks
+    before = ok(call(srv, "stats", sid))["pools"]["p"]
+    stale = {"op": "extend", "req": 1, "num_tokens": 18, "hashes": [H[4]], "base": 17}
+    res = ok(call(srv, "step", sid, pool="p", epoch=1, ops=[stale]))["results"]
+    assert res[0]["code"] == "stale_base" and "holds 16 tokens, not base 17" in res[0]["msg"]
+    assert ok(call(srv, "stats", sid))["pools"]["p"] == before
+    good = [{"op": "extend", "req": 1, "num_tokens": 17, "base": 16},
+            {"op": "extend", "req": 1, "num_tokens": 18, "base": 17},
+            {"op": "extend", "req": 2, "num_tokens": 3, "base": 0}]  # no such request: unknown
+    res = ok(call(srv, "step", sid, pool="p", epoch=1, ops=good))["results"]
+    assert [r.get("code") for r in res] == [None, None, "unknown_request"] and res[0]["blocks"] == [5]
+    ok(call(srv, "check", sid))

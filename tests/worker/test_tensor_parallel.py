@@ -1,4 +1,4 @@
-"""Tensor parallelism in one process: ranks as threads (tp_factories), exact comparisons with the
+"""Tensor parallelism in one process: ranks as threads (helpers.tp), exact comparisons with the
 single-shard worker; the command channel's framing; the registry losing a shard. Real processes
 over gloo and a manager daemon: test_tensor_parallel_procs.py."""
 
@@ -8,18 +8,19 @@ import threading
 
 import pytest
 import torch
-from tp_factories import TPPair, rank_kv_bytes, sharded_models
-from worker_factories import TINY, assert_drained, greedy, make_engine, make_prompt, reference
+from helpers.tp import TPPair, rank_kv_bytes, sharded_models
+from helpers.worker import TINY, assert_drained, greedy, make_engine, make_prompt, reference
 
 from kvpool.manager.registry import Registry
-from kvpool.shared.protocol import ManagerError
+from kvpool.shared.protocol import KVSpec, ManagerError
 from kvpool.worker import tp as tp_module
 from kvpool.worker.config import PRESETS, WorkerConfig
+from kvpool.worker.engine import Engine
 from kvpool.worker.kv_cache import allocate_kv_caches, kv_spec
 from kvpool.worker.model import build_model
 from kvpool.worker.parallel import TPPeerLost, check_tp
 from kvpool.worker.runner import ModelRunner
-from kvpool.worker.scheduler import SeqPlan, StepPlan
+from kvpool.worker.step_plan import Batch, BatchSeq
 from kvpool.worker.tp import HEAD, Channel, TPLeader, decode_plan, encode_plan
 
 # -- sharding ---------------------------------------------------------------------------------
@@ -68,8 +69,8 @@ def test_two_shards_compute_the_logits_of_one():
     full = build_model(TINY, torch.float32, "cpu", seed=0)
     ranks = sharded_models(2)
     prompt = make_prompt(37, 1)
-    plans = [StepPlan([SeqPlan(prompt[:20], 0, [3, 1], False), SeqPlan(prompt[:5], 0, [2], True)]),
-             StepPlan([SeqPlan(prompt[20:], 20, [3, 1, 4], True)], copies=[(2, 5)])]
+    plans = [Batch([BatchSeq(prompt[:20], 0, [3, 1], False), BatchSeq(prompt[:5], 0, [2], True)]),
+             Batch([BatchSeq(prompt[20:], 20, [3, 1, 4], True)], copies=[(2, 5)])]
 
     def runner(model, kv_heads):
         caches = allocate_kv_caches(TINY.num_layers, 8, 16, kv_heads, TINY.head_size, torch.float32, "cpu")
@@ -108,6 +109,7 @@ def test_greedy_output_prefix_hits_and_forks_equal_one_shard():
         forked = engine.generate([make_prompt(37, 8)], greedy(6, n=3))  # copy-on-write copies on both ranks
         assert forked == single.generate([make_prompt(37, 8)], greedy(6, n=3))
         assert forked == [[reference(single, make_prompt(37, 8), 6)] * 3]
+        pair.settle()
         assert pair.followers[0].steps == len(forwards) > 0  # every forward ran on both ranks
     finally:
         pair.close()
@@ -125,6 +127,7 @@ def test_the_follower_applies_copy_on_write_to_its_slice():
         ranks = (engine.runner, follower.runner)
         original = [[c[:, parent.block_table[2], :5].clone() for c in r.kv_caches] for r in ranks]
         engine.step()  # fork + copy-on-write + decode
+        pair.settle()
         tables = {r.block_table[2] for r in engine.scheduler.running}
         assert len(tables) == 3
         for runner, before in zip(ranks, original):
@@ -155,7 +158,7 @@ def test_per_rank_kv_memory_halves_for_the_same_num_blocks():
         tp1, tp2 = single.runner.kv_bytes, pair.engine.runner.kv_bytes
         assert pair.engine.num_blocks == single.num_blocks == 64
         assert pair.followers[0].runner.kv_bytes == tp2 == tp1 // 2 == rank_kv_bytes(64, 2)
-        assert pair.engine.spec["num_kv_heads"] == 1 and single.spec["num_kv_heads"] == 2
+        assert pair.engine.spec.num_kv_heads == 1 and single.spec.num_kv_heads == 2
         assert pair.engine.stats()["tp_size"] == 2 and pair.engine.stats()["kv_cache_bytes"] == tp2
         print(f"\nKV bytes per rank for {single.num_blocks} blocks of tiny (fp32): tp 1 {tp1}, tp 2 {tp2} "
               f"({tp2 / tp1:.2f}x)")
@@ -163,9 +166,33 @@ def test_per_rank_kv_memory_halves_for_the_same_num_blocks():
         pair.close()
 
 
+def test_the_pair_waits_for_a_slow_follower_to_register(monkeypatch):
+    """The follower registers on its own thread; the helper waits for it (it once raced)."""
+    real = tp_module.TPFollower.register
+    gate = threading.Event()
+
+    def slow_register(self):
+        gate.wait(5)  # released only once rank 0 has finished its own registration
+        real(self)
+
+    monkeypatch.setattr(tp_module.TPFollower, "register", slow_register)
+    real_engine_register = Engine.register
+
+    def engine_register(self):
+        real_engine_register(self)
+        gate.set()
+
+    monkeypatch.setattr(Engine, "register", engine_register)
+    pair = TPPair(num_blocks=64)
+    try:
+        assert pair.followers[0].runner is not None and pair.followers[0].num_blocks == 64
+    finally:
+        pair.close()
+
+
 def test_kv_spec_reports_the_shards_heads():
-    assert kv_spec(TINY, 16, torch.float32, 2)["num_kv_heads"] == 1
-    assert kv_spec(TINY, 16, torch.float32)["num_kv_heads"] == 2
+    assert kv_spec(TINY, 16, torch.float32, 2).num_kv_heads == 1
+    assert kv_spec(TINY, 16, torch.float32).num_kv_heads == 2
 
 
 # -- the command channel ------------------------------------------------------------------------
@@ -191,7 +218,7 @@ class FakeDist:
 def test_channel_frames_a_plan_in_one_or_two_broadcasts(monkeypatch, num_tokens):
     fake = FakeDist()
     monkeypatch.setattr(tp_module.dist, "broadcast", fake.broadcast)
-    plan = StepPlan([SeqPlan(list(range(num_tokens)), 7, [4, 9, 2], True), SeqPlan([5], 0, [3], False)],
+    plan = Batch([BatchSeq(list(range(num_tokens)), 7, [4, 9, 2], True), BatchSeq([5], 0, [3], False)],
                     copies=[(3, 8)])
     channel = Channel(torch.device("cpu"))
     fake.sending = True
@@ -225,8 +252,8 @@ SPEC = {"block_size": 16, "num_layers": 2, "num_kv_heads": 1, "head_size": 16, "
 def test_a_shard_whose_session_ends_takes_the_pool_down_to_a_new_epoch():
     r = Registry("inc", session_timeout_s=10.0)
     s0, s1 = r.open_session("rank0", "worker", True, 1, 0.0), r.open_session("rank1", "worker", True, 1, 0.0)
-    r.register(s0, "p", 0, 2, "a", dict(SPEC), 64 * 4096)
-    entry = r.register(s1, "p", 1, 2, "b", dict(SPEC), 40 * 4096)
+    r.register(s0, "p", 0, 2, "a", KVSpec(**SPEC), 64 * 4096)
+    entry = r.register(s1, "p", 1, 2, "b", KVSpec(**SPEC), 40 * 4096)
     assert (entry.state, entry.epoch, entry.pool.blocks.num_blocks) == ("ready", 1, 40)
     entry.pool.allocate((s0.sid, 1), [b"h" * 32], 17, 17)  # caches its full first block
     assert entry.pool.lookup([b"h" * 32]) == 1
@@ -241,7 +268,7 @@ def test_a_shard_whose_session_ends_takes_the_pool_down_to_a_new_epoch():
     with pytest.raises(ManagerError, match="1 of 2 shards"):
         r.ready_pool("p", 2)
     s1b = r.open_session("rank1", "worker", True, 1, 12.0)
-    entry = r.register(s1b, "p", 1, 2, "b2", dict(SPEC), 40 * 4096)
+    entry = r.register(s1b, "p", 1, 2, "b2", KVSpec(**SPEC), 40 * 4096)
     assert (entry.state, entry.epoch) == ("ready", 3)
     assert entry.pool.requests == {} and entry.pool.lookup([b"h" * 32]) == 0  # no stale cache
     r.check_invariants()
@@ -250,7 +277,7 @@ def test_a_shard_whose_session_ends_takes_the_pool_down_to_a_new_epoch():
 def test_a_single_shard_pool_keeps_its_cache_when_its_session_ends():
     r = Registry("inc", session_timeout_s=10.0)
     s = r.open_session("w", "worker", True, 1, 0.0)
-    entry = r.register(s, "p", 0, 1, "a", dict(SPEC), 16 * 4096)
+    entry = r.register(s, "p", 0, 1, "a", KVSpec(**SPEC), 16 * 4096)
     entry.pool.allocate((s.sid, 1), [b"h" * 32], 17, 17)
     assert r.end_session(s.sid) == 1
     assert (entry.state, entry.epoch, entry.pool.lookup([b"h" * 32])) == ("ready", 1, 1)
@@ -260,12 +287,12 @@ def test_a_session_holding_every_shard_leaves_a_pool_that_re_forms():
     r = Registry("inc", session_timeout_s=10.0)
     s = r.open_session("both", "worker", True, 1, 0.0)
     for rank in (0, 1):
-        entry = r.register(s, "p", rank, 2, f"i{rank}", dict(SPEC), 16 * 4096)
+        entry = r.register(s, "p", rank, 2, f"i{rank}", KVSpec(**SPEC), 16 * 4096)
     assert (entry.state, entry.epoch) == ("ready", 1)
     r.end_session(s.sid)
     assert (entry.state, entry.epoch, entry.spec["block_size"]) == ("pending", 2, 16)  # still listable
     s2 = r.open_session("both", "worker", True, 1, 1.0)
     for rank in (0, 1):  # the same processes (incarnations) come back
-        entry = r.register(s2, "p", rank, 2, f"i{rank}", dict(SPEC), 16 * 4096)
+        entry = r.register(s2, "p", rank, 2, f"i{rank}", KVSpec(**SPEC), 16 * 4096)
     assert (entry.state, entry.epoch) == ("ready", 3)
     r.check_invariants()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from worker_factories import make_prompt
+from helpers.worker import make_prompt
 
 from kvpool.shared.curve import ClientKeys, write_keypair
 from kvpool.worker.client import GenerateClient, WorkerUnavailable

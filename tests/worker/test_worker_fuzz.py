@@ -15,7 +15,7 @@ import msgpack
 import pytest
 import torch
 import zmq
-from worker_factories import make_prompt
+from helpers.worker import make_prompt
 
 from kvpool.worker.client import GenerateClient
 from kvpool.worker.config import PRESETS
