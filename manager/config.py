@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvpool.shared.logs import check_level
-from kvpool.shared.protocol import MAX_MESSAGE_BYTES, MAX_SUB_OPS, default_endpoint
+from kvpool.shared.protocol import MAX_MESSAGE_BYTES, MAX_MODEL_LEN, MAX_SUB_OPS, default_endpoint
 
 _IPC_PATH_MAX = 107  # sun_path is 108 bytes on Linux, NUL included
 _TCP = re.compile(r"tcp://.+:(\*|[1-9]\d{0,3}|[1-5]\d{4}|6[0-4]\d{3}|65[0-4]\d{2}|655[0-2]\d|6553[0-5])\Z")
@@ -75,6 +75,8 @@ class ManagerConfig:
             v = getattr(self, name)
             if type(v) is not int or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        if self.max_model_len > MAX_MODEL_LEN:
+            raise ValueError(f"max_model_len must be at most {MAX_MODEL_LEN}, got {self.max_model_len}")
         self._check_ops()
         self._check_durability()
 
