@@ -22,6 +22,14 @@ from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, BlockS
 NULL_BLOCK = 0
 
 
+class InvariantBroken(AssertionError):
+    """A pool invariant does not hold: a manager bug, or a corrupt state being loaded.
+
+    Raised by explicit checks, never by ``assert`` (``python -O`` removes those); it subclasses
+    AssertionError only so that callers written against the old asserts still catch it.
+    """
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True, enable_events: bool = False):
         if num_blocks < 2:
@@ -215,20 +223,27 @@ class BlockPool:
     # -- checks ----------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Raises AssertionError naming the first broken invariant."""
-        assert self.ref_cnt[NULL_BLOCK] == 0 and self.block_hash[NULL_BLOCK] is None, "null block touched"
+        """Raises InvariantBroken naming the first broken invariant (explicit checks: they hold
+        under ``python -O`` too)."""
+        if self.ref_cnt[NULL_BLOCK] != 0 or self.block_hash[NULL_BLOCK] is not None:
+            raise InvariantBroken("null block touched")
         order = self.free_queue.order()
         in_queue = set(order)
-        assert len(in_queue) == len(order), "a block is twice in the free queue"
-        assert NULL_BLOCK not in in_queue, "null block in the free queue"
+        if len(in_queue) != len(order):
+            raise InvariantBroken("a block is twice in the free queue")
+        if NULL_BLOCK in in_queue:
+            raise InvariantBroken("null block in the free queue")
         for b in range(1, self.num_blocks):
             r = self.ref_cnt[b]
-            assert r >= 0, f"block {b} has ref_cnt {r}"
-            assert (r == 0) == (b in in_queue), f"block {b}: ref_cnt {r} but in_queue={b in in_queue}"
+            if r < 0:
+                raise InvariantBroken(f"block {b} has ref_cnt {r}")
+            if (r == 0) != (b in in_queue):
+                raise InvariantBroken(f"block {b}: ref_cnt {r} but in_queue={b in in_queue}")
         seen_hashed = False
         for b in order:
             if self.block_hash[b] is None:
-                assert not seen_hashed, f"unhashed block {b} queued behind a hashed one"
+                if seen_hashed:
+                    raise InvariantBroken(f"unhashed block {b} queued behind a hashed one")
             else:
                 seen_hashed = True
         holders: dict[bytes, list[int]] = {}
@@ -236,7 +251,10 @@ class BlockPool:
             h = self.block_hash[b]
             if h is not None:
                 holders.setdefault(h, []).append(b)
-        assert set(holders) == set(self.cached), "hash map and block hashes disagree"
+        if set(holders) != set(self.cached):
+            raise InvariantBroken("hash map and block hashes disagree")
         for h, bs in holders.items():
-            assert self.cached[h] in bs, f"map entry for {h.hex()[:8]} points at a block without it"
-            assert sorted(bs) == sorted([self.cached[h], *self._dups.get(h, [])]), "duplicates untracked"
+            if self.cached[h] not in bs:
+                raise InvariantBroken(f"map entry for {h.hex()[:8]} points at a block without it")
+            if sorted(bs) != sorted([self.cached[h], *self._dups.get(h, [])]):
+                raise InvariantBroken("duplicates untracked")
