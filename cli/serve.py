@@ -44,6 +44,10 @@ def _default_tp_master() -> str:
 
 def worker_service_options(f):
     """Metrics, logs and CURVE options of `kvpool worker` (None: the config file's / default)."""
+    f = click.option("--curve-allowed-keys-dir", default=None,
+                     help="Directory of the NAME.key files of clients allowed on the generate socket.")(f)
+    f = click.option("--curve-secret-key-file", default=None,
+                     help="This worker's NAME.key_secret: CURVE on its generate socket (`kvpool keygen`).")(f)
     f = click.option("--metrics-port", type=int, default=None, help="Prometheus /metrics TCP port; 0: off [0].")(f)
     f = click.option("--metrics-host", default=None, help="Address of the metrics endpoint [127.0.0.1].")(f)
     return curve_options(log_options(f))
@@ -142,7 +146,8 @@ def _serve_rank(cfg, manager_eps: list[str], endpoint: str, tp_master: str, tp_t
     except (ValueError, KVMemoryError) as e:
         raise click.ClickException(str(e)) from None
     except ManagerError as e:
-        click.echo(f"Error: {e}", err=True)
+        hint = "; to take the pool over from it: kvpool worker --replace" if e.code == "not_owner" else ""
+        click.echo(f"Error: {e}{hint}", err=True)
         sys.exit(EXIT_UNREACHABLE if e.code == "unavailable" else 1)
     except TPPeerLost as e:
         click.echo(f"Error: tensor-parallel rank {cfg.tp_rank} of pool {cfg.pool!r} stops: {e}. The pool's "
@@ -166,9 +171,13 @@ def _serve_rank(cfg, manager_eps: list[str], endpoint: str, tp_master: str, tp_t
 @click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Seconds the whole request may take.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per token message.")
+@click.option("--worker-key", envvar="KVPOOL_WORKER_CURVE_KEY", default=None,
+              help="The worker's public key (NAME.key or Z85 text) when it runs CURVE; env KVPOOL_WORKER_CURVE_KEY.")
+@click.option("--curve-key-file", envvar="KVPOOL_CURVE_KEY_FILE", default=None,
+              help="This client's NAME.key_secret (CURVE); env KVPOOL_CURVE_KEY_FILE.")
 def generate(prompt_ids: tuple[int, ...], endpoint: str | None, pool: str, manager_ep: str, max_tokens: int,
              temperature: float, top_p: float, seed: int | None, n: int, ignore_eos: bool,
-             timeout_s: float, as_json: bool) -> None:
+             timeout_s: float, as_json: bool, worker_key: str | None, curve_key_file: str | None) -> None:
     """Generate from PROMPT_IDS (token ids); prints tokens as they stream in.
 
     How each sample finished goes to stderr ("finished: length" ...). Exit status: 0 when every
@@ -177,11 +186,17 @@ def generate(prompt_ids: tuple[int, ...], endpoint: str | None, pool: str, manag
     serve (no worker, it died, the manager is draining or unreachable: the message says which),
     130 on Ctrl-C. A request given up for any reason is aborted on the worker.
     """
+    from kvpool.shared.curve import ClientKeys
     from kvpool.worker.client import GenerateClient, WorkerUnavailable
+
+    try:
+        curve = ClientKeys.load(worker_key, curve_key_file) if worker_key else None
+    except ValueError as e:
+        raise click.ClickException(str(e).replace("--curve-server-key", "--worker-key")) from None
 
     params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "n": n,
               "ignore_eos": ignore_eos, **({"seed": seed} if seed is not None else {})}
-    client = GenerateClient(endpoint or default_worker_endpoint(pool))
+    client = GenerateClient(endpoint or default_worker_endpoint(pool), curve=curve)
     counts, reasons = [0] * n, ["?"] * n
     try:
         for msg in client.stream(list(prompt_ids), timeout_s=timeout_s, **params):

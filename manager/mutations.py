@@ -11,8 +11,7 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
     ["open", sid, identity, role, admin, version]           SessionOpened (hello)
     ["end", sid, cause]                                     SessionEnded ("deregister" or "expired";
                                                             absent in older journals: deregister)
-    ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools,
-     replace]                                               (replace absent in older journals: false)
+    ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools]
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]   ["drop", pool] (PoolDropped)
 """
@@ -53,7 +52,6 @@ class ShardRegistered:
     available_kv_bytes: int
     max_blocks: int
     max_pools: int
-    replace: bool = False  # take over a shard another live session holds
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,6 @@ The loop owns the registry; nothing else mutates it. A store snapshots it (manag
 - A shard remembers how its session ended: ``sid`` None after a clean ``deregister``, the dead
   session's sid after an expiry. ``pool_health`` (manager/health.py) reads that: a pool whose
   workers all left cleanly is idle, one whose worker died is lost until it returns or is dropped.
-- A new incarnation of a shard another live session holds is refused unless it asks to replace
-  it (manager/ownership.py).
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 
+from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.core.kv_events import AllBlocksCleared, KVEvent
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
@@ -39,8 +38,7 @@ from kvpool.manager.mutations import (
     ShardRegistered,
     StepRan,
 )
-from kvpool.manager.ownership import refuse_live_owner
-from kvpool.shared.protocol import KVSpec, ManagerError
+from kvpool.shared.protocol import KVSpec, ManagerError, short_repr
 
 logger = logging.getLogger(__name__)
 
@@ -249,13 +247,12 @@ class Registry:
     # -- pools -----------------------------------------------------------------------------
 
     def register(
-        self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: KVSpec, available: int,
-        replace: bool = False,
+        self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: KVSpec, available: int
     ) -> PoolEntry:
         """Registers one shard (idempotent for the same incarnation); see the module docstring.
-        ``replace``: take over a shard another live session holds (refused otherwise)."""
+        Who may (ownership, ``replace``) is checked before, in manager/guards.py."""
         rec = ShardRegistered(sess.sid, name, rank, count, incarnation, spec, available, self.max_blocks,
-                              self.max_pools, replace)
+                              self.max_pools)
         return self.apply(rec, 0.0)  # type: ignore[return-value]
 
     def _register(self, rec: ShardRegistered) -> PoolEntry:
@@ -283,8 +280,6 @@ class Registry:
             self._drop_pool(entry)
             entry = self.pools[name] = PoolEntry(name, count, epoch=entry.epoch)
         old = entry.shards.get(rank)
-        if old is not None and old.incarnation != incarnation and not rec.replace:
-            refuse_live_owner(name, rank, old.sid, sess.sid, self.sessions)
         if old is not None and old.incarnation == incarnation:
             if old.spec != spec or old.available_kv_bytes != available:
                 raise ManagerError(
@@ -348,7 +343,7 @@ class Registry:
     def get_pool(self, name: object) -> PoolEntry:
         entry = self.pools.get(name) if type(name) is str else None  # type: ignore[arg-type]
         if entry is None:
-            raise ManagerError("unknown_pool", f"no pool named {name!r:.80}; known: {sorted(self.pools)[:20]}")
+            raise ManagerError("unknown_pool", f"no pool named {short_repr(name, 80)}; known: {sorted(self.pools)[:20]}")
         return entry
 
     def ready_pool(self, name: object, epoch: int | None = None) -> tuple[PoolEntry, Pool]:
@@ -430,11 +425,18 @@ class Registry:
         return sum(len(e.pool.requests) for e in self.pools.values() if e.pool is not None)
 
     def check_invariants(self) -> None:
-        """Every pool's invariants, and no request without a live session."""
+        """Every pool's invariants, no request without a live session, and no ready pool of
+        several shards with a shard whose session is gone (its KV slice is gone with it).
+        Raises InvariantBroken (explicit checks, not asserts: they hold under ``python -O``)."""
         for entry in self.pools.values():
             if entry.pool is None:
                 continue
             entry.pool.check_invariants()
             for key in entry.pool.requests:
-                assert key[0] in self.sessions, f"pool {entry.name}: request {key[1]!r} of a dead session"  # type: ignore[index]
-            assert len(entry.shards) == entry.shard_count, f"pool {entry.name}: ready without all shards"
+                if key[0] not in self.sessions:  # type: ignore[index]
+                    raise InvariantBroken(f"pool {entry.name}: request {key[1]!r:.60} of a dead session")  # type: ignore[index]
+            if len(entry.shards) != entry.shard_count:
+                raise InvariantBroken(f"pool {entry.name}: ready without all shards")
+            dead = [s.rank for s in entry.shards.values() if s.sid not in self.sessions]
+            if entry.shard_count > 1 and dead:
+                raise InvariantBroken(f"pool {entry.name}: ready with shards {dead} whose sessions are gone")

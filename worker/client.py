@@ -26,6 +26,8 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvpool.shared.curve import ClientKeys
+
 MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
@@ -45,14 +47,17 @@ def pack(obj: dict) -> bytes:
 class GenerateClient:
     """One DEALER socket to one worker; many requests may be in flight at once."""
 
-    def __init__(self, endpoint: str, ctx: zmq.Context | None = None, *, connect_timeout_s: float = 2.0,
-                 liveness_s: float = 30.0, manager_grace_s: float = 5.0) -> None:
+    def __init__(self, endpoint: str, ctx: zmq.Context | None = None, curve: ClientKeys | None = None, *,
+                 connect_timeout_s: float = 2.0, liveness_s: float = 30.0, manager_grace_s: float = 5.0) -> None:
+        """``curve``: the worker's public key and this client's keys, when the worker runs CURVE."""
         self.endpoint = endpoint
         self.connect_timeout_s, self.liveness_s, self.manager_grace_s = connect_timeout_s, liveness_s, manager_grace_s
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(self.sock)
         self._monitor = self.sock.get_monitor_socket(MONITORED)
         self.connected = False
         self.sock.connect(endpoint)
@@ -62,7 +67,12 @@ class GenerateClient:
 
     def send(self, op: str, **body: object) -> str:
         rid = str(body.pop("id", None) or f"{op}-{next(self._ids)}")
-        self.sock.send(pack({"op": op, "id": rid, **body}))
+        try:  # a socket whose connection was refused (CURVE) has nowhere to queue: never block
+            self.sock.send(pack({"op": op, "id": rid, **body}), zmq.NOBLOCK)
+        except zmq.Again:
+            raise WorkerUnavailable(f"cannot send to the worker at {self.endpoint}: no connection (refused by "
+                                    "its CURVE keys, or its queue is full); open a new client",
+                                    "not_listening") from None
         return rid
 
     def submit(self, prompt: list[int], **params: object) -> str:

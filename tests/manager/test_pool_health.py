@@ -121,13 +121,13 @@ def test_a_second_worker_for_a_live_shard_is_refused_unless_it_replaces():
     first, second = hello(srv), hello(srv)
     assert ok(register(srv, first, inc="i0"))["epoch"] == 1
     refused = register(srv, second, inc="i1")
-    assert refused["status"] == "shard_in_use" and "--replace" in refused["msg"]
+    assert refused["status"] == "not_owner" and "replace: true" in refused["msg"]
     assert call(srv, "register", second, pool="p", shard_rank=0, shard_count=1, incarnation="i1", spec=SPEC,
                 available_kv_bytes=kv_bytes(64), replace="yes")["status"] == "bad_field"
     taken = ok(call(srv, "register", second, pool="p", shard_rank=0, shard_count=1, incarnation="i1", spec=SPEC,
                     available_kv_bytes=kv_bytes(64), replace=True))
     assert taken["epoch"] == 2
-    assert register(srv, first, inc="i0")["status"] == "shard_in_use"  # the replaced worker cannot take it back
+    assert register(srv, first, inc="i0")["status"] == "not_owner"  # the replaced worker cannot take it back
     srv._commit([])
     assert state_of(durable_server(store=store).registry) == state_of(srv.registry)
     ok(call(srv, "deregister", second))

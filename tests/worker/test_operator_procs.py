@@ -83,7 +83,7 @@ def test_refusals_come_before_anything_is_registered(cluster):
     assert time.monotonic() - t0 < 20
     other = f"ipc://{c.dir}/other.sock"
     out = kvpool(*worker_args(c, "--pool", c.pools[0], "--endpoint", other))
-    assert out.returncode == 1 and "shard_in_use" in out.stderr and "--replace" in out.stderr
+    assert out.returncode == 1 and "not_owner" in out.stderr and "kvpool worker --replace" in out.stderr
     out = kvpool(*worker_args(c, "--pool", "big", "--endpoint", other, "--kv-cache-memory", "1TiB"))
     assert out.returncode == 1 and "1024.00 GiB" in out.stderr and "--kv-cache-memory" in out.stderr
     assert pool_row(c)["health"] == "ok" and "big" not in kvpool("pools", "-m", c.manager_ep).stdout
