@@ -414,6 +414,15 @@ class Scheduler:
         self.running.append(child)
         self.pending_forks.append((parent, child))
 
+    def abandon(self, plan: StepPlan) -> None:
+        """The manager refused ``plan`` as a whole (nothing of it ran): its frees go out again,
+        and every running request starts over, freeing whatever the manager holds for it (the
+        plan's in-flight assumptions can no longer be reconciled)."""
+        self.pending_frees[:0] = [op["req"] for op in plan.ops if op["op"] == "free"]
+        self.pending_forks = []
+        for req in reversed(list(self.running)):
+            self._lose(req)
+
     def reset(self) -> list[Request]:
         """The manager lost every request: all recompute; returns them (running first)."""
         lost = list(self.running)
