@@ -13,6 +13,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from kvpool.manager.events import FORMATS as EVENT_FORMATS
 from kvpool.shared.config import ConfigError, default_path, describe, load
 from kvpool.shared.logs import LEVELS
 
@@ -76,6 +77,8 @@ def manager_ops_options(f: Callable) -> Callable:
         click.option("--metrics-host", default=None, help="Address of the metrics endpoint [127.0.0.1]."),
         click.option("--events-endpoint", default=None, help="KV events PUB socket, e.g. tcp://*:5557 [off]."),
         click.option("--events-replay-endpoint", default=None, help="KV events replay socket, e.g. tcp://*:5558."),
+        click.option("--events-format", type=click.Choice(EVENT_FORMATS), default=None,
+                     help="KV-event wire format: the vLLM release subscribers decode [vllm-0.33]."),
         click.option("--curve-secret-key-file", default=None,
                      help="The manager's NAME.key_secret: CURVE on the control socket (`kvpool keygen`)."),
         click.option("--curve-allowed-keys-dir", default=None,

@@ -36,43 +36,50 @@ def config_show(service: str, config_path: str | None, as_json: bool) -> None:
 # -- KV events -----------------------------------------------------------------------------
 
 
-def _hex(events: list) -> list:
-    """Events with their bytes as hex (JSON output)."""
-    def conv(v: object) -> object:
-        if isinstance(v, bytes):
-            return v.hex()
-        if isinstance(v, list):
-            return [conv(x) for x in v]
-        return v
+def _hex(v: object) -> object:
+    """Bytes as hex, inside lists and maps (JSON output)."""
+    if isinstance(v, bytes):
+        return v.hex()
+    if isinstance(v, list):
+        return [_hex(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _hex(x) for k, x in v.items()}
+    return v
 
-    return [conv(ev) for ev in events]
 
-
-def _summary(events: list) -> str:
+def _summary(events: list[dict]) -> str:
     parts = []
     for ev in events:
-        if ev[0] == "BlockStored":
-            parent = ev[2].hex()[:8] if ev[2] else "-"
-            parts.append(f"stored {len(ev[1])} [{ev[1][0].hex()[:8]}..] parent {parent}")
-        elif ev[0] == "BlockRemoved":
-            parts.append(f"removed {len(ev[1])} [{ev[1][0].hex()[:8]}..]")
+        hashes = ev.get("block_hashes") or [b""]
+        first = hashes[0].hex()[:8] if isinstance(hashes[0], bytes) else str(hashes[0])
+        if ev["type"] == "BlockStored":
+            parent = ev["parent_block_hash"]
+            parent = "-" if parent is None else parent.hex()[:8] if isinstance(parent, bytes) else str(parent)
+            parts.append(f"stored {len(hashes)} [{first}..] parent {parent}")
+        elif ev["type"] == "BlockRemoved":
+            parts.append(f"removed {len(hashes)} [{first}..]")
         else:
-            parts.append(str(ev[0]))
+            parts.append(str(ev["type"]))
     return ", ".join(parts)
 
 
 def _print_batch(topic: bytes, seq: int, payload: bytes, as_json: bool) -> None:
     from kvpool.manager.events import decode_batch
 
-    ts, events = decode_batch(payload)
+    try:
+        batch = decode_batch(payload)
+    except (ValueError, KeyError, TypeError, IndexError) as e:  # a publisher that is not kvpool or vLLM
+        click.echo(f"#{seq} {topic.decode(errors='replace')}: undecodable batch ({e})", err=True)
+        return
     if as_json:
-        click.echo(json.dumps({"pool": topic.decode(errors="replace"), "seq": seq, "ts": ts, "events": _hex(events)}))
+        click.echo(json.dumps({"pool": topic.decode(errors="replace"), "seq": seq, "ts": batch.ts,
+                               "format": batch.format, "events": _hex(batch.events)}))
     else:
-        stamp = time.strftime("%H:%M:%S", time.localtime(ts))
-        click.echo(f"{stamp} #{seq} {topic.decode(errors='replace')}: {_summary(events)}")
+        stamp = time.strftime("%H:%M:%S", time.localtime(batch.ts))
+        click.echo(f"{stamp} #{seq} {topic.decode(errors='replace')} [{batch.format}]: {_summary(batch.events)}")
 
 
-def _replay(ctx, endpoint: str, start: int, timeout_s: float) -> list[tuple[int, bytes]]:
+def _replay(ctx, endpoint: str, start: int, timeout_s: float) -> list[tuple[bytes, int, bytes]]:
     """Batches from ``start`` on, from the replay socket (manager/events.py)."""
     import zmq
 
@@ -91,7 +98,8 @@ def _replay(ctx, endpoint: str, start: int, timeout_s: float) -> list[tuple[int,
             seq = int.from_bytes(frames[-2], "big")
             if seq == END_SEQ:
                 return out
-            out.append((seq, frames[-1]))
+            topic = frames[-3] if len(frames) == 4 else b"(replay)"  # vllm-0.33 replies carry the topic
+            out.append((topic, seq, frames[-1]))
     finally:
         sock.close()
 
@@ -108,7 +116,10 @@ def _replay(ctx, endpoint: str, start: int, timeout_s: float) -> list[tuple[int,
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per batch, hashes in hex.")
 def events(endpoint: str, replay_endpoint: str | None, replay_from: int | None, pools: tuple[str, ...],
            count: int | None, timeout_s: float, as_json: bool) -> None:
-    """Tail the manager's KV events (BlockStored / BlockRemoved / AllBlocksCleared batches)."""
+    """Tail the manager's KV events (BlockStored / BlockRemoved / AllBlocksCleared batches).
+
+    Decodes both formats the manager can send (events_format): vllm-0.33, vLLM 0.33.0's tagged
+    maps, and vllm-0.11, vLLM 0.11.0's arrays; each batch shows the format it came in."""
     import zmq
 
     if replay_from is not None and not replay_endpoint:
@@ -123,8 +134,8 @@ def events(endpoint: str, replay_endpoint: str | None, replay_from: int | None, 
     try:
         if replay_from is not None:
             time.sleep(0.2)  # the subscription reaches the publisher
-            for seq, payload in _replay(zctx, replay_endpoint, replay_from, timeout_s):  # type: ignore[arg-type]
-                _print_batch(b"(replay)", seq, payload, as_json)
+            for topic, seq, payload in _replay(zctx, replay_endpoint, replay_from, timeout_s):  # type: ignore[arg-type]
+                _print_batch(topic, seq, payload, as_json)
                 printed, last = printed + 1, seq
                 if count is not None and printed >= count:
                     return
