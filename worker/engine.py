@@ -203,7 +203,7 @@ class Engine:
     def _accept(self, req: Request, token: int) -> TokenEvent:
         req.append(token)
         reason = None
-        if token == self.model.config.eos_token_id and not req.params.ignore_eos:
+        if token in self.model.config.eos_token_ids and not req.params.ignore_eos:
             reason = "stop"
         elif req.num_output >= req.params.max_tokens or len(req.tokens) >= self.scheduler.max_model_len:
             reason = "length"

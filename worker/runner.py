@@ -62,7 +62,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = next(model.parameters()).device
         self.scale = model.config.head_size**-0.5
-        self.window = model.config.sliding_window
+        self.windows = [model.config.window_of(i) for i in range(model.config.num_layers)]
 
     @property
     def kv_bytes(self) -> int:
@@ -82,7 +82,7 @@ class ModelRunner:
             cache = self.kv_caches[layer]
             reshape_and_cache(k, v, cache, meta.slot_mapping)
             return paged_attention(q, cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
-                                   self.scale, sliding_window=self.window)
+                                   self.scale, sliding_window=self.windows[layer])
 
         hidden = self.model(meta.input_ids, meta.positions, attend)
         if not sample:
