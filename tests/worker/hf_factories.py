@@ -16,6 +16,9 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 CASES = {  # name: (config class, config fields)
     "llama": ("LlamaConfig", {}),
     "llama-llama3": ("LlamaConfig", {"rope_parameters": {**LLAMA3, "rope_theta": 50_000.0}}),
+    "llama-linear-tied-hd80": ("LlamaConfig", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                                   "rope_theta": 10_000.0},
+                                               "tie_word_embeddings": True, "head_dim": 80}),
     "qwen2-tied-sliding": ("Qwen2Config", {"tie_word_embeddings": True, "use_sliding_window": True,
                                            "sliding_window": 6, "max_window_layers": 1}),
     "mistral": ("MistralConfig", {"sliding_window": 10, "head_dim": 24}),
