@@ -104,6 +104,8 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     if arrays and len(arrays) != len(batch[1]):
         raise ValueError("a KV-event batch mixes array (vllm-0.11) and map (vllm-0.33) events")
     events = [_array_to_map(ev) for ev in arrays] if arrays else batch[1]
+    if not all(isinstance(ev, dict) and isinstance(ev.get("type"), str) for ev in events):
+        raise ValueError("not a KV-event batch: every event must be a map with a 'type' or a tagged array")
     return DecodedBatch(batch[0], events, "vllm-0.11" if arrays else "vllm-0.33",
                         batch[2] if len(batch) == 3 else None)
 

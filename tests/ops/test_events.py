@@ -86,6 +86,18 @@ def test_vllm_0_33_own_struct_classes_decode_the_default_format():
         msgspec.msgpack.decode(encode_batch(events, 4, "vllm-0.11"), type=real.KVEventBatch)
 
 
+@pytest.mark.parametrize("batch, match", [
+    ({"ts": 1}, "expected \\[ts, events\\]"),
+    ([1.0, [["BlockStored", []]]], "not a vllm-0.11 KV event"),
+    ([1.0, [{"type": "AllBlocksCleared"}, ["AllBlocksCleared"]]], "mixes array"),
+    ([1.0, [{"block_hashes": []}]], "a map with a 'type'"),
+    ([1.0, [7]], "a map with a 'type'"),
+])
+def test_decode_refuses_what_no_publisher_sends(batch, match):
+    with pytest.raises(ValueError, match=match):
+        decode_batch(msgpack.packb(batch))
+
+
 def test_encoding_in_the_older_vllm_0_11_format():
     h = hash_blocks(list(range(8)), 4)
     enc = encode_events([("stored", h, None), ("removed", [h[1]]), ("cleared",)], 4, "vllm-0.11")
