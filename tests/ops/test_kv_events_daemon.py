@@ -116,13 +116,20 @@ def test_events_format_flag_selects_vllm_0_11_arrays(procs, sock_dir):
     ep, ev_ep = f"ipc://{sock_dir}/m.sock", f"ipc://{sock_dir}/ev.sock"
     procs([*CLI, "manager", "-m", ep, "--events-endpoint", ev_ep, "--events-format", "vllm-0.11"])
     tail = procs([*CLI, "events", "-e", ev_ep, "--count", "2", "--json"], stdout=subprocess.PIPE, text=True)
-    c = ManagerClient(ep, identity="a", timeout_s=10)
+    c = ManagerClient(ep, identity="a", timeout_s=0.5)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(ev_ep)
     try:
-        wait_until(lambda: c.hello() is not None, 30, "the daemon to answer")
+        def up() -> bool:
+            try:
+                return bool(c.hello())
+            except ManagerUnavailable:
+                return False
+
+        wait_until(up, 30, "the daemon to answer")
+        c.timeout_s = 10
         time.sleep(1.0)  # both subscriptions reach the publisher
         epoch = c.register("p", shard_rank=0, shard_count=1, incarnation="i", spec=SPEC,
                            available_kv_bytes=kv_bytes(24))["epoch"]
