@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from kvpool.worker.block_manager import LocalBlockManager
 from kvpool.worker.checkpoint import load_config
 from kvpool.worker.config import WorkerConfig
+from kvpool.worker.reference import reference_generate
 from kvpool.worker.sampler import SamplingParams
 from kvpool.worker.startup import build_engine
 
@@ -51,6 +52,8 @@ def check_parity(model, path, seed: int, want: list | None = None) -> dict:
     again = engine.generate(ps[:2], SamplingParams(max_tokens=MAX_TOKENS))  # whole-prefix hits
     assert got == want
     assert again == want[:2]
+    # the contiguous-KV reference (worker/reference.py), the paged path's twin, agrees too
+    assert reference_generate(engine.model, ps[2], MAX_TOKENS, engine.model.config.eos_token_ids) == want[2][0]
     stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["cached_tokens"] > 0
     return stats
