@@ -108,11 +108,13 @@ def test_vllm_0_33_subscriber_follows_stores_evictions_reset_and_recovery(procs,
         cached_at_kill = set(cached)
         d.start()
         d.wait_active()
-        # A new subscription: a SUB connected across the restart reconnects (ZMTP handshake done) but
-        # receives no batch of the restarted daemon, while a new SUB gets them all; not explained yet.
-        # The replay socket has whatever a subscriber missed meanwhile.
-        sub.close(0)
-        sub = subscriber(ctx, ev_ep)
+        # The SUB reconnects by itself, but libzmq attaches the new connection (and resends the
+        # subscription) in the thread that uses the socket: a subscriber must keep polling, as a
+        # router does. What it missed meanwhile (the recovery batch) is on the replay socket.
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            sub.poll(50)
+            time.sleep(0.05)
         churn(c, epoch, rng, 200, 3)  # resent by the client until the recovered manager answers
         total = c.stats()["manager"]["event_batches"]
         got = replay(ctx, rp_ep, 0)
