@@ -199,3 +199,16 @@ def test_a_multi_shard_pool_losing_a_shard_publishes_its_clear_and_the_loop_surv
     finally:
         sub.close(0)
         srv.close()
+
+
+@pytest.mark.parametrize("fmt", ["vllm-0.33", "vllm-0.11"])
+def test_kvpool_events_names_the_format_of_each_batch(capsys, fmt):
+    from kvpool.cli.ops import _print_batch
+
+    h, events = pool_events()
+    _print_batch(b"pool-a", 3, encode_batch(events, 4, fmt), as_json=False)
+    line = capsys.readouterr().out
+    assert f"#3 pool-a [{fmt}]: stored 2 [{h[0].hex()[:8]}..] parent -, stored 1" in line
+    assert line.rstrip().endswith("removed 1 [" + h[2].hex()[:8] + "..], AllBlocksCleared")
+    _print_batch(b"pool-a", 4, msgpack.packb([1.0, [7]]), as_json=False)
+    assert "undecodable batch" in capsys.readouterr().err
