@@ -13,9 +13,8 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from kvpool.manager.events import FORMATS as EVENT_FORMATS
+from kvpool.cli.common import log_options
 from kvpool.shared.config import ConfigError, default_path, describe, load
-from kvpool.shared.logs import LEVELS
 
 SECRET_FIELDS = ("admin_key",)  # printed masked by `config show`
 
@@ -77,8 +76,9 @@ def manager_ops_options(f: Callable) -> Callable:
         click.option("--metrics-host", default=None, help="Address of the metrics endpoint [127.0.0.1]."),
         click.option("--events-endpoint", default=None, help="KV events PUB socket, e.g. tcp://*:5557 [off]."),
         click.option("--events-replay-endpoint", default=None, help="KV events replay socket, e.g. tcp://*:5558."),
-        click.option("--events-format", type=click.Choice(EVENT_FORMATS), default=None,
-                     help="KV-event wire format: the vLLM release subscribers decode [vllm-0.33]."),
+        click.option("--events-format", default=None,
+                     help="KV-event wire format, as the named vLLM release sends it: vllm-0.33 or vllm-0.11 "
+                          "[vllm-0.33]."),
         click.option("--curve-secret-key-file", default=None,
                      help="The manager's NAME.key_secret: CURVE on the control socket (`kvpool keygen`)."),
         click.option("--curve-allowed-keys-dir", default=None,
@@ -87,12 +87,6 @@ def manager_ops_options(f: Callable) -> Callable:
     for opt in reversed(opts):
         f = opt(f)
     return log_options(f)
-
-
-def log_options(f: Callable) -> Callable:
-    f = click.option("--log-level", type=click.Choice(LEVELS), default=None, help="Log level [info].")(f)
-    return click.option("--json-logs/--plain-logs", "json_logs", default=None,
-                        help="One JSON object per log line [plain].")(f)
 
 
 def summary(cfg: Any, source: Mapping[str, str]) -> str:

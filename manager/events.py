@@ -3,7 +3,7 @@
 Every published message has three frames: ``topic`` (the pool name, UTF-8), an 8-byte big-endian
 sequence number (one counter per publisher, starting at 0), and a msgpack ``KVEventBatch``. Two
 formats (``events_format``), each checked against that vLLM release's own struct definitions
-(tests/vllm_structs.py):
+(tests/helpers/vllm_structs.py):
 
 ``vllm-0.33`` (default), vLLM 0.33.0: an array-like batch of tagged maps (fields at their
 default are left out, as vLLM's ``omit_defaults`` does; ``lora_id``, ``medium`` and ``lora_name``
@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 
+from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
 log = logging.getLogger(__name__)
 
 END_SEQ = (1 << 64) - 1
@@ -60,20 +62,19 @@ def check_format(fmt: str) -> str:
     return fmt
 
 
-def _event_map(ev: tuple, block_size: int) -> dict:
-    """One block-pool event (manager/core/block_pool.py) as vLLM 0.33's tagged map."""
-    kind = ev[0]
-    if kind == "stored":
-        return {"type": "BlockStored", "block_hashes": ev[1], "parent_block_hash": ev[2], "token_ids": [],
+def _event_map(ev: KVEvent, block_size: int) -> dict:
+    """One block-pool event (manager/core/kv_events.py) as vLLM 0.33's tagged map."""
+    if isinstance(ev, BlockStored):
+        return {"type": "BlockStored", "block_hashes": ev.hashes, "parent_block_hash": ev.parent, "token_ids": [],
                 "block_size": block_size, "lora_id": None, "medium": MEDIUM, "lora_name": None}
-    if kind == "removed":
-        return {"type": "BlockRemoved", "block_hashes": ev[1], "medium": MEDIUM}
-    if kind == "cleared":
+    if isinstance(ev, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": ev.hashes, "medium": MEDIUM}
+    if isinstance(ev, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}
-    raise ValueError(f"unknown block-pool event {kind!r}")
+    raise ValueError(f"unknown block-pool event {ev!r:.80}")
 
 
-def encode_events(events: list[tuple], block_size: int, fmt: str = DEFAULT_FORMAT) -> list:
+def encode_events(events: list[KVEvent], block_size: int, fmt: str = DEFAULT_FORMAT) -> list:
     """Block-pool events as the events of a vLLM ``KVEventBatch`` in format ``fmt``."""
     maps = [_event_map(ev, block_size) for ev in events]
     if fmt == "vllm-0.33":
@@ -82,7 +83,7 @@ def encode_events(events: list[tuple], block_size: int, fmt: str = DEFAULT_FORMA
     return [[m["type"], *(m[k] for k in _ORDER[m["type"]])] for m in maps]
 
 
-def encode_batch(events: list[tuple], block_size: int, fmt: str = DEFAULT_FORMAT, ts: float | None = None) -> bytes:
+def encode_batch(events: list[KVEvent], block_size: int, fmt: str = DEFAULT_FORMAT, ts: float | None = None) -> bytes:
     return msgpack.packb([time.time() if ts is None else ts, encode_events(events, block_size, fmt)],
                          use_bin_type=True)
 
@@ -142,7 +143,7 @@ class EventPublisher:
         self.buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_size)
         self.next_seq = 0
 
-    def publish(self, pool: str, events: list[tuple], block_size: int) -> int:
+    def publish(self, pool: str, events: list[KVEvent], block_size: int) -> int:
         """Sends one batch; returns its sequence number."""
         payload = encode_batch(events, block_size, self.format)
         seq = self.next_seq
@@ -183,7 +184,7 @@ class EventPublisher:
 
 
 class LoopPublisher:
-    """The manager loop's publisher hook (manager/store/base.py ``EventPublisher``) over a ZeroMQ
+    """The manager loop's event sink (manager/store/base.py ``EventSink``) over a ZeroMQ
     ``EventPublisher``: one batch per pool per iteration, topic = the pool's name, block size
     from ``block_size_of(pool)``. The loop polls ``replay_socket`` and calls ``serve_replay``."""
 
@@ -195,7 +196,7 @@ class LoopPublisher:
     def replay_socket(self) -> zmq.Socket | None:
         return self.zmq.replay
 
-    def publish(self, pool: str, epoch: int, events: list[tuple]) -> None:
+    def publish(self, pool: str, epoch: int, events: list[KVEvent]) -> None:
         self.zmq.publish(pool, events, self.block_size_of(pool))
 
     def serve_replay(self) -> None:

@@ -10,9 +10,9 @@ import time
 import msgspec
 import pytest
 import zmq
-from durable_helpers import Daemon
-from manager_helpers import SPEC, kv_bytes
-from vllm_structs import V033
+from helpers.durable import Daemon
+from helpers.manager import SPEC, kv_bytes
+from helpers.vllm_structs import V033
 
 from kvpool.manager.events import END_SEQ
 from kvpool.shared.hashing import hash_blocks

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import transformers
-from hf_factories import build, save
+from helpers.hf import build, save
 
 from kvpool.worker.checkpoint import load_config
 from kvpool.worker.hf_config import config_from_hf

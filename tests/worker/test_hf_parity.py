@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from hf_factories import CASES, build, hf_greedy, prompts, save
+from helpers.hf import CASES, build, hf_greedy, prompts, save
 from safetensors.torch import save_file
 
 from kvpool.worker.block_manager import LocalBlockManager

@@ -1,4 +1,4 @@
-"""Operator commands: `kvpool config show`, `kvpool events`, `kvpool keygen`."""
+"""Operator tools: `kvpool config show`, `kvpool events`, `kvpool keygen`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import click
 
-from kvpool.cli.admin import emit, table
+from kvpool.cli.common import emit, table
 from kvpool.cli.layered import load_service, rows
 
 
@@ -53,7 +53,7 @@ def _summary(events: list[dict]) -> str:
         hashes = ev.get("block_hashes") or [b""]
         first = hashes[0].hex()[:8] if isinstance(hashes[0], bytes) else str(hashes[0])
         if ev["type"] == "BlockStored":
-            parent = ev["parent_block_hash"]
+            parent = ev.get("parent_block_hash")
             parent = "-" if parent is None else parent.hex()[:8] if isinstance(parent, bytes) else str(parent)
             parts.append(f"stored {len(hashes)} [{first}..] parent {parent}")
         elif ev["type"] == "BlockRemoved":
@@ -63,45 +63,15 @@ def _summary(events: list[dict]) -> str:
     return ", ".join(parts)
 
 
-def _print_batch(topic: bytes, seq: int, payload: bytes, as_json: bool) -> None:
-    from kvpool.manager.events import decode_batch
-
-    try:
-        batch = decode_batch(payload)
-    except (ValueError, KeyError, TypeError, IndexError) as e:  # a publisher that is not kvpool or vLLM
-        click.echo(f"#{seq} {topic.decode(errors='replace')}: undecodable batch ({e})", err=True)
-        return
-    if as_json:
-        click.echo(json.dumps({"pool": topic.decode(errors="replace"), "seq": seq, "ts": batch.ts,
-                               "format": batch.format, "events": _hex(batch.events)}))
+def _print_batch(batch, as_json: bool) -> None:
+    if batch.error is not None:
+        click.echo(f"#{batch.seq} {batch.topic}: undecodable batch ({batch.error})", err=True)
+    elif as_json:
+        click.echo(json.dumps({"pool": batch.topic, "seq": batch.seq, "ts": batch.ts, "format": batch.format,
+                               "events": _hex(batch.events)}))
     else:
         stamp = time.strftime("%H:%M:%S", time.localtime(batch.ts))
-        click.echo(f"{stamp} #{seq} {topic.decode(errors='replace')} [{batch.format}]: {_summary(batch.events)}")
-
-
-def _replay(ctx, endpoint: str, start: int, timeout_s: float) -> list[tuple[bytes, int, bytes]]:
-    """Batches from ``start`` on, from the replay socket (manager/events.py)."""
-    import zmq
-
-    from kvpool.manager.events import END_SEQ
-
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    sock.send_multipart([b"", start.to_bytes(8, "big")])
-    out = []
-    try:
-        while True:
-            if not sock.poll(timeout_s * 1000):
-                raise click.ClickException(f"no answer from the replay socket {endpoint} within {timeout_s}s")
-            frames = sock.recv_multipart()
-            seq = int.from_bytes(frames[-2], "big")
-            if seq == END_SEQ:
-                return out
-            topic = frames[-3] if len(frames) == 4 else b"(replay)"  # vllm-0.33 replies carry the topic
-            out.append((topic, seq, frames[-1]))
-    finally:
-        sock.close()
+        click.echo(f"{stamp} #{batch.seq} {batch.topic} [{batch.format}]: {_summary(batch.events)}")
 
 
 @click.command("events")
@@ -120,37 +90,33 @@ def events(endpoint: str, replay_endpoint: str | None, replay_from: int | None, 
 
     Decodes both formats the manager can send (events_format): vllm-0.33, vLLM 0.33.0's tagged
     maps, and vllm-0.11, vLLM 0.11.0's arrays; each batch shows the format it came in."""
-    import zmq
+    from kvpool.manager.event_client import EventTail
 
     if replay_from is not None and not replay_endpoint:
         raise click.UsageError("--replay-from needs --replay-endpoint")
-    zctx = zmq.Context()
-    sub = zctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    for topic in pools or ("",):
-        sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-    sub.connect(endpoint)  # subscribe before the replay, so no batch falls between the two
+    tail = EventTail(endpoint, pools)  # subscribed before the replay, so no batch falls between the two
     printed, last = 0, -1
     try:
         if replay_from is not None:
-            time.sleep(0.2)  # the subscription reaches the publisher
-            for topic, seq, payload in _replay(zctx, replay_endpoint, replay_from, timeout_s):  # type: ignore[arg-type]
-                _print_batch(topic, seq, payload, as_json)
-                printed, last = printed + 1, seq
+            try:
+                replayed = tail.replay(replay_endpoint, replay_from, timeout_s)  # type: ignore[arg-type]
+            except TimeoutError as e:
+                raise click.ClickException(str(e)) from None
+            for batch in replayed:
+                _print_batch(batch, as_json)
+                printed, last = printed + 1, batch.seq
                 if count is not None and printed >= count:
                     return
         while count is None or printed < count:
-            topic, seq_b, payload = sub.recv_multipart()
-            seq = int.from_bytes(seq_b, "big")
-            if seq <= last:
+            batch = tail.next()
+            if batch.seq <= last:
                 continue  # already printed from the replay
-            _print_batch(topic, seq, payload, as_json)
-            printed, last = printed + 1, seq
+            _print_batch(batch, as_json)
+            printed, last = printed + 1, batch.seq
     except KeyboardInterrupt:
         pass
     finally:
-        sub.close()
-        zctx.term()
+        tail.close()
 
 
 # -- CURVE keys ----------------------------------------------------------------------------

@@ -10,8 +10,8 @@ import time
 import msgspec
 import pytest
 import zmq
-from ops_helpers import CLI, SPEC, apply, kv_bytes, shared_prefix_allocs, wait_until
-from vllm_structs import V011
+from helpers.manager import CLI, SPEC, apply, kv_bytes, shared_prefix_allocs, wait_until
+from helpers.vllm_structs import V011
 
 from kvpool.manager.events import END_SEQ, decode_batch
 from kvpool.worker.manager_client import ManagerClient, ManagerUnavailable

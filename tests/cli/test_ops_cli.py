@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from ops_helpers import SPEC, ThreadServer, kv_bytes
+from helpers.manager import SPEC, LiveServer, kv_bytes
 
 from kvpool.cli.main import cli
 from kvpool.manager.config import ManagerConfig
@@ -67,6 +67,13 @@ def test_invalid_config_is_refused_with_what_to_change(tmp_path, toml, env, matc
     assert re.search(match, out), out
 
 
+def test_events_format_flag_is_validated_by_the_config(tmp_path):
+    f = tmp_path / "m.toml"
+    f.write_text("[manager]\n")
+    out = run("manager", "--config", str(f), "--events-format", "vllm-0.9", code=1)
+    assert "events_format must be one of vllm-0.33, vllm-0.11" in out
+
+
 def test_worker_sizes_accept_units_in_files_and_env(tmp_path):
     f = tmp_path / "w.toml"
     f.write_text('[worker]\nkv_cache_memory = "64MiB"\n')
@@ -87,7 +94,7 @@ def test_from_file_keeps_the_manager_table_and_ignores_the_environment(tmp_path,
 
 
 def test_status_is_unhealthy_while_a_pool_waits_for_shards_or_a_pool_is_missing(sock_dir):
-    live = ThreadServer(endpoint=f"ipc://{sock_dir}/m.sock")
+    live = LiveServer(endpoint=f"ipc://{sock_dir}/m.sock")
     w = ManagerClient(live.endpoint, identity="w")
     try:
         ep = ["-m", live.endpoint]

@@ -5,9 +5,10 @@ import msgpack
 import msgspec
 import pytest
 import zmq
-from ops_helpers import apply
-from vllm_structs import V011, V033, load_vllm_structs, vllm_sources
+from helpers.manager import apply
+from helpers.vllm_structs import V011, V033, load_vllm_structs, vllm_sources
 
+from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.events import END_SEQ, EventPublisher, decode_batch, encode_batch, encode_events
 from kvpool.shared.hashing import hash_blocks
@@ -15,7 +16,7 @@ from kvpool.shared.hashing import hash_blocks
 FORMAT_STRUCTS = {"vllm-0.33": V033, "vllm-0.11": V011}
 
 
-def pool_events() -> tuple[list[bytes], list[tuple]]:
+def pool_events() -> tuple[list[bytes], list[KVEvent]]:
     """Stores (a chain and its continuation), an eviction, a reset: every kind of event."""
     pool = Pool(8, 4, enable_events=True)
     h = hash_blocks(list(range(12)), 4)
@@ -25,12 +26,12 @@ def pool_events() -> tuple[list[bytes], list[tuple]]:
     pool.free(2)
     pool.evict(1)
     pool.reset_prefix_cache()
-    return h, list(pool.blocks.events)
+    return h, pool.take_events()
 
 
 def test_default_format_decodes_with_vllm_0_33_structs():
     h, events = pool_events()
-    assert [e[0] for e in events] == ["stored", "stored", "removed", "cleared"]
+    assert [type(e) for e in events] == [BlockStored, BlockStored, BlockRemoved, AllBlocksCleared]
     batch = msgspec.msgpack.decode(encode_batch(events, 4, ts=12.5), type=V033.KVEventBatch)
     assert (batch.ts, batch.data_parallel_rank) == (12.5, None)
     first, second, removed, cleared = batch.events
@@ -100,7 +101,7 @@ def test_decode_refuses_what_no_publisher_sends(batch, match):
 
 def test_encoding_in_the_older_vllm_0_11_format():
     h = hash_blocks(list(range(8)), 4)
-    enc = encode_events([("stored", h, None), ("removed", [h[1]]), ("cleared",)], 4, "vllm-0.11")
+    enc = encode_events([BlockStored(h, None), BlockRemoved([h[1]]), AllBlocksCleared()], 4, "vllm-0.11")
     assert enc == [["BlockStored", h, None, [], 4, None, "GPU"], ["BlockRemoved", [h[1]], "GPU"], ["AllBlocksCleared"]]
     with pytest.raises(ValueError, match="events_format must be one of vllm-0.33, vllm-0.11"):
         encode_events([], 4, "vllm-0.20")
@@ -124,10 +125,9 @@ def test_subscriber_rebuilds_cached_set_and_replay(tmp_path, fmt):
             pool.free(i)
         if i == 6:
             pool.reset_prefix_cache() or None
-        publisher.publish("pool-a", pool.blocks.events, 4)
-        pool.blocks.events.clear()
+        publisher.publish("pool-a", pool.take_events(), 4)
     pool.evict(100)
-    publisher.publish("pool-a", pool.blocks.events, 4)
+    publisher.publish("pool-a", pool.take_events(), 4)
     seen, cached, last = [], set(), -1
     while sub.poll(2000):
         topic, seq, payload = sub.recv_multipart()
@@ -203,12 +203,13 @@ def test_a_multi_shard_pool_losing_a_shard_publishes_its_clear_and_the_loop_surv
 
 @pytest.mark.parametrize("fmt", ["vllm-0.33", "vllm-0.11"])
 def test_kvpool_events_names_the_format_of_each_batch(capsys, fmt):
-    from kvpool.cli.ops import _print_batch
+    from kvpool.cli.tools import _print_batch
+    from kvpool.manager.event_client import read_batch
 
     h, events = pool_events()
-    _print_batch(b"pool-a", 3, encode_batch(events, 4, fmt), as_json=False)
+    _print_batch(read_batch("pool-a", 3, encode_batch(events, 4, fmt)), as_json=False)
     line = capsys.readouterr().out
     assert f"#3 pool-a [{fmt}]: stored 2 [{h[0].hex()[:8]}..] parent -, stored 1" in line
     assert line.rstrip().endswith("removed 1 [" + h[2].hex()[:8] + "..], AllBlocksCleared")
-    _print_batch(b"pool-a", 4, msgpack.packb([1.0, [7]]), as_json=False)
+    _print_batch(read_batch("pool-a", 4, msgpack.packb([1.0, [7]])), as_json=False)
     assert "undecodable batch" in capsys.readouterr().err
