@@ -47,6 +47,9 @@ class ManagerConfig:
     lease_ms: int = 3000  # the active manager's lease; a standby takes over this long after it dies
     snapshot_bytes: int = 32 << 20  # journal bytes that trigger a snapshot (and a journal trim)
     redis_timeout_s: float = 2.0  # a Redis call slower than this counts as Redis unavailable
+    # the highest commit this host acknowledged (manager/store/high_water.py); default:
+    # RUNTIME_DIR/NAMESPACE.seq. On persistent storage it also catches a rolled-back Redis after a reboot.
+    high_water_file: str | None = None
 
     def __post_init__(self) -> None:
         ep = self.endpoint

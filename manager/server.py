@@ -32,7 +32,7 @@ from kvpool.manager.store.base import (
     StateStore,
     StoreUnavailable,
 )
-from kvpool.manager.store.recovery import INACTIVE, activate, lost_store, open_store
+from kvpool.manager.store.recovery import INACTIVE, activate, check_seen, lost_store, open_store
 from kvpool.shared.protocol import (
     SUPPORTED_VERSIONS,
     ManagerError,
@@ -85,6 +85,7 @@ class Server:
         # (lost the lease) answer every message with an INACTIVE error and change nothing.
         self.mode = "active" if not self.store.durable else "starting"
         self.exit_code = 0
+        self.went_back: str | None = None  # why the state must be reloaded (recovery.check_seen)
         self._next_activate = 0.0
         self.publisher: EventPublisher = publisher or NullPublisher()
         self.handlers = Handlers(
@@ -122,7 +123,8 @@ class Server:
         """Decodes, validates and dispatches one request; returns the encoded reply."""
         self.stats.messages += 1
         msg_id = None
-        inc, state = self.registry.incarnation, self.registry.state_id
+        reg = self.registry
+        inc, state, seq = reg.incarnation, reg.state_id, None
         try:
             if len(payload) > self.cfg.max_message_bytes:
                 raise ManagerError("too_large", f"{len(payload)} bytes; the limit is {self.cfg.max_message_bytes}")
@@ -138,17 +140,19 @@ class Server:
                 raise ManagerError("bad_message", "field 'id' must be a uint64")
             if self.mode != "active":
                 raise ManagerError(*INACTIVE[self.mode])
+            seq = reg.seq if reg.durable else None
             handler, sess, args = self._resolve(msg, now)
             self.handlers.msg_id = msg_id
             body = handler(sess, args, now)
-            return ok_reply(msg_id, inc, body, state)
+            return ok_reply(msg_id, inc, body, state, _pending_seq(reg, seq))
         except ManagerError as e:
             self.stats.errors[e.code] += 1
-            return error_reply(msg_id, inc, e, state)
+            return error_reply(msg_id, inc, e, state, _pending_seq(reg, seq))
         except Exception:
             logger.exception("internal error handling a message")
             self.stats.errors["internal"] += 1
-            return error_reply(msg_id, inc, ManagerError("internal", "manager error; see its log"), state)
+            return error_reply(msg_id, inc, ManagerError("internal", "manager error; see its log"), state,
+                               _pending_seq(reg, seq))
 
     def _resolve(self, msg: dict, now: float) -> tuple:
         v = msg.get("v")
@@ -171,6 +175,7 @@ class Server:
                 raise ManagerError("unknown_session", "no such session (expired, ended, or the manager "
                                    "restarted): hello again; requests of the old session are gone")
             sess.last_seen = now
+            check_seen(self, msg.get("seq"))
             if admin and not sess.admin:
                 raise ManagerError("forbidden", f"op {op!r} is an admin op: hello with role 'admin' and the admin key")
         self.stats.ops[op] += 1
@@ -281,6 +286,8 @@ class Server:
         acknowledges nothing: the iteration's replies become errors (manager/store/recovery.py).
         """
         reg = self.registry
+        if self.went_back is not None:  # a client saw commits this state lacks: acknowledge nothing
+            return lost_store(self, StoreUnavailable(self.went_back), replies or [])
         t0 = time.perf_counter()
         try:
             self.store.commit(reg, reg.dirty)
@@ -331,6 +338,12 @@ class Server:
         self.store.shutdown(self.registry if self.mode == "active" else None)
         self.store.close()
         self.publisher.close()
+
+
+def _pending_seq(reg: Registry, seq: int | None) -> int | None:
+    """The commit sequence a reply carries: the batch this iteration commits when it mutated
+    (the reply goes out only after that commit, or its queueing under async)."""
+    return None if seq is None else seq + (1 if reg.log else 0)
 
 
 def already_running(endpoint: str, timeout_ms: int = 300) -> bool:

@@ -11,6 +11,8 @@ store's. Otherwise it keeps answering, with an error and no state change:
 - ``standby``: another manager holds the lease; ``not_active`` tells clients to try their next
   endpoint. Every ``lease_ms / 5`` the loop tries to take the lease (it is free once the active
   one stops renewing it), then loads the state and serves.
+- a client's request says it saw a commit this state lacks (``check_seen``): as a failed
+  commit; the reload then serves a new state id, since the store went back in time.
 - ``fenced``: a commit found another manager's fencing token (this one was paused or cut off
   past its lease and a standby took over): replies become ``not_active`` and the process exits
   with ``EXIT_FENCED``; systemd restarts it, as a standby.
@@ -19,10 +21,12 @@ store's. Otherwise it keeps answering, with an error and no state change:
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from typing import TYPE_CHECKING
 
 from kvpool.manager.store.base import Fenced, MemoryStore, StateStore, StoreUnavailable
+from kvpool.shared.bind import runtime_dir
 from kvpool.shared.protocol import ManagerError, error_reply, unpack
 
 if TYPE_CHECKING:
@@ -49,8 +53,10 @@ def open_store(cfg: ManagerConfig) -> StateStore:
     from kvpool.manager.store.redis_url import connect
 
     owner = f"{socket.gethostname()}/{cfg.endpoint}"  # stable: a restarted manager takes its lease back at once
+    high_water = cfg.high_water_file or os.path.join(runtime_dir(), f"{cfg.namespace}.seq")
     return RedisStore(connect(cfg.redis_url, cfg.redis_timeout_s), cfg.namespace, owner=owner,
-                      durability=cfg.durability, lease_ms=cfg.lease_ms, snapshot_bytes=cfg.snapshot_bytes)
+                      durability=cfg.durability, lease_ms=cfg.lease_ms, snapshot_bytes=cfg.snapshot_bytes,
+                      high_water_path=high_water)
 
 
 def activate(server: Server, now: float) -> None:
@@ -77,7 +83,7 @@ def activate(server: Server, now: float) -> None:
         _fence(server, str(e))
         return
     server.registry.adopt(fresh)
-    server.mode = "active"
+    server.mode, server.went_back = "active", None
     server._next_expiry = 0.0
     logger.warning("manager %s active: state %s, %d sessions, %d pools, %d requests", server.incarnation,
                    fresh.state_id, len(fresh.sessions), len(fresh.pools), fresh.total_requests())
@@ -99,6 +105,18 @@ def lost_store(server: Server, err: Exception, replies: list) -> list:
         server._next_activate = 0.0
     code, message = INACTIVE[server.mode]
     return [_as_error(server, frames, ManagerError(code, message)) for frames in replies]
+
+
+def check_seen(server: Server, seen: object) -> None:
+    """A request says its client saw commit ``seen`` of this state; beyond the last commit, the
+    store went back in time under this manager (Redis restored, a lagging replica promoted):
+    nothing more is acknowledged, and the reload serves a new state (high_water.py)."""
+    reg = server.registry
+    if type(seen) is not int or seen <= reg.seq or not reg.durable:
+        return
+    server.went_back = f"a client saw commit {seen} of state {reg.state_id}, which ends at {reg.seq}"
+    server.store.saw(reg.state_id, seen)
+    raise ManagerError(*INACTIVE["recovering"])
 
 
 def _fence(server: Server, why: str) -> None:

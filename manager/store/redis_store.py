@@ -8,6 +8,7 @@ one Lua script call, atomic on standalone, Sentinel and Cluster alike::
     kvpool:{NS}:seq      the seq of the last committed batch
     kvpool:{NS}:lease    the active manager's owner id, with a TTL (PX lease_ms)
     kvpool:{NS}:fence    the fencing token: INCR'd by every manager taking the lease
+    kvpool:{NS}:clean    the seq a manager stopped cleanly at (nothing acknowledged past it)
 
 Commit (``--durability sync``): the loop's records of one iteration become one batch, appended
 by one script that first checks the fencing token (a manager that lost its lease can never
@@ -27,20 +28,22 @@ invariant holds, or raises ``CorruptState``: nothing is ever half-loaded.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from kvpool.manager.core.snapshot import CorruptState
 from kvpool.manager.registry import Registry
 from kvpool.manager.store.base import Fenced, StoreUnavailable
+from kvpool.manager.store.high_water import HighWater, Mark, start_over_reason
 from kvpool.manager.store.journal import encode_batch, recover
 from kvpool.manager.store.redis_async import ASYNC_MAX_PENDING, AsyncWriter
 from kvpool.manager.store.state_file import dump_registry, encode_state
 
 logger = logging.getLogger(__name__)
 DURABILITY = ("sync", "async")
-LOAD_LEASE_MS = 120_000  # the lease while a state loads (a 1M-block pool takes seconds): no standby
-#                          takes over from a manager still loading, unless it dies meanwhile
 __all__ = ["ASYNC_MAX_PENDING", "RedisStore", "namespace_keys"]
 
 _LEASE_CHECK = """
@@ -65,7 +68,7 @@ return n
 SNAPSHOT = _LEASE_CHECK + """
 redis.call('SET', KEYS[3], ARGV[4])
 redis.call('LTRIM', KEYS[4], ARGV[5], -1)
-redis.call('SET', KEYS[5], ARGV[6])
+if tonumber(redis.call('GET', KEYS[5]) or '-1') < tonumber(ARGV[6]) then redis.call('SET', KEYS[5], ARGV[6]) end
 return 1
 """
 # KEYS lease fence; ARGV owner lease_ms -> the new fencing token, or nil while another holds it
@@ -75,12 +78,18 @@ if h and h ~= ARGV[1] then return false end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return redis.call('INCR', KEYS[2])
 """
-READ = "return {redis.call('GET', KEYS[1]) or '', redis.call('LRANGE', KEYS[2], 0, -1), redis.call('GET', KEYS[3]) or ''}"
-RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+READ = ("return {redis.call('GET', KEYS[1]) or '', redis.call('LRANGE', KEYS[2], 0, -1), "
+        "redis.call('GET', KEYS[3]) or '', redis.call('GET', KEYS[4]) or ''}")
+# KEYS lease clean; ARGV owner seq: a clean stop says that nothing past ``seq`` was acknowledged
+RELEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[2])
+return redis.call('DEL', KEYS[1])
+"""
 
 
 def namespace_keys(namespace: str) -> dict[str, str]:
-    return {k: f"kvpool:{{{namespace}}}:{k}" for k in ("snap", "journal", "seq", "lease", "fence")}
+    return {k: f"kvpool:{{{namespace}}}:{k}" for k in ("snap", "journal", "seq", "lease", "fence", "clean")}
 
 
 def store_error(e: Exception) -> Exception:
@@ -93,7 +102,7 @@ class RedisStore:
     durable = True
 
     def __init__(self, client, namespace: str, *, owner: str, durability: str = "sync",
-                 lease_ms: int = 3000, snapshot_bytes: int = 32 << 20) -> None:
+                 lease_ms: int = 3000, snapshot_bytes: int = 32 << 20, high_water_path: str | None = None) -> None:
         if durability not in DURABILITY:
             raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
         self.r, self.namespace, self.owner = client, namespace, owner
@@ -105,7 +114,9 @@ class RedisStore:
         self.token: str | None = None
         self.seq = self.snap_seq = 0
         self.journal_bytes = self.snap_bytes = 0
-        self.counts = {"commits": 0, "snapshots": 0, "failures": 0}
+        self.counts = {"commits": 0, "snapshots": 0, "failures": 0, "start_overs": 0}
+        self.high_water = HighWater(high_water_path)
+        self._acked: Mark | None = None
         self._last_write = 0.0
         self._writer: AsyncWriter | None = None
 
@@ -123,24 +134,33 @@ class RedisStore:
     # -- loading ---------------------------------------------------------------------------
 
     def load(self, reg: Registry, now: float) -> bool:
-        """Fills the empty ``reg`` from Redis (call ``acquire`` first); False for a new namespace."""
+        """Fills the empty ``reg`` from Redis (call ``acquire`` first); False for a new namespace.
+
+        The lease is renewed in small steps while a large state loads (a thread), so a manager
+        that dies mid-load holds it for at most ``lease_ms``. A state older than one this
+        manager acknowledged (high_water.py) is replaced by a new, empty one with a new state id.
+        """
         self._stop_writer()
-        snap, blobs, seq = self._run("read", self.read_keys(), [])
         t0 = time.perf_counter()
-        if not snap:
-            if blobs or seq:
-                raise CorruptState(f"namespace {self.namespace!r}: a journal without a snapshot (partial state)")
-            reg.state_id = uuid.uuid4().hex
-            self.seq = self.snap_seq = 0
-            self._snapshot_now(reg, trim=0)
-            loaded = False
-        else:
-            self._renew(LOAD_LEASE_MS)
-            self.snap_seq, self.seq = recover(reg, snap, blobs, int(seq or -1), f"namespace {self.namespace!r}", now)
-            self.snap_bytes, self.journal_bytes = len(snap), sum(map(len, blobs))
-            self._renew(self.lease_ms)
-            loaded = True
-        reg.durable, reg.log, reg.dirty = True, [], set()
+        with self._lease_kept():
+            snap, blobs, seq, clean = self._run("read", self.read_keys(), [])
+            if not snap:
+                if blobs or seq:
+                    raise CorruptState(f"namespace {self.namespace!r}: a journal without a snapshot (partial state)")
+                reg.state_id = uuid.uuid4().hex
+                self.seq = self.snap_seq = 0
+                self._snapshot_now(reg, trim=0)
+                loaded = False
+            else:
+                self.snap_seq, self.seq = recover(reg, snap, blobs, int(seq or -1), f"namespace {self.namespace!r}", now)
+                self.snap_bytes, self.journal_bytes = len(snap), sum(map(len, blobs))
+                why = start_over_reason(reg.state_id, self.seq, [self._acked, self.high_water.read()],
+                                        int(clean) if clean else None, self.durability)
+                if why is not None:
+                    self._start_over(reg, why, trim=len(blobs))
+                loaded = True
+        reg.durable, reg.log, reg.dirty, reg.seq = True, [], set(), self.seq
+        self._ack(reg)
         if self.durability == "async":
             self._writer = AsyncWriter(self._write_blobs, self._write_snapshot)
         logger.info("namespace %s: %s state %s at batch %d (%d journal batches replayed) in %.2fs",
@@ -148,9 +168,50 @@ class RedisStore:
                     self.seq - self.snap_seq, time.perf_counter() - t0)
         return loaded
 
+    def _start_over(self, reg: Registry, why: str, trim: int) -> None:
+        """Serves a new empty state instead of one that went back in time: every client's next
+        call sees another state id (ManagerRestarted: abort, register again, recompute)."""
+        old = reg.state_id
+        reg.sessions, reg.pools, reg.draining = {}, {}, False
+        reg.state_id = uuid.uuid4().hex
+        logger.error("namespace %s: %s; serving a new empty state %s instead of %s (clients are told: they abort, "
+                     "register again and recompute)", self.namespace, why, reg.state_id, old)
+        self.counts["start_overs"] += 1
+        self._snapshot_now(reg, trim=trim)
+
+    def _ack(self, reg: Registry) -> None:
+        """``reg``'s state at ``self.seq`` is what replies from now on say (before they go out)."""
+        self._acked = Mark(reg.state_id, self.seq)
+        self.high_water.note(reg.state_id, self.seq)
+
+    def saw(self, state_id: str, seq: int) -> None:
+        if self._acked is None or self._acked.state_id != state_id or self._acked.seq < seq:
+            self._acked = Mark(state_id, seq)
+
+    @contextmanager
+    def _lease_kept(self) -> Iterator[None]:
+        """Renews the lease every ``lease_ms / 3`` from a thread while the body runs."""
+        stop = threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(self.lease_ms / 3000):
+                try:
+                    self._renew(self.lease_ms)
+                except (StoreUnavailable, Fenced) as e:
+                    logger.warning("namespace %s: lease renewal while loading failed: %s", self.namespace, e)
+                    return
+
+        thread = threading.Thread(target=renew, name="kvpool-lease-while-loading", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
     def read_keys(self) -> list[str]:
         k = self.keys
-        return [k["snap"], k["journal"], k["seq"]]
+        return [k["snap"], k["journal"], k["seq"], k["clean"]]
 
     # -- the loop's commit -----------------------------------------------------------------
 
@@ -168,6 +229,8 @@ class RedisStore:
             else:
                 self._write_blobs(self.seq, [blob])
             self.counts["commits"] += 1
+            reg.seq = self.seq
+            self._ack(reg)
             if self.journal_bytes >= max(self.snapshot_bytes, self.snap_bytes):
                 self.compact(reg)
         elif time.monotonic() - self._last_write >= self.lease_ms / 3000:
@@ -241,18 +304,20 @@ class RedisStore:
             if reg is not None and self.token is not None and self.seq > self.snap_seq:
                 self.compact(reg)
             if self.token is not None:
-                self._run("release", [self.keys["lease"]], [self.owner])
+                self._run("release", [self.keys["lease"], self.keys["clean"]], [self.owner, self.seq])
         except (StoreUnavailable, Fenced) as e:
             logger.warning("namespace %s: no final snapshot (%s); the journal has every commit", self.namespace, e)
 
     def close(self) -> None:
         self._stop_writer()
+        self.high_water.close()
         self.r.close()
 
 
 # -- offline access (kvpool snapshot / restore) ----------------------------------------------
 
-# KEYS lease fence snap journal seq; ARGV snapshot seq force
+# KEYS lease fence snap journal seq clean; ARGV snapshot seq force. A restored state is whole
+# (nothing past its seq was acknowledged in it), as after a clean stop.
 RESTORE = """
 local h = redis.call('GET', KEYS[1])
 if h and ARGV[3] ~= '1' then return redis.error_reply('LEASED: ' .. h) end
@@ -260,6 +325,7 @@ redis.call('INCR', KEYS[2])
 redis.call('DEL', KEYS[1], KEYS[4])
 redis.call('SET', KEYS[3], ARGV[1])
 redis.call('SET', KEYS[5], ARGV[2])
+redis.call('SET', KEYS[6], ARGV[2])
 return 1
 """
 
@@ -268,7 +334,7 @@ def read_state(client, namespace: str, reg: Registry, now: float) -> int:
     """Loads a namespace's state into the empty ``reg`` (one atomic read; no lease needed, so it
     works beside a running manager); returns its last batch seq. CorruptState when it is not whole."""
     k = namespace_keys(namespace)
-    snap, blobs, seq = client.register_script(READ)(keys=[k["snap"], k["journal"], k["seq"]], args=[])
+    snap, blobs, seq, _ = client.register_script(READ)(keys=[k["snap"], k["journal"], k["seq"], k["clean"]], args=[])
     if not snap:
         raise CorruptState(f"namespace {namespace!r} holds no state" + (" but a journal" if blobs else ""))
     return recover(reg, snap, blobs, int(seq or -1), f"namespace {namespace!r}", now)[1]
@@ -281,7 +347,7 @@ def write_state(client, namespace: str, snapshot: bytes, seq: int, force: bool) 
 
     k = namespace_keys(namespace)
     try:
-        client.register_script(RESTORE)(keys=[k["lease"], k["fence"], k["snap"], k["journal"], k["seq"]],
+        client.register_script(RESTORE)(keys=[k["lease"], k["fence"], k["snap"], k["journal"], k["seq"], k["clean"]],
                                         args=[snapshot, seq, "1" if force else "0"])
     except redis.ResponseError as e:
         if str(e).startswith("LEASED"):

@@ -190,3 +190,29 @@ class Daemon:
                     pass
             time.sleep(0.05)
         raise AssertionError(f"the manager at {self.endpoint} did not become active in {timeout}s")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server(spawn, directory: str, *extra: str, port: int | None = None):
+    """A private redis-server on a free 127.0.0.1 port (killed by ``spawn``'s fixture); (proc, port)."""
+    import shutil
+    import subprocess
+
+    from manager_helpers import wait_until
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("needs redis-server on PATH")
+    port = port or free_port()
+    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", directory, "--save", "",
+           "--appendonly", "no", *extra]
+    proc = spawn(cmd, stdout=subprocess.DEVNULL)
+    wait_until(lambda: subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip()
+               == b"PONG", 10, f"redis-server on port {port}")
+    return proc, port
