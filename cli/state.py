@@ -74,7 +74,8 @@ def _print(info: dict, as_json: bool, what: str) -> None:
 
 @click.command("snapshot")
 @redis_options
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write the state to this file.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Write the state to this file (mode 0600: it holds every session's secret sid).")
 @click.option("--input", "input_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Inspect a snapshot file instead of Redis.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
@@ -105,7 +106,9 @@ def snapshot(redis_url: str, namespace: str, output: str | None, input_path: str
     if output:
         data = encode_state(dump_registry(reg, seq))
         tmp = f"{output}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as fh:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # it holds every session's bearer sid: its owner's eyes only
+        with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())

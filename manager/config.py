@@ -11,6 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from kvpool.shared.bind import check_bind, read_secret_file
 from kvpool.shared.logs import check_level
 from kvpool.shared.protocol import MAX_MESSAGE_BYTES, MAX_SUB_OPS, default_endpoint
 
@@ -23,6 +24,7 @@ class ManagerConfig:
     endpoint: str = field(default_factory=default_endpoint)
     session_timeout_s: float = 10.0  # a session silent this long is dead; its requests are freed
     admin_key: str | None = None  # when set, admin ops need a hello with role "admin" and this key
+    admin_key_file: str | None = None  # the admin key read from this file (kept out of argv and env)
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_sub_ops: int = MAX_SUB_OPS
     max_sessions: int = 4096
@@ -38,6 +40,7 @@ class ManagerConfig:
     events_buffer: int = 10_000  # event batches kept for replay
     curve_secret_key_file: str | None = None  # the manager's NAME.key_secret: CURVE on the control socket
     curve_allowed_keys_dir: str | None = None  # one NAME.key per allowed client (SIGHUP reloads it)
+    insecure: bool = False  # allow binding a non-loopback TCP address without CURVE (trusted networks only)
     json_logs: bool = False  # one JSON object per log line
     log_level: str = "info"
     # -- durability (manager/store/redis_store.py; PROTOCOL.md section 11) --
@@ -64,6 +67,8 @@ class ManagerConfig:
             )
         if not 0.05 <= self.session_timeout_s <= 86400:
             raise ValueError(f"session_timeout_s must be in [0.05, 86400] seconds, got {self.session_timeout_s}")
+        if self.admin_key_file:
+            self.admin_key = read_secret_file(self.admin_key_file, "admin_key_file")
         if self.admin_key is not None and len(self.admin_key) < 8:
             raise ValueError("admin_key must be at least 8 characters (or unset to allow every client)")
         for name, lo in (("max_message_bytes", 1024), ("max_sub_ops", 1), ("max_sessions", 1),
@@ -113,6 +118,11 @@ class ManagerConfig:
         if allowed and not os.path.isdir(allowed):
             raise ValueError(f"curve_allowed_keys_dir {allowed} is not a directory")
         self.log_level = check_level(self.log_level)
+        curve = bool(key)
+        check_bind(self.endpoint, curve=curve, insecure=self.insecure, what="endpoint")
+        for name in ("events_endpoint", "events_replay_endpoint"):  # no CURVE on the event sockets
+            if getattr(self, name):
+                check_bind(getattr(self, name), curve=False, insecure=self.insecure, what=name)
 
     @property
     def ipc_path(self) -> str | None:

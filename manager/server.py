@@ -33,6 +33,7 @@ from kvpool.manager.store.base import (
     StoreUnavailable,
 )
 from kvpool.manager.store.recovery import INACTIVE, activate, check_seen, lost_store, open_store
+from kvpool.shared.bind import ensure_private_dir, runtime_dir
 from kvpool.shared.protocol import (
     SUPPORTED_VERSIONS,
     ManagerError,
@@ -93,6 +94,7 @@ class Server:
             admin_key=cfg.admin_key, request_stop=self.request_stop,
         )
         self.handlers.store_stats = self.store.stats
+        self.handlers.admin_needs_key = bool(cfg.curve_secret_key_file)  # CURVE keys are not admin keys
         self._dispatch: dict[str, Handler] = {
             op: (getattr(self.handlers, name), needs_session, admin) for op, (name, needs_session, admin) in OPS.items()
         }
@@ -177,7 +179,9 @@ class Server:
             sess.last_seen = now
             check_seen(self, msg.get("seq"))
             if admin and not sess.admin:
-                raise ManagerError("forbidden", f"op {op!r} is an admin op: hello with role 'admin' and the admin key")
+                raise ManagerError("forbidden", f"op {op!r} is an admin op: hello with role 'admin' and the admin key"
+                                   + (" (with CURVE on, the manager needs admin_key set for admin ops)"
+                                      if self.cfg.admin_key is None else ""))
         self.stats.ops[op] += 1
         return handler, sess, args
 
@@ -195,7 +199,11 @@ class Server:
     def bind(self) -> None:
         cfg = self.cfg
         if cfg.ipc_path:
-            os.makedirs(os.path.dirname(cfg.ipc_path) or ".", mode=0o700, exist_ok=True)
+            directory = os.path.dirname(cfg.ipc_path) or "."
+            if os.path.abspath(directory) == os.path.abspath(runtime_dir()):  # the default: must be ours alone
+                ensure_private_dir(directory)
+            else:
+                os.makedirs(directory, mode=0o700, exist_ok=True)
         self.ctx = zmq.Context()
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot be queued raises: we count it

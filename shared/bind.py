@@ -8,6 +8,9 @@
 - ``check_bind(endpoint, curve, insecure)``: a TCP endpoint on an address other than loopback
   must use CURVE, unless the operator says ``--insecure`` (a trusted, isolated network).
 
+- ``read_secret_file(path)``: a key kept in a file of mode 0600 (never on a command line, where
+  ``/proc/PID/cmdline`` shows it to every local user).
+
 Every refusal raises ``BindRefused`` (a ValueError) saying what to change.
 """
 
@@ -76,3 +79,19 @@ def check_bind(endpoint: str, *, curve: bool, insecure: bool, what: str = "endpo
     raise BindRefused(f"{what} {endpoint} is reachable from other hosts without CURVE: anyone there could "
                       "connect. Configure CURVE keys (`kvpool keygen`; curve_secret_key_file and "
                       "curve_allowed_keys_dir), bind 127.0.0.1, or pass --insecure on a trusted network")
+
+
+def read_secret_file(path: str, what: str) -> str:
+    """A secret (an admin key) from a file that only its owner may read: its first line."""
+    try:
+        st = os.stat(path)
+        with open(path, encoding="utf-8") as fh:
+            text = fh.readline().strip()
+    except OSError as e:
+        raise ValueError(f"{what} {path}: cannot read it ({e.strerror})") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(f"{what} {path} is readable by group or others (mode {stat.S_IMODE(st.st_mode):o}): "
+                         f"`chmod 600 {path}`")
+    if not text:
+        raise ValueError(f"{what} {path} is empty: put the key on its first line")
+    return text
