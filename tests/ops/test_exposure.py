@@ -152,3 +152,23 @@ def test_snapshot_files_are_private(tmp_path):
         os.umask(old)
     assert res.exit_code == 0, res.output
     assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
+
+
+def test_packaged_configs_expose_nothing_without_curve():
+    from pathlib import Path
+
+    yaml = pytest.importorskip("yaml")
+    root = Path(__file__).resolve().parents[2] / "docker"
+    cfg = ManagerConfig.from_file(str(root / "config" / "manager.toml"))  # validates: nothing exposed
+    assert is_loopback_tcp(cfg.endpoint) and cfg.metrics_host == "127.0.0.1" and not cfg.insecure
+    services = yaml.safe_load((root / "compose.yaml").read_text())["services"]
+    env = services["manager"]["environment"]
+    assert env["KVPOOL_MANAGER_ENDPOINT"].startswith("tcp://0.0.0.0")
+    assert env["KVPOOL_MANAGER_CURVE_SECRET_KEY_FILE"] and env["KVPOOL_MANAGER_CURVE_ALLOWED_KEYS_DIR"]
+    assert env["KVPOOL_MANAGER_ADMIN_KEY_FILE"]  # CURVE on: admin ops need the admin key
+    assert "kvpool keygen" in " ".join(services["keys"]["command"])  # the init step
+    for name, svc in services.items():
+        assert all(str(p).startswith("127.0.0.1:") for p in svc.get("ports", [])), (name, svc["ports"])
+        assert "insecure" not in str(svc).lower() and "KVPOOL_WORKER_ENDPOINT" not in svc.get("environment", {})
+        if name.startswith("worker"):
+            assert svc["environment"]["KVPOOL_CURVE_KEY_FILE"] and svc["environment"]["KVPOOL_CURVE_SERVER_KEY"]
