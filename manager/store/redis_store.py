@@ -17,10 +17,13 @@ and RPUSHes. The loop sends no reply of the iteration before the script returned
 ``--durability async`` hands the batch to a writer thread (manager/store/redis_async.py) and replies
 at once: a crash loses the batches not yet written, at most ``ASYNC_MAX_PENDING`` iterations
 (typically the one or two of the last Redis round trip), and those clients were acknowledged.
+Every reply carries the commit sequence; a state that lacks acknowledged batches is never served
+as itself (manager/store/high_water.py decides; ``load`` then serves a new, empty state).
 
-Compaction: when the journal outgrows ``snapshot_bytes`` (and the last snapshot), the loop dumps
-the registry and one script sets the snapshot and trims exactly the batches it includes, so a
-half-compacted state can never be loaded. Loading reads snapshot, journal and seq in one script,
+Compaction: when the journal outgrows ``snapshot_bytes`` (and the last snapshot), the loop forks
+a child that dumps the registry as it was and writes it (manager/store/snapshot_child.py: the
+loop pauses only for the fork); one script sets the snapshot and trims exactly the batches it
+includes, however many were appended meanwhile, so a half-compacted state can never be loaded. Loading reads snapshot, journal and seq in one script,
 replays the journal (manager/store/journal.py), checks that it ends at ``seq`` and that every
 invariant holds, or raises ``CorruptState``: nothing is ever half-loaded.
 """
@@ -31,8 +34,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from kvpool.manager.core.snapshot import CorruptState
 from kvpool.manager.registry import Registry
@@ -40,6 +44,7 @@ from kvpool.manager.store.base import Fenced, StoreUnavailable
 from kvpool.manager.store.high_water import HighWater, Mark, start_over_reason
 from kvpool.manager.store.journal import encode_batch, recover
 from kvpool.manager.store.redis_async import ASYNC_MAX_PENDING, AsyncWriter
+from kvpool.manager.store.snapshot_child import WAIT_FOR_JOURNAL_S, Child, fork_snapshot, kill, reap
 from kvpool.manager.store.state_file import dump_registry, encode_state
 
 logger = logging.getLogger(__name__)
@@ -64,11 +69,17 @@ redis.call('RPUSH', KEYS[3], unpack(ARGV, 5))
 redis.call('SET', KEYS[4], first + n - 1)
 return n
 """
-# KEYS fence lease snap journal seq; ARGV token owner lease_ms snapshot trim seq
+# KEYS fence lease snap journal seq; ARGV token owner lease_ms snapshot seq. The journal holds
+# batches (last - LLEN + 1 .. last): exactly those up to the snapshot's seq are trimmed, however
+# many the loop appended meanwhile; a journal that has not reached seq yet is refused (BEHIND).
 SNAPSHOT = _LEASE_CHECK + """
+local want = tonumber(ARGV[5])
+local last = tonumber(redis.call('GET', KEYS[5]) or ARGV[5])
+if last < want then return redis.error_reply('BEHIND: the journal is at ' .. last) end
+local drop = want - (last - redis.call('LLEN', KEYS[4]))
+if drop > 0 then redis.call('LTRIM', KEYS[4], drop, -1) end
 redis.call('SET', KEYS[3], ARGV[4])
-redis.call('LTRIM', KEYS[4], ARGV[5], -1)
-if tonumber(redis.call('GET', KEYS[5]) or '-1') < tonumber(ARGV[6]) then redis.call('SET', KEYS[5], ARGV[6]) end
+redis.call('SET', KEYS[5], last)
 return 1
 """
 # KEYS lease fence; ARGV owner lease_ms -> the new fencing token, or nil while another holds it
@@ -102,7 +113,8 @@ class RedisStore:
     durable = True
 
     def __init__(self, client, namespace: str, *, owner: str, durability: str = "sync",
-                 lease_ms: int = 3000, snapshot_bytes: int = 32 << 20, high_water_path: str | None = None) -> None:
+                 lease_ms: int = 3000, snapshot_bytes: int = 32 << 20, high_water_path: str | None = None,
+                 reconnect: Callable[[], Any] | None = None) -> None:
         if durability not in DURABILITY:
             raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
         self.r, self.namespace, self.owner = client, namespace, owner
@@ -114,7 +126,10 @@ class RedisStore:
         self.token: str | None = None
         self.seq = self.snap_seq = 0
         self.journal_bytes = self.snap_bytes = 0
-        self.counts = {"commits": 0, "snapshots": 0, "failures": 0, "start_overs": 0}
+        self.counts = {"commits": 0, "snapshots": 0, "failures": 0, "start_overs": 0, "snapshot_failures": 0}
+        self._reconnect = reconnect  # a fresh client, for a forked snapshot child (None: snapshot on the loop)
+        self._child: Child | None = None
+        self._child_bytes = 0
         self.high_water = HighWater(high_water_path)
         self._acked: Mark | None = None
         self._last_write = 0.0
@@ -141,6 +156,7 @@ class RedisStore:
         manager acknowledged (high_water.py) is replaced by a new, empty one with a new state id.
         """
         self._stop_writer()
+        self._abandon_child()
         t0 = time.perf_counter()
         with self._lease_kept():
             snap, blobs, seq, clean = self._run("read", self.read_keys(), [])
@@ -149,7 +165,7 @@ class RedisStore:
                     raise CorruptState(f"namespace {self.namespace!r}: a journal without a snapshot (partial state)")
                 reg.state_id = uuid.uuid4().hex
                 self.seq = self.snap_seq = 0
-                self._snapshot_now(reg, trim=0)
+                self._snapshot_now(reg)
                 loaded = False
             else:
                 self.snap_seq, self.seq = recover(reg, snap, blobs, int(seq or -1), f"namespace {self.namespace!r}", now)
@@ -157,7 +173,7 @@ class RedisStore:
                 why = start_over_reason(reg.state_id, self.seq, [self._acked, self.high_water.read()],
                                         int(clean) if clean else None, self.durability)
                 if why is not None:
-                    self._start_over(reg, why, trim=len(blobs))
+                    self._start_over(reg, why)
                 loaded = True
         reg.durable, reg.log, reg.dirty, reg.seq = True, [], set(), self.seq
         self._ack(reg)
@@ -168,7 +184,7 @@ class RedisStore:
                     self.seq - self.snap_seq, time.perf_counter() - t0)
         return loaded
 
-    def _start_over(self, reg: Registry, why: str, trim: int) -> None:
+    def _start_over(self, reg: Registry, why: str) -> None:
         """Serves a new empty state instead of one that went back in time: every client's next
         call sees another state id (ManagerRestarted: abort, register again, recompute)."""
         old = reg.state_id
@@ -177,7 +193,7 @@ class RedisStore:
         logger.error("namespace %s: %s; serving a new empty state %s instead of %s (clients are told: they abort, "
                      "register again and recompute)", self.namespace, why, reg.state_id, old)
         self.counts["start_overs"] += 1
-        self._snapshot_now(reg, trim=trim)
+        self._snapshot_now(reg)
 
     def _ack(self, reg: Registry) -> None:
         """``reg``'s state at ``self.seq`` is what replies from now on say (before they go out)."""
@@ -231,27 +247,86 @@ class RedisStore:
             self.counts["commits"] += 1
             reg.seq = self.seq
             self._ack(reg)
-            if self.journal_bytes >= max(self.snapshot_bytes, self.snap_bytes):
-                self.compact(reg)
+            if self.journal_bytes >= max(self.snapshot_bytes, self.snap_bytes) and self._child is None:
+                self._compact_in_background(reg)
         elif time.monotonic() - self._last_write >= self.lease_ms / 3000:
             if self._writer is not None:
                 self._writer.put(("renew",))
             else:
                 self._write_blobs(self.seq + 1, [])
             self._last_write = time.monotonic()
+        if self._child is not None:
+            self._reap_child()
 
     def compact(self, reg: Registry) -> None:
-        """Snapshot now, dropping the journal batches it includes."""
-        self._snapshot_now(reg, trim=self.seq - self.snap_seq)
+        """Snapshot now, on this thread, dropping the journal batches it includes."""
+        self.wait_for_snapshot()
+        self._snapshot_now(reg)
 
-    def _snapshot_now(self, reg: Registry, trim: int) -> None:
+    def _snapshot_now(self, reg: Registry) -> None:
         data = encode_state(dump_registry(reg, self.seq))
         if self._writer is not None:
-            self._writer.put(("snapshot", data, trim, self.seq))
+            self._writer.put(("snapshot", data, self.seq))
         else:
-            self._write_snapshot(data, trim, self.seq)
+            self._write_snapshot(data, self.seq)
         self.snap_seq, self.snap_bytes, self.journal_bytes = self.seq, len(data), 0
         self.counts["snapshots"] += 1
+
+    def _compact_in_background(self, reg: Registry) -> None:
+        """A forked child writes the snapshot (snapshot_child.py); the loop carries on."""
+        if self._reconnect is None:
+            self.compact(reg)
+            return
+        seq, token = self.seq, self.token
+        child = fork_snapshot(lambda: encode_state(dump_registry(reg, seq)),
+                              lambda data: self._child_write(data, seq, token))
+        if child is None:
+            self.compact(reg)
+            return
+        child.seq, self._child = seq, child
+        self._child_bytes, self.journal_bytes = self.journal_bytes, 0
+
+    def _child_write(self, data: bytes, seq: int, token: str | None) -> None:
+        """In the child: its own connection; waits while the journal is behind ``seq``."""
+        import redis
+
+        client = self._reconnect()  # type: ignore[misc]
+        script, k = client.register_script(SNAPSHOT), self.keys
+        deadline = time.monotonic() + WAIT_FOR_JOURNAL_S
+        while True:
+            try:
+                script(keys=[k["fence"], k["lease"], k["snap"], k["journal"], k["seq"]],
+                       args=[token, self.owner, self.lease_ms, data, seq])
+                return
+            except redis.ResponseError as e:
+                if not str(e).startswith("BEHIND"):
+                    raise
+                if time.monotonic() > deadline:
+                    raise TimeoutError(str(e)) from None
+                time.sleep(0.005)
+
+    def _reap_child(self, block: bool = False) -> None:
+        out = reap(self._child, block)  # type: ignore[arg-type]
+        if out is None:
+            return
+        self._child = None
+        if out.ok:
+            self.snap_seq, self.snap_bytes = out.seq, out.size
+            self.counts["snapshots"] += 1
+        else:  # the journal still holds every batch: the next commit tries again
+            logger.warning("namespace %s: background snapshot at batch %d failed: %s", self.namespace, out.seq, out.why)
+            self.counts["snapshot_failures"] += 1
+            self.journal_bytes += self._child_bytes
+
+    def wait_for_snapshot(self) -> None:
+        """Blocks until a background snapshot (if one is running) is written and counted."""
+        if self._child is not None:
+            self._reap_child(block=True)
+
+    def _abandon_child(self) -> None:
+        if self._child is not None:
+            kill(self._child)
+            self._child = None
 
     # -- Redis calls (the loop's, or the async writer's thread) ------------------------------
 
@@ -266,10 +341,10 @@ class RedisStore:
         self._run("commit", [k["fence"], k["lease"], k["journal"], k["seq"]], [self.token, self.owner, lease_ms, 0])
         self._last_write = time.monotonic()
 
-    def _write_snapshot(self, data: bytes, trim: int, seq: int) -> None:
+    def _write_snapshot(self, data: bytes, seq: int) -> None:
         k = self.keys
         self._run("snapshot", [k["fence"], k["lease"], k["snap"], k["journal"], k["seq"]],
-                  [self.token, self.owner, self.lease_ms, data, trim, seq])
+                  [self.token, self.owner, self.lease_ms, data, seq])
 
     def _run(self, name: str, keys: list[str], args: list):
         import redis
@@ -310,6 +385,7 @@ class RedisStore:
 
     def close(self) -> None:
         self._stop_writer()
+        self._abandon_child()
         self.high_water.close()
         self.r.close()
 

@@ -45,7 +45,8 @@ def server(name: str, endpoint: str = EP, **cfg):
     return durable_server(endpoint, redis_url=REDIS_URL, namespace=name, **cfg)
 
 
-def workload(srv, steps: int, seed: int = 0) -> str:
+def workload(srv, steps: int, seed: int = 0, snapshots_done: bool = False) -> str:
+    """``snapshots_done``: wait for each background snapshot (a forked child) before going on."""
     rng = random.Random(seed)
     sid = ok(call(srv, "hello"))["sid"]
     ok(call(srv, "register", sid, pool="p", shard_rank=0, shard_count=1, incarnation="i", spec=SPEC,
@@ -57,6 +58,8 @@ def workload(srv, steps: int, seed: int = 0) -> str:
         if i % 10 == 9:
             ok(call(srv, "evict", sid, pool="p", n=2))
         assert srv._commit([]) == [] and srv.mode == "active"
+        if snapshots_done:
+            srv.store.wait_for_snapshot()
     return sid
 
 
@@ -65,11 +68,12 @@ def workload(srv, steps: int, seed: int = 0) -> str:
 def test_a_restarted_manager_recovers_the_exact_state(ns, durability):
     r, name = ns
     srv = server(name, durability=durability, snapshot_bytes=4096)  # several compactions
-    workload(srv, 80)
+    workload(srv, 80, snapshots_done=True)
     if durability == "async":
         srv.store._writer.flush()
+    srv.store.wait_for_snapshot()  # compactions run in a forked child (snapshot_child.py)
     stats = srv.store.stats()
-    assert stats["snapshots"] >= 3 and stats["failures"] == 0
+    assert stats["snapshots"] >= 3 and stats["failures"] == 0 and stats["snapshot_failures"] == 0, str(stats)
     assert r.llen(namespace_keys(name)["journal"]) == stats["seq"] - stats["snapshot_seq"]
     back = server(name)  # same endpoint: the same owner takes its lease back at once
     assert back.mode == "active" and state_of(back.registry) == state_of(srv.registry)
