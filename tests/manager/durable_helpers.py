@@ -201,39 +201,24 @@ def free_port() -> int:
 
 
 def redis_server(spawn, directory: str, *extra: str, port: int | None = None):
-    """A private redis-server on a free 127.0.0.1 port (killed by ``spawn``'s fixture); (proc, port)."""
+    """A private redis-server on a free 127.0.0.1 port (killed by ``spawn``'s fixture); (proc, port).
+    A port taken between choosing and binding it (other tests run beside) means another try."""
     import shutil
     import subprocess
 
-    from manager_helpers import wait_until
-
     if shutil.which("redis-server") is None:
         pytest.skip("needs redis-server on PATH")
-    port = port or free_port()
-    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", directory, "--save", "",
-           "--appendonly", "no", *extra]
-    proc = spawn(cmd, stdout=subprocess.DEVNULL)
-    wait_until(lambda: subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip()
-               == b"PONG", 10, f"redis-server on port {port}")
-    return proc, port
-
-
-def seed_big_state(namespace: str, blocks: int, redis_url: str = REDIS_URL) -> None:
-    """Writes a state with one pool of ``blocks`` blocks into ``namespace`` (a clean stop), so a
-    manager takes a while to load it."""
-    from manager_helpers import SPEC
-
-    from kvpool.manager.store.redis_store import RedisStore
-    from kvpool.manager.store.redis_url import connect
-    from kvpool.shared.protocol import block_bytes
-
-    store = RedisStore(connect(redis_url, 30.0), namespace, owner="seeder", lease_ms=60_000)
-    reg = Registry("seeder", session_timeout_s=60.0, max_blocks=blocks)
-    if not store.acquire():
-        raise AssertionError(f"namespace {namespace} is leased")
-    store.load(reg, 0.0)
-    sess = reg.open_session("seeder", "worker", False, 1, 0.0)
-    reg.register(sess, "big", 0, 1, "i", dict(SPEC), blocks * block_bytes(SPEC))
-    store.commit(reg, set())
-    store.shutdown(reg)
-    store.close()
+    for _ in range(5):
+        use = port or free_port()
+        cmd = ["redis-server", "--port", str(use), "--bind", "127.0.0.1", "--dir", directory, "--save", "",
+               "--appendonly", "no", *extra]
+        proc = spawn(cmd, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while proc.poll() is None and time.monotonic() < deadline:
+            ping = subprocess.run(["redis-cli", "-p", str(use), "ping"], capture_output=True)
+            if ping.stdout.strip() == b"PONG":
+                return proc, use
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+    raise AssertionError(f"redis-server would not start in {directory} ({' '.join(extra)})")
