@@ -203,6 +203,9 @@ def run_daemon(endpoint: str, shard_files: list[str], batch: int, prehash: bool,
         "rtt_p50_us": float(np.percentile(rtts, 50) * 1e6),
         "rtt_p99_us": float(np.percentile(rtts, 99) * 1e6),
         "prefix_hit_rate": sum(o["cached_tokens"] for o in outs) / sum(o["prompt_tokens"] for o in outs),
+        "daemon_iteration_p50_us": server["iteration_latency"]["p50"] * 1e6,
+        "daemon_iteration_p99_us": server["iteration_latency"]["p99"] * 1e6,
+        "daemon_messages_per_iteration": server["messages"] / max(1, server["iteration_latency"]["count"]),
         "manager_errors": server["errors"],
         "manager_dropped": server["dropped"],
         "store": store,
@@ -224,6 +227,9 @@ def report(title: str, r: dict) -> None:
     print(f"    step round trip p50 {d['rtt_p50_us']:,.0f} us, p99 {d['rtt_p99_us']:,.0f} us: "
           f"p99/p50 {r['p99_over_p50']:.2f} (target <= 2.00); {d['steps']:,} steps, "
           f"manager errors {d['manager_errors'] or 'none'}")
+    print(f"    where the tail is: the daemon's busy iterations p50 <= {d['daemon_iteration_p50_us']:,.0f} us, "
+          f"p99 <= {d['daemon_iteration_p99_us']:,.0f} us ({d['daemon_messages_per_iteration']:.1f} messages each); "
+          "the rest of a round trip is waiting for a CPU (clients and daemon share the machine)")
 
 
 def main() -> None:

@@ -45,9 +45,15 @@ def new_namespace() -> str:
 
 
 def drop_namespace(r, ns: str) -> None:
+    """The namespace's keys, and the high-water mark file a manager of it left on this host."""
+    from kvpool.shared.bind import runtime_dir
+
     keys = list(r.scan_iter(f"kvpool:{{{ns}}}:*"))
     if keys:
         r.delete(*keys)
+    mark = os.path.join(runtime_dir(), f"{ns}.seq")
+    if os.path.exists(mark):
+        os.unlink(mark)
 
 
 def call(srv: Server, op: str, sid: str | None = None, now: float | None = None, msg_id: int | None = None,
