@@ -122,7 +122,7 @@ def snapshot(redis_url: str, namespace: str, output: str | None, input_path: str
 def _read(redis_url: str, namespace: str, reg) -> int:
     import redis
 
-    from kvpool.manager.store.redis_store import read_state
+    from kvpool.manager.store.offline import read_state
     from kvpool.manager.store.redis_url import connect
 
     try:
@@ -148,7 +148,7 @@ def restore(path: str, redis_url: str, namespace: str, force: bool, keep_state_i
     import redis
 
     from kvpool.manager.core.snapshot import CorruptState
-    from kvpool.manager.store.redis_store import write_state
+    from kvpool.manager.store.offline import write_state
     from kvpool.manager.store.redis_url import connect
     from kvpool.manager.store.state_file import (
         decode_state,

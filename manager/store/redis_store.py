@@ -31,11 +31,9 @@ invariant holds, or raises ``CorruptState``: nothing is ever half-loaded.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 from kvpool.manager.core.snapshot import CorruptState
@@ -43,8 +41,15 @@ from kvpool.manager.registry import Registry
 from kvpool.manager.store.base import Fenced, StoreUnavailable
 from kvpool.manager.store.high_water import HighWater, Mark, start_over_reason
 from kvpool.manager.store.journal import encode_batch, recover
+from kvpool.manager.store.lease import renewing
 from kvpool.manager.store.redis_async import ASYNC_MAX_PENDING, AsyncWriter
-from kvpool.manager.store.snapshot_child import WAIT_FOR_JOURNAL_S, Child, fork_snapshot, kill, reap
+from kvpool.manager.store.snapshot_child import (
+    Child,
+    fork_snapshot,
+    kill,
+    reap,
+    write_when_journal_ready,
+)
 from kvpool.manager.store.state_file import dump_registry, encode_state
 
 logger = logging.getLogger(__name__)
@@ -204,30 +209,13 @@ class RedisStore:
         if self._acked is None or self._acked.state_id != state_id or self._acked.seq < seq:
             self._acked = Mark(state_id, seq)
 
-    @contextmanager
-    def _lease_kept(self) -> Iterator[None]:
-        """Renews the lease every ``lease_ms / 3`` from a thread while the body runs."""
-        stop = threading.Event()
-
-        def renew() -> None:
-            while not stop.wait(self.lease_ms / 3000):
-                try:
-                    self._renew(self.lease_ms)
-                except (StoreUnavailable, Fenced) as e:
-                    logger.warning("namespace %s: lease renewal while loading failed: %s", self.namespace, e)
-                    return
-
-        thread = threading.Thread(target=renew, name="kvpool-lease-while-loading", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join()
-
     def read_keys(self) -> list[str]:
         k = self.keys
         return [k["snap"], k["journal"], k["seq"], k["clean"]]
+
+    def _lease_kept(self):
+        """Renews the lease every ``lease_ms / 3`` from a thread while the body runs."""
+        return renewing(lambda: self._renew(self.lease_ms), self.lease_ms / 3000, f"namespace {self.namespace}")
 
     # -- the loop's commit -----------------------------------------------------------------
 
@@ -288,22 +276,10 @@ class RedisStore:
 
     def _child_write(self, data: bytes, seq: int, token: str | None) -> None:
         """In the child: its own connection; waits while the journal is behind ``seq``."""
-        import redis
-
-        client = self._reconnect()  # type: ignore[misc]
-        script, k = client.register_script(SNAPSHOT), self.keys
-        deadline = time.monotonic() + WAIT_FOR_JOURNAL_S
-        while True:
-            try:
-                script(keys=[k["fence"], k["lease"], k["snap"], k["journal"], k["seq"]],
-                       args=[token, self.owner, self.lease_ms, data, seq])
-                return
-            except redis.ResponseError as e:
-                if not str(e).startswith("BEHIND"):
-                    raise
-                if time.monotonic() > deadline:
-                    raise TimeoutError(str(e)) from None
-                time.sleep(0.005)
+        k = self.keys
+        write_when_journal_ready(self._reconnect(), SNAPSHOT,  # type: ignore[misc]
+                                 [k["fence"], k["lease"], k["snap"], k["journal"], k["seq"]],
+                                 [token, self.owner, self.lease_ms, data, seq])
 
     def _reap_child(self, block: bool = False) -> None:
         out = reap(self._child, block)  # type: ignore[arg-type]
@@ -388,45 +364,3 @@ class RedisStore:
         self._abandon_child()
         self.high_water.close()
         self.r.close()
-
-
-# -- offline access (kvpool snapshot / restore) ----------------------------------------------
-
-# KEYS lease fence snap journal seq clean; ARGV snapshot seq force. A restored state is whole
-# (nothing past its seq was acknowledged in it), as after a clean stop.
-RESTORE = """
-local h = redis.call('GET', KEYS[1])
-if h and ARGV[3] ~= '1' then return redis.error_reply('LEASED: ' .. h) end
-redis.call('INCR', KEYS[2])
-redis.call('DEL', KEYS[1], KEYS[4])
-redis.call('SET', KEYS[3], ARGV[1])
-redis.call('SET', KEYS[5], ARGV[2])
-redis.call('SET', KEYS[6], ARGV[2])
-return 1
-"""
-
-
-def read_state(client, namespace: str, reg: Registry, now: float) -> int:
-    """Loads a namespace's state into the empty ``reg`` (one atomic read; no lease needed, so it
-    works beside a running manager); returns its last batch seq. CorruptState when it is not whole."""
-    k = namespace_keys(namespace)
-    snap, blobs, seq, _ = client.register_script(READ)(keys=[k["snap"], k["journal"], k["seq"], k["clean"]], args=[])
-    if not snap:
-        raise CorruptState(f"namespace {namespace!r} holds no state" + (" but a journal" if blobs else ""))
-    return recover(reg, snap, blobs, int(seq or -1), f"namespace {namespace!r}", now)[1]
-
-
-def write_state(client, namespace: str, snapshot: bytes, seq: int, force: bool) -> None:
-    """Replaces a namespace's state by ``snapshot``, fencing out any manager (its next commit
-    fails). Raises ValueError while a manager holds the lease, unless ``force``."""
-    import redis
-
-    k = namespace_keys(namespace)
-    try:
-        client.register_script(RESTORE)(keys=[k["lease"], k["fence"], k["snap"], k["journal"], k["seq"], k["clean"]],
-                                        args=[snapshot, seq, "1" if force else "0"])
-    except redis.ResponseError as e:
-        if str(e).startswith("LEASED"):
-            raise ValueError(f"a manager holds the lease of namespace {namespace!r} ({str(e)[8:]}): stop it "
-                             "first, or pass --force to fence it out (it exits and restarts on the new state)") from None
-        raise

@@ -96,3 +96,22 @@ def kill(child: Child) -> None:
     except ProcessLookupError:
         pass
     reap(child, block=True)
+
+
+def write_when_journal_ready(client, script_src: str, keys: list[str], args: list) -> None:
+    """Runs the snapshot script, retrying while it answers BEHIND (the async writer has not yet
+    written the snapshot's batch); TimeoutError after ``WAIT_FOR_JOURNAL_S``."""
+    import redis
+
+    script = client.register_script(script_src)
+    deadline = time.monotonic() + WAIT_FOR_JOURNAL_S
+    while True:
+        try:
+            script(keys=keys, args=args)
+            return
+        except redis.ResponseError as e:
+            if not str(e).startswith("BEHIND"):
+                raise
+            if time.monotonic() > deadline:
+                raise TimeoutError(str(e)) from None
+            time.sleep(0.005)
