@@ -228,3 +228,24 @@ def redis_server(spawn, directory: str, *extra: str, port: int | None = None):
         if proc.poll() is None:
             proc.kill()
     raise AssertionError(f"redis-server would not start in {directory} ({' '.join(extra)})")
+
+
+def seed_big_state(namespace: str, blocks: int, redis_url: str = REDIS_URL) -> None:
+    """Writes a state with one pool of ``blocks`` blocks into ``namespace`` (a clean stop), so a
+    manager takes a while to load it."""
+    from manager_helpers import SPEC
+
+    from kvpool.manager.store.redis_store import RedisStore
+    from kvpool.manager.store.redis_url import connect
+    from kvpool.shared.protocol import block_bytes
+
+    store = RedisStore(connect(redis_url, 30.0), namespace, owner="seeder", lease_ms=60_000)
+    reg = Registry("seeder", session_timeout_s=60.0, max_blocks=blocks)
+    if not store.acquire():
+        raise AssertionError(f"namespace {namespace} is leased")
+    store.load(reg, 0.0)
+    sess = reg.open_session("seeder", "worker", False, 1, 0.0)
+    reg.register(sess, "big", 0, 1, "i", dict(SPEC), blocks * block_bytes(SPEC))
+    store.commit(reg, set())
+    store.shutdown(reg)
+    store.close()
