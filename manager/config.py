@@ -50,6 +50,7 @@ class ManagerConfig:
     lease_ms: int = 3000  # the active manager's lease; a standby takes over this long after it dies
     snapshot_bytes: int = 32 << 20  # journal bytes that trigger a snapshot (and a journal trim)
     redis_timeout_s: float = 2.0  # a Redis call slower than this counts as Redis unavailable
+    redis_min_replicas: int = 0  # replicas that confirm each commit (WAIT) before it is acknowledged
     # the highest commit this host acknowledged (manager/store/high_water.py); default:
     # RUNTIME_DIR/NAMESPACE.seq. On persistent storage it also catches a rolled-back Redis after a reboot.
     high_water_file: str | None = None
@@ -97,6 +98,11 @@ class ManagerConfig:
                              "slow commit outlives the lease: raise lease_ms or lower redis_timeout_s")
         if type(self.snapshot_bytes) is not int or self.snapshot_bytes < 1024:
             raise ValueError(f"snapshot_bytes must be an int >= 1024, got {self.snapshot_bytes!r}")
+        if type(self.redis_min_replicas) is not int or not 0 <= self.redis_min_replicas <= 16:
+            raise ValueError(f"redis_min_replicas must be an int in [0, 16], got {self.redis_min_replicas!r}")
+        if self.redis_min_replicas and (self.redis_url or "").startswith("redis+cluster"):
+            raise ValueError("redis_min_replicas needs a standalone or Sentinel Redis (a cluster keeps the state "
+                             "on one master; use 0)")
         if not 0.05 <= self.redis_timeout_s <= 60:
             raise ValueError(f"redis_timeout_s must be in [0.05, 60], got {self.redis_timeout_s}")
 

@@ -57,7 +57,8 @@ def open_store(cfg: ManagerConfig) -> StateStore:
     high_water = cfg.high_water_file or os.path.join(runtime_dir(), f"{cfg.namespace}.seq")
     return RedisStore(connect(cfg.redis_url, cfg.redis_timeout_s), cfg.namespace, owner=owner,
                       durability=cfg.durability, lease_ms=cfg.lease_ms, snapshot_bytes=cfg.snapshot_bytes,
-                      high_water_path=high_water, reconnect=lambda: connect(cfg.redis_url, cfg.redis_timeout_s))
+                      high_water_path=high_water, reconnect=lambda: connect(cfg.redis_url, cfg.redis_timeout_s),
+                      min_replicas=cfg.redis_min_replicas)
 
 
 def activate(server: Server, now: float) -> None:

@@ -119,7 +119,7 @@ class RedisStore:
 
     def __init__(self, client, namespace: str, *, owner: str, durability: str = "sync",
                  lease_ms: int = 3000, snapshot_bytes: int = 32 << 20, high_water_path: str | None = None,
-                 reconnect: Callable[[], Any] | None = None) -> None:
+                 reconnect: Callable[[], Any] | None = None, min_replicas: int = 0) -> None:
         if durability not in DURABILITY:
             raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
         self.r, self.namespace, self.owner = client, namespace, owner
@@ -132,6 +132,11 @@ class RedisStore:
         self.seq = self.snap_seq = 0
         self.journal_bytes = self.snap_bytes = 0
         self.counts = {"commits": 0, "snapshots": 0, "failures": 0, "start_overs": 0, "snapshot_failures": 0}
+        # Replicas that must confirm each commit (WAIT) before it is acknowledged: a Sentinel
+        # failover then loses nothing acknowledged. The wait stays inside the socket timeout.
+        self.min_replicas = min_replicas
+        timeout = client.get_connection_kwargs().get("socket_timeout") if hasattr(client, "get_connection_kwargs") else None
+        self.wait_ms = max(10, int(float(timeout or 2.0) * 500))
         self._reconnect = reconnect  # a fresh client, for a forked snapshot child (None: snapshot on the loop)
         self._child: Child | None = None
         self._child_bytes = 0
@@ -180,6 +185,10 @@ class RedisStore:
                 if why is not None:
                     self._start_over(reg, why)
                 loaded = True
+            if self.min_replicas:  # what is served now must be on the replicas too (a write, then WAIT)
+                k = self.keys
+                self._run_replicated("commit", [k["fence"], k["lease"], k["journal"], k["seq"]],
+                                     [self.token, self.owner, self.lease_ms, 0])
         reg.durable, reg.log, reg.dirty, reg.seq = True, [], set(), self.seq
         self._ack(reg)
         if self.durability == "async":
@@ -308,9 +317,29 @@ class RedisStore:
 
     def _write_blobs(self, first_seq: int, blobs: list[bytes]) -> None:
         k = self.keys
-        self._run("commit", [k["fence"], k["lease"], k["journal"], k["seq"]],
-                  [self.token, self.owner, self.lease_ms, first_seq, *blobs])
+        run = self._run_replicated if self.min_replicas and blobs else self._run
+        run("commit", [k["fence"], k["lease"], k["journal"], k["seq"]],
+            [self.token, self.owner, self.lease_ms, first_seq, *blobs])
         self._last_write = time.monotonic()
+
+    def _run_replicated(self, name: str, keys: list[str], args: list):
+        """The script, then WAIT for ``min_replicas`` in the same round trip; StoreUnavailable
+        (nothing acknowledged) when fewer replicas confirm it in time."""
+        import redis
+
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            self._scripts[name](keys=keys, args=args, client=pipe)
+            pipe.execute_command("WAIT", self.min_replicas, self.wait_ms)
+            result, acked = pipe.execute()
+        except redis.RedisError as e:
+            self.counts["failures"] += 1
+            raise store_error(e) from None
+        if acked < self.min_replicas:
+            self.counts["failures"] += 1
+            raise StoreUnavailable(f"{acked} of {self.min_replicas} replicas (redis_min_replicas) confirmed the "
+                                   f"commit within {self.wait_ms} ms")
+        return result
 
     def _renew(self, lease_ms: int) -> None:
         k = self.keys

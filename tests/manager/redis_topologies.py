@@ -1,7 +1,7 @@
 """Real Redis topologies a test starts on free 127.0.0.1 ports: Sentinel and Cluster.
 
-- ``Sentinel``: a master, a replica and three sentinels (``redis-server --sentinel``) watching
-  service ``kvp``, with a 500 ms down-after, so a killed master fails over in a few seconds.
+- ``Sentinel``: a master, one or more replicas and three sentinels (``redis-server --sentinel``)
+  watching service ``kvp``, with a 500 ms down-after, so a killed master fails over in seconds.
 - ``cluster``: three masters (``--cluster-enabled yes``) joined by ``redis-cli --cluster create``.
 
 Every process goes through the test's ``procs`` fixture (killed at teardown).
@@ -25,11 +25,11 @@ def cli(port: int, *args: str) -> str:
 
 
 class Sentinel:
-    def __init__(self, spawn, directory: Path) -> None:
+    def __init__(self, spawn, directory: Path, replicas: int = 1) -> None:
         self.spawn, self.dir = spawn, directory
         self.master, self.master_port = redis_server(spawn, self._dir("master"))
-        self.replica, self.replica_port = redis_server(spawn, self._dir("replica"), "--replicaof", "127.0.0.1",
-                                                       str(self.master_port))
+        self.replica_ports = [redis_server(spawn, self._dir(f"replica{k}"), "--replicaof", "127.0.0.1",
+                                           str(self.master_port))[1] for k in range(replicas)]
         self.sentinel_ports = [free_port() for _ in range(3)]
         for port in self.sentinel_ports:
             conf = directory / f"sentinel-{port}.conf"
@@ -49,8 +49,8 @@ class Sentinel:
         port = self.sentinel_ports[0]
         replicas = cli(port, "SENTINEL", "REPLICAS", SERVICE)
         others = cli(port, "SENTINEL", "SENTINELS", SERVICE)
-        synced = "master_link_status:up" in cli(self.replica_port, "INFO", "replication")
-        return synced and "flags" in replicas and others.count("flags") >= 2
+        synced = all("master_link_status:up" in cli(p, "INFO", "replication") for p in self.replica_ports)
+        return synced and replicas.count("flags") == len(self.replica_ports) and others.count("flags") >= 2
 
     @property
     def url(self) -> str:
