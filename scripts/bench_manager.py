@@ -177,10 +177,12 @@ def run_daemon(endpoint: str, shard_files: list[str], batch: int, prehash: bool,
             procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for p in procs:
             assert p.stdout.readline().strip() == "ready", "a client failed to start"
+        sched0 = run_delay(daemon.pid)
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
         outs = [json.loads(p.stdout.readline()) for p in procs]
+        waited = run_delay(daemon.pid) - sched0
         for p in procs:
             p.wait(60)
         all_stats = admin.stats()
@@ -205,11 +207,21 @@ def run_daemon(endpoint: str, shard_files: list[str], batch: int, prehash: bool,
         "prefix_hit_rate": sum(o["cached_tokens"] for o in outs) / sum(o["prompt_tokens"] for o in outs),
         "daemon_iteration_p50_us": server["iteration_latency"]["p50"] * 1e6,
         "daemon_iteration_p99_us": server["iteration_latency"]["p99"] * 1e6,
+        "daemon_cpu_wait_s": waited,
         "daemon_messages_per_iteration": server["messages"] / max(1, server["iteration_latency"]["count"]),
         "manager_errors": server["errors"],
         "manager_dropped": server["dropped"],
         "store": store,
     }
+
+
+def run_delay(pid: int) -> float:
+    """Seconds the process has waited for a CPU while runnable (Linux schedstat; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as fh:
+            return int(fh.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def compare(inproc: dict, daemon: dict) -> dict:
@@ -229,7 +241,8 @@ def report(title: str, r: dict) -> None:
           f"manager errors {d['manager_errors'] or 'none'}")
     print(f"    where the tail is: the daemon's busy iterations p50 <= {d['daemon_iteration_p50_us']:,.0f} us, "
           f"p99 <= {d['daemon_iteration_p99_us']:,.0f} us ({d['daemon_messages_per_iteration']:.1f} messages each); "
-          "the rest of a round trip is waiting for a CPU (clients and daemon share the machine)")
+          f"the daemon waited {d['daemon_cpu_wait_s'] * 1e3:,.0f} ms for a CPU while runnable "
+          f"({d['daemon_cpu_wait_s'] / d['seconds']:.0%} of the run, taken by the clients and other processes)")
 
 
 def main() -> None:
