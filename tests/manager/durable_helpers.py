@@ -212,8 +212,8 @@ def redis_server(spawn, directory: str, *extra: str, port: int | None = None):
     import shutil
     import subprocess
 
-    if shutil.which("redis-server") is None:
-        pytest.skip("needs redis-server on PATH")
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("needs redis-server and redis-cli on PATH")
     for _ in range(5):
         use = port or free_port()
         cmd = ["redis-server", "--port", str(use), "--bind", "127.0.0.1", "--dir", directory, "--save", "",
