@@ -213,3 +213,43 @@ def test_an_async_write_failure_stops_acknowledging_and_recovers(ns):
     assert srv.registry.state_id != old and srv.registry.pools == {}  # ...so it is served as a new, empty state
     reply = call(srv, "heartbeat", sid)
     assert reply["status"] == "unknown_session" and reply["state"] == srv.registry.state_id
+
+
+@pytest.mark.redis
+def test_a_failed_background_snapshot_loses_nothing_and_is_retried(ns):
+    from kvpool.manager.store.redis_url import connect
+
+    r, name = ns
+    srv = server(name, snapshot_bytes=4096)
+    store = srv.store
+    good = store._reconnect
+    store._reconnect = lambda: connect("redis://127.0.0.1:1/0", 0.2)  # the child cannot reach Redis
+    workload(srv, 30, snapshots_done=True)
+    assert store.counts["snapshot_failures"] >= 1 and store.counts["snapshots"] == 1  # only the first one
+    assert r.llen(namespace_keys(name)["journal"]) == store.seq  # the journal still holds every batch
+    store._reconnect = good
+    workload(srv, 30, seed=1, snapshots_done=True)
+    assert store.counts["snapshots"] >= 2
+    assert r.llen(namespace_keys(name)["journal"]) == store.seq - store.snap_seq
+    back = server(name)
+    assert state_of(back.registry) == state_of(srv.registry)
+    back.close()
+
+
+@pytest.mark.redis
+def test_a_clean_stop_under_async_proves_nothing_was_lost(ns, tmp_path):
+    """Async without this host's mark (as on another host): a clean stop's marker lets the next
+    manager serve the same state; after a kill it could not know, and starts a new one."""
+    _, name = ns
+    srv = server(name, durability="async", high_water_file=str(tmp_path / "a.seq"))
+    workload(srv, 10)
+    state = srv.registry.state_id
+    srv.close()  # a clean stop: flush, snapshot, release with the clean marker
+    back = server(name, durability="async", high_water_file=str(tmp_path / "b.seq"))
+    assert back.registry.state_id == state and back.store.counts["start_overs"] == 0
+    workload(back, 5, seed=2)
+    back.store._writer.flush()
+    back.store._stop_writer()  # killed: no clean stop (the lease is taken over below, same owner)
+    again = server(name, durability="async", high_water_file=str(tmp_path / "c.seq"))
+    assert again.registry.state_id != state and again.store.counts["start_overs"] == 1
+    again.close()

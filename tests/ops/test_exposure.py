@@ -172,3 +172,16 @@ def test_packaged_configs_expose_nothing_without_curve():
         assert "insecure" not in str(svc).lower() and "KVPOOL_WORKER_ENDPOINT" not in svc.get("environment", {})
         if name.startswith("worker"):
             assert svc["environment"]["KVPOOL_CURVE_KEY_FILE"] and svc["environment"]["KVPOOL_CURVE_SERVER_KEY"]
+
+
+def test_the_worker_default_endpoint_needs_a_private_directory(tmp_path, monkeypatch):
+    import click
+
+    from kvpool.cli.serve import default_worker_endpoint
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert default_worker_endpoint("p0") == f"ipc://{tmp_path}/kvpool/worker-p0.sock"
+    assert stat.S_IMODE(os.stat(tmp_path / "kvpool").st_mode) == 0o700  # created private
+    os.chmod(tmp_path / "kvpool", 0o777)
+    with pytest.raises(click.ClickException, match="writable by group or others"):
+        default_worker_endpoint("p0")
