@@ -20,6 +20,8 @@ import os
 import struct
 from dataclasses import dataclass
 
+from kvpool.shared.bind import check_private_dir, runtime_dir
+
 logger = logging.getLogger(__name__)
 _SEQ = struct.Struct("<Q")
 _ID = 32
@@ -44,7 +46,8 @@ class HighWater:
         if not self.path:
             return None
         try:
-            with open(self.path, "rb") as fh:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as fh:
                 data = fh.read(SIZE + 1)
         except FileNotFoundError:
             return None
@@ -73,7 +76,10 @@ class HighWater:
     def _open(self) -> int:
         directory = os.path.dirname(self.path) or "."  # type: ignore[arg-type]
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)  # type: ignore[arg-type]
+        if os.path.abspath(directory) == os.path.abspath(runtime_dir()):
+            check_private_dir(directory)  # /tmp/kvpool-UID: nobody else may have planted it
+        # O_NOFOLLOW: a link planted at the path must not redirect this write to another file
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # type: ignore[arg-type]
         os.ftruncate(fd, SIZE)
         return fd
 

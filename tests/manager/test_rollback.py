@@ -56,6 +56,13 @@ def test_high_water_mark_file(tmp_path):
     Path(path).write_bytes(b"short")
     assert HighWater(path).read() is None  # foreign or truncated: nothing known
     assert HighWater(None).read() is None
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep")
+    planted = tmp_path / "sub" / "planted.seq"
+    planted.symlink_to(target)
+    with pytest.raises(OSError):  # a link planted at the path is never followed
+        HighWater(str(planted)).note("c" * 32, 1)
+    assert target.read_bytes() == b"keep" and HighWater(str(planted)).read() is None
 
 
 def dump_keys(r, ns: str) -> dict[bytes, bytes]:
