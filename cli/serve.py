@@ -9,10 +9,14 @@ import sys
 
 import click
 
+from kvpool.cli.common import (
+    EXIT_TP_PEER_LOST,
+    EXIT_UNREACHABLE,
+    curve_options,
+    export_curve_env,
+    log_options,
+)
 from kvpool.shared.protocol import ManagerError, default_endpoint
-
-EXIT_UNREACHABLE = 3
-EXIT_TP_PEER_LOST = 4
 
 
 def default_worker_endpoint(pool: str) -> str:
@@ -42,9 +46,6 @@ def _default_tp_master() -> str:
 
 def worker_service_options(f):
     """Metrics, logs and CURVE options of `kvpool worker` (None: the config file's / default)."""
-    from kvpool.cli.admin import curve_options
-    from kvpool.cli.layered import log_options
-
     f = click.option("--metrics-port", type=int, default=None, help="Prometheus /metrics TCP port; 0: off [0].")(f)
     f = click.option("--metrics-host", default=None, help="Address of the metrics endpoint [127.0.0.1].")(f)
     f = click.option("--insecure", is_flag=True, default=None,
@@ -94,8 +95,6 @@ def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: s
     With --tp-size N the pool is one model over N ranks (one process, one GPU each), each holding
     its slice of the KV heads; rank 0 serves requests, every rank registers as a shard.
     """
-    from kvpool.cli.admin import export_curve_env
-
     cfg, source = _worker_config(ctx, config_path, no_prefix_caching)
     export_curve_env(ctx)  # every ManagerClient of this process and of its tensor-parallel ranks
     if cfg.tp_size > 1 and tp_rank is None:
@@ -126,24 +125,12 @@ def _worker_config(ctx: click.Context, config_path: str | None, no_prefix_cachin
 
 def _serve_rank(cfg, manager_eps: list[str], endpoint: str, tp_master: str, tp_timeout: float) -> None:
     """One worker, or one tensor-parallel rank: joins the group, loads its share, serves/follows."""
-    from kvpool.worker.block_manager import RemoteBlockManager
-    from kvpool.worker.checkpoint import load_config
-    from kvpool.worker.metrics import WorkerMetrics
-    from kvpool.worker.parallel import TPPeerLost, check_tp, close_group, init_group
+    from kvpool.worker.parallel import TPPeerLost
     from kvpool.worker.profiler import KVMemoryError
-    from kvpool.worker.server import WorkerServer
-    from kvpool.worker.startup import build_engine, build_follower, rank_device
+    from kvpool.worker.startup import serve_rank
 
     try:
-        if cfg.tp_size > 1:  # refuse a bad split before any rank waits for the others
-            check_tp(load_config(cfg.model), cfg.tp_size)
-            init_group(cfg.tp_rank, cfg.tp_size, tp_master, rank_device(cfg), tp_timeout)
-        bm = RemoteBlockManager(manager_eps, cfg.pool, shard_rank=cfg.tp_rank, shard_count=cfg.tp_size)
-        if cfg.tp_rank == 0:
-            engine = build_engine(cfg, bm)
-            WorkerServer(engine, endpoint, cfg.pool, metrics=WorkerMetrics.start(cfg)).serve()
-        else:
-            build_follower(cfg, bm).run()
+        serve_rank(cfg, manager_eps, endpoint, tp_master, tp_timeout)
     except (ValueError, KVMemoryError) as e:
         raise click.ClickException(str(e)) from None
     except ManagerError as e:
@@ -154,8 +141,6 @@ def _serve_rank(cfg, manager_eps: list[str], endpoint: str, tp_master: str, tp_t
                    "epoch moves on when the lost shard's session ends or it re-registers; restart every "
                    "rank of the pool.", err=True)
         sys.exit(EXIT_TP_PEER_LOST)
-    finally:
-        close_group()
 
 
 @click.command("generate")

@@ -19,9 +19,9 @@ from kvpool.shared.protocol import (
     PROTOCOL_VERSION,
     ROLES,
     SUPPORTED_VERSIONS,
+    KVSpec,
     ManagerError,
     bad_field,
-    check_spec,
     get_hashes,
     get_int,
     get_map,
@@ -119,7 +119,7 @@ class Handlers:
             get_int(args, "shard_rank", 0, 4095),
             get_int(args, "shard_count", 1, 4096),
             get_str(args, "incarnation", 128),
-            check_spec(get_map(args, "spec")),
+            KVSpec.from_wire(get_map(args, "spec")),
             get_int(args, "available_kv_bytes", 0, U63),
         )
         return pool_info(entry)
@@ -186,7 +186,7 @@ class Handlers:
                 cached_blocks=len(pool.blocks.cached) if pool else 0,
                 requests=len(pool.requests) if pool else 0,
                 shards=[{"rank": s.rank, "incarnation": s.incarnation, "num_blocks": s.num_blocks,
-                         "num_kv_heads": s.spec["num_kv_heads"], "session": live[s.sid].num if s.sid in live else None}
+                         "num_kv_heads": s.spec.num_kv_heads, "session": live[s.sid].num if s.sid in live else None}
                         for s in sorted(entry.shards.values(), key=lambda s: s.rank)],
             )
             out.append(info)

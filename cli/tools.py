@@ -1,0 +1,137 @@
+"""Operator tools: `kvpool config show`, `kvpool events`, `kvpool keygen`."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from kvpool.cli.common import emit, table
+from kvpool.cli.layered import load_service, rows
+
+
+@click.group("config")
+def config() -> None:
+    """Service configuration (defaults < TOML file < KVPOOL_<SERVICE>_* env < flags)."""
+
+
+@config.command("show")
+@click.argument("service", type=click.Choice(["manager", "worker"]))
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="Config file [/etc/kvpool/SERVICE.toml if it exists].")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def config_show(service: str, config_path: str | None, as_json: bool) -> None:
+    """Print the effective config of SERVICE and where each value came from.
+
+    Flags of the daemon's own command line are not known here; everything else (defaults, the
+    file, KVPOOL_MANAGER_* / KVPOOL_WORKER_* variables) is. Invalid values fail as the daemon would.
+    """
+    cfg, source = load_service(service, config_path)
+    out = rows(cfg, source)
+    shown = [{**r, "value": "-" if r["value"] is None else str(r["value"])} for r in out]
+    emit(out, as_json, lambda: table(shown, [("FIELD", "field"), ("VALUE", "value"), ("SOURCE", "source")]))
+
+
+# -- KV events -----------------------------------------------------------------------------
+
+
+def _hex(events: list) -> list:
+    """Events with their bytes as hex (JSON output)."""
+    def conv(v: object) -> object:
+        if isinstance(v, bytes):
+            return v.hex()
+        if isinstance(v, list):
+            return [conv(x) for x in v]
+        return v
+
+    return [conv(ev) for ev in events]
+
+
+def _summary(events: list) -> str:
+    parts = []
+    for ev in events:
+        if ev[0] == "BlockStored":
+            parent = ev[2].hex()[:8] if ev[2] else "-"
+            parts.append(f"stored {len(ev[1])} [{ev[1][0].hex()[:8]}..] parent {parent}")
+        elif ev[0] == "BlockRemoved":
+            parts.append(f"removed {len(ev[1])} [{ev[1][0].hex()[:8]}..]")
+        else:
+            parts.append(str(ev[0]))
+    return ", ".join(parts)
+
+
+def _print_batch(batch, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps({"pool": batch.topic, "seq": batch.seq, "ts": batch.ts, "events": _hex(batch.events)}))
+    else:
+        stamp = time.strftime("%H:%M:%S", time.localtime(batch.ts))
+        click.echo(f"{stamp} #{batch.seq} {batch.topic}: {_summary(batch.events)}")
+
+
+@click.command("events")
+@click.option("--endpoint", "-e", envvar="KVPOOL_EVENTS", default="tcp://127.0.0.1:5557", show_default=True,
+              help="The manager's events_endpoint; env KVPOOL_EVENTS.")
+@click.option("--replay-endpoint", envvar="KVPOOL_EVENTS_REPLAY", default=None,
+              help="The manager's events_replay_endpoint (needed by --replay-from); env KVPOOL_EVENTS_REPLAY.")
+@click.option("--replay-from", type=int, default=None, help="First print the buffered batches from this sequence number.")
+@click.option("--pool", "-p", "pools", multiple=True, help="Only these pools (topics); repeatable.")
+@click.option("--count", type=int, default=None, help="Stop after this many batches.")
+@click.option("--timeout", "timeout_s", type=float, default=5.0, show_default=True, help="Replay answer timeout.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per batch, hashes in hex.")
+def events(endpoint: str, replay_endpoint: str | None, replay_from: int | None, pools: tuple[str, ...],
+           count: int | None, timeout_s: float, as_json: bool) -> None:
+    """Tail the manager's KV events (BlockStored / BlockRemoved / AllBlocksCleared batches)."""
+    from kvpool.manager.event_client import EventTail
+
+    if replay_from is not None and not replay_endpoint:
+        raise click.UsageError("--replay-from needs --replay-endpoint")
+    tail = EventTail(endpoint, pools)  # subscribed before the replay, so no batch falls between the two
+    printed, last = 0, -1
+    try:
+        if replay_from is not None:
+            try:
+                replayed = tail.replay(replay_endpoint, replay_from, timeout_s)  # type: ignore[arg-type]
+            except TimeoutError as e:
+                raise click.ClickException(str(e)) from None
+            for batch in replayed:
+                _print_batch(batch, as_json)
+                printed, last = printed + 1, batch.seq
+                if count is not None and printed >= count:
+                    return
+        while count is None or printed < count:
+            batch = tail.next()
+            if batch.seq <= last:
+                continue  # already printed from the replay
+            _print_batch(batch, as_json)
+            printed, last = printed + 1, batch.seq
+    except KeyboardInterrupt:
+        pass
+    finally:
+        tail.close()
+
+
+# -- CURVE keys ----------------------------------------------------------------------------
+
+
+@click.command("keygen")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Directory to write to.")
+@click.option("--name", default="kvpool", show_default=True, help="Key name: NAME.key and NAME.key_secret.")
+@click.option("--force", is_flag=True, help="Overwrite an existing keypair of that name.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def keygen(out_dir: str, name: str, force: bool, as_json: bool) -> None:
+    """Write a CURVE keypair: NAME.key (public, share it) and NAME.key_secret (mode 0600).
+
+    The manager: curve_secret_key_file = its NAME.key_secret. Each client: copy its NAME.key into
+    the manager's curve_allowed_keys_dir (then SIGHUP the manager), and run with
+    --curve-key-file NAME.key_secret --curve-server-key MANAGER.key.
+    """
+    from kvpool.shared.curve import read_keypair, write_keypair
+
+    try:
+        public_path, secret_path = write_keypair(out_dir, name, force=force)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    public = read_keypair(str(secret_path))[0].decode()
+    info = {"public_key": public, "public_file": str(public_path), "secret_file": str(secret_path)}
+    emit(info, as_json, lambda: click.echo(f"public key {public}\n  {public_path}\n  {secret_path} (secret, 0600)"))
