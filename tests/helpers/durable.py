@@ -234,7 +234,6 @@ def seed_big_state(namespace: str, blocks: int, redis_url: str = REDIS_URL) -> N
     """Writes a state with one pool of ``blocks`` blocks into ``namespace`` (a clean stop), so a
     manager takes a while to load it."""
     from helpers.manager import SPEC
-
     from kvpool.manager.store.redis_store import RedisStore
     from kvpool.manager.store.redis_url import connect
     from kvpool.shared.protocol import KVSpec
