@@ -46,6 +46,10 @@ def _default_tp_master() -> str:
 
 def worker_service_options(f):
     """Metrics, logs and CURVE options of `kvpool worker` (None: the config file's / default)."""
+    f = click.option("--curve-allowed-keys-dir", default=None,
+                     help="Directory of the NAME.key files of clients allowed on the generate socket.")(f)
+    f = click.option("--curve-secret-key-file", default=None,
+                     help="This worker's NAME.key_secret: CURVE on its generate socket (`kvpool keygen`).")(f)
     f = click.option("--metrics-port", type=int, default=None, help="Prometheus /metrics TCP port; 0: off [0].")(f)
     f = click.option("--metrics-host", default=None, help="Address of the metrics endpoint [127.0.0.1].")(f)
     f = click.option("--insecure", is_flag=True, default=None,
@@ -73,6 +77,8 @@ def worker_service_options(f):
 @click.option("--cpu-memory-budget", default="2GiB", show_default=True, callback=_bytes,
               help="Host memory treated as the device on CPU.")
 @click.option("--no-prefix-caching", is_flag=True, help="Send no block hashes (no prefix reuse).")
+@click.option("--no-overlap", is_flag=True, help="Wait for the manager before each forward pass "
+              "(default: send step N+1 while step N computes).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=0, help="torch CPU threads (0: torch's default).")
 @click.option("--tp-size", default=1, show_default=True,
@@ -88,14 +94,14 @@ def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: s
            endpoint: str | None, dtype: str, device: str,
            block_size: int, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
            memory_utilization: float, kv_cache_memory: int | None, cpu_memory_budget: int,
-           no_prefix_caching: bool, seed: int, threads: int, tp_size: int, tp_rank: int | None,
+           no_prefix_caching: bool, no_overlap: bool, seed: int, threads: int, tp_size: int, tp_rank: int | None,
            tp_master: str, tp_timeout: float, **_: object) -> None:
     """Serve generate requests from paged KV memory whose blocks the manager hands out.
 
     With --tp-size N the pool is one model over N ranks (one process, one GPU each), each holding
     its slice of the KV heads; rank 0 serves requests, every rank registers as a shard.
     """
-    cfg, source = _worker_config(ctx, config_path, no_prefix_caching)
+    cfg, source = _worker_config(ctx, config_path, no_prefix_caching, no_overlap)
     export_curve_env(ctx)  # every ManagerClient of this process and of its tensor-parallel ranks
     if cfg.tp_size > 1 and tp_rank is None:
         from kvpool.worker.launch import launch
@@ -113,13 +119,15 @@ def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: s
     _serve_rank(cfg, cfg.manager.split(","), cfg.endpoint or default_worker_endpoint(cfg.pool), tp_master, tp_timeout)
 
 
-def _worker_config(ctx: click.Context, config_path: str | None, no_prefix_caching: bool):
+def _worker_config(ctx: click.Context, config_path: str | None, no_prefix_caching: bool, no_overlap: bool):
     """Defaults < config file < KVPOOL_WORKER_* < options given (cli/layered.py)."""
     from kvpool.cli.layered import explicit_flags, load_service
 
     flags, labels = explicit_flags(ctx, "worker", {"manager_ep": "manager"})
     if no_prefix_caching:
         flags["enable_prefix_caching"], labels["enable_prefix_caching"] = False, "flag"
+    if no_overlap:
+        flags["overlap"], labels["overlap"] = False, "flag"
     return load_service("worker", config_path, flags, labels)
 
 
@@ -155,15 +163,25 @@ def _serve_rank(cfg, manager_eps: list[str], endpoint: str, tp_master: str, tp_t
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--timeout", "timeout_s", default=60.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per token message.")
+@click.option("--worker-key", envvar="KVPOOL_WORKER_CURVE_KEY", default=None,
+              help="The worker's public key (NAME.key or Z85 text) when it runs CURVE; env KVPOOL_WORKER_CURVE_KEY.")
+@click.option("--curve-key-file", envvar="KVPOOL_CURVE_KEY_FILE", default=None,
+              help="This client's NAME.key_secret (CURVE); env KVPOOL_CURVE_KEY_FILE.")
 def generate(prompt_ids: tuple[int, ...], endpoint: str | None, pool: str, max_tokens: int,
              temperature: float, top_p: float, seed: int | None, n: int, ignore_eos: bool,
-             timeout_s: float, as_json: bool) -> None:
+             timeout_s: float, as_json: bool, worker_key: str | None, curve_key_file: str | None) -> None:
     """Generate from PROMPT_IDS (token ids); prints tokens as they stream in."""
+    from kvpool.shared.curve import ClientKeys
     from kvpool.worker.client import GenerateClient, WorkerUnavailable
+
+    try:
+        curve = ClientKeys.load(worker_key, curve_key_file) if worker_key else None
+    except ValueError as e:
+        raise click.ClickException(str(e).replace("--curve-server-key", "--worker-key")) from None
 
     params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "n": n,
               "ignore_eos": ignore_eos, **({"seed": seed} if seed is not None else {})}
-    client = GenerateClient(endpoint or default_worker_endpoint(pool))
+    client = GenerateClient(endpoint or default_worker_endpoint(pool), curve=curve)
     try:
         for msg in client.stream(list(prompt_ids), timeout_s=timeout_s, **params):
             if as_json:

@@ -104,7 +104,8 @@ def client_main(endpoint: str, shard_file: str, out_file: str, epoch: int, batch
     # the middle of steps and show up as the daemon's tail: this measures the daemon.
     gc.collect()
     gc.freeze()
-    client = ManagerClient(endpoint, identity=f"bench-client-{os.getpid()}", timeout_s=60.0)
+    # several clients step on one pool registered by the parent: only admin sessions may (manager/guards.py)
+    client = ManagerClient(endpoint, identity=f"bench-client-{os.getpid()}", role="admin", timeout_s=60.0)
     client.hello()
     print("ready", flush=True)
     sys.stdin.readline()  # the parent's "go"

@@ -6,6 +6,7 @@ explicit scalars. ``PRESETS`` names model shapes that get seeded random weights.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -120,6 +121,7 @@ class WorkerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     static_prealloc: bool = False  # baseline: reserve max_model_len slots per request
+    overlap: bool = True  # send step N+1's message while step N computes (False: --no-overlap)
     tp_size: int = 1  # tensor-parallel shards of the pool (one process each)
     tp_rank: int = 0  # this process's shard; rank 0 runs the scheduler
     # -- the service (`kvpool worker`; docs/operating.md) --
@@ -131,8 +133,12 @@ class WorkerConfig:
     metrics_host: str = "127.0.0.1"
     json_logs: bool = False
     log_level: str = "info"
+    # CURVE on the generate socket (shared/curve.py), as on the manager's control socket
+    curve_secret_key_file: str | None = None  # this worker's NAME.key_secret
+    curve_allowed_keys_dir: str | None = None  # one NAME.key per allowed client (front door, CLI)
 
     def __post_init__(self) -> None:
+        self._check_curve()
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -160,8 +166,19 @@ class WorkerConfig:
             raise ValueError(f"metrics_port must be a TCP port in 1..65535, or 0 for no metrics; got {self.metrics_port!r}")
         if self.log_level.lower() not in LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LEVELS)}, got {self.log_level!r}")
-        if self.endpoint:  # the generate socket has no CURVE yet: loopback, ipc, or --insecure
-            check_bind(self.endpoint, curve=False, insecure=self.insecure, what="worker endpoint")
+        if self.endpoint:  # the generate socket: loopback, ipc, CURVE, or --insecure
+            check_bind(self.endpoint, curve=bool(self.curve_secret_key_file), insecure=self.insecure,
+                       what="worker endpoint")
         if not 1 <= self.tp_size <= 64 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"need 1 <= tp_size <= 64 and 0 <= tp_rank < tp_size, got tp_size "
                              f"{self.tp_size} and tp_rank {self.tp_rank}")
+
+    def _check_curve(self) -> None:
+        key, allowed = self.curve_secret_key_file, self.curve_allowed_keys_dir
+        if bool(key) != bool(allowed):
+            raise ValueError("CURVE on the generate socket needs both curve_secret_key_file (this worker's "
+                             "NAME.key_secret) and curve_allowed_keys_dir (a directory of allowed clients' NAME.key)")
+        if key and not os.path.isfile(key):
+            raise ValueError(f"curve_secret_key_file {key} does not exist; create it with `kvpool keygen`")
+        if allowed and not os.path.isdir(allowed):
+            raise ValueError(f"curve_allowed_keys_dir {allowed} is not a directory")

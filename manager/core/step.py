@@ -8,8 +8,11 @@ Sub-op schemas (msgpack maps; PROTOCOL.md is the reference):
   {"op": "alloc",  "req": R, "hashes": [bytes32...], "prompt_len": int, "max_new": int,
    "lookahead": int = 0}
       -> {"ok": true, "cached": int, "blocks": [int...]}        (cached = tokens found cached)
-  {"op": "extend", "req": R, "num_tokens": int, "hashes": [bytes32...] = [], "lookahead": int = 0}
+  {"op": "extend", "req": R, "num_tokens": int, "hashes": [bytes32...] = [], "lookahead": int = 0,
+   "base": int = absent}
       -> {"ok": true, "blocks": [new int...], "copies": [[index, src, dst]...]}
+      base: refused with "stale_base" unless the request holds exactly that many tokens (a
+      pipelined step whose previous sub-op for the request was refused must not run)
   {"op": "free",   "req": R}                    -> {"ok": true}
   {"op": "fork",   "req": R, "child": R}        -> {"ok": true, "blocks": [int...]}
   no space: {"ok": false, "code": "no_space", "msg": ...}; bad input: another code.
@@ -23,7 +26,7 @@ from collections.abc import Callable
 
 from kvpool.manager.core.pool import Pool, PoolError
 from kvpool.shared.hashing import HASH_BYTES
-from kvpool.shared.protocol import MAX_HASHES
+from kvpool.shared.protocol import MAX_HASHES, short_repr
 
 MAX_COUNT = 1 << 31  # bound on token and block counts in one sub-op
 MAX_REQ_ID_LEN = 128
@@ -34,7 +37,7 @@ OK = {"ok": True}
 def _int(op: dict, key: str, default: int | None = None) -> int:
     v = op.get(key, default)
     if type(v) is not int or not 0 <= v < MAX_COUNT:
-        raise PoolError("bad_field", f"field {key!r} must be an int in [0, 2**31), got {v!r}")
+        raise PoolError("bad_field", f"field {key!r} must be an int in [0, 2**31), got {short_repr(v)}")
     return v
 
 
@@ -44,7 +47,7 @@ def _req(op: dict, key: str = "req") -> int | str:
         return v
     if type(v) is str and 0 < len(v) <= MAX_REQ_ID_LEN:
         return v
-    raise PoolError("bad_field", f"field {key!r} must be an int >= 0 or a str of 1-128 chars, got {v!r}")
+    raise PoolError("bad_field", f"field {key!r} must be an int >= 0 or a str of 1-128 chars, got {short_repr(v)}")
 
 
 def _hashes(op: dict) -> list[bytes]:
@@ -53,7 +56,7 @@ def _hashes(op: dict) -> list[bytes]:
         raise PoolError("bad_field", f"field 'hashes' must be a list of at most {MAX_HASHES} 32-byte strings")
     for h in hs:
         if type(h) is not bytes or len(h) != HASH_BYTES:
-            raise PoolError("bad_hash", f"every hash must be {HASH_BYTES} bytes, got {h!r:.40}")
+            raise PoolError("bad_hash", f"every hash must be {HASH_BYTES} bytes, got {short_repr(h, 40)}")
     return hs  # type: ignore[return-value]
 
 
@@ -67,7 +70,13 @@ def _alloc(pool: Pool, owner: object, op: dict) -> dict:
 
 
 def _extend(pool: Pool, owner: object, op: dict) -> dict:
-    res = pool.extend((owner, _req(op)), _int(op, "num_tokens"), _hashes(op), _int(op, "lookahead", 0))
+    key = (owner, _req(op))
+    if "base" in op:
+        base, held = _int(op, "base"), pool.requests.get(key)
+        if held is not None and held.num_tokens != base:
+            raise PoolError("stale_base", f"request {key!r} holds {held.num_tokens} tokens, not base {base}: "
+                            "an earlier sub-op for it was refused; free it")
+    res = pool.extend(key, _int(op, "num_tokens"), _hashes(op), _int(op, "lookahead", 0))
     if res is None:
         return NO_SPACE
     return {"ok": True, "blocks": res[0], "copies": [list(c) for c in res[1]]}
@@ -108,7 +117,7 @@ def run_step(pool: Pool, owner: object, ops: list, allow_alloc: bool = True) -> 
             name = op.get("op")
             handler = SUB_OPS.get(name)  # type: ignore[arg-type]
             if handler is None:
-                raise PoolError("unknown_sub_op", f"unknown sub-op {name!r}; known: {sorted(SUB_OPS)}")
+                raise PoolError("unknown_sub_op", f"unknown sub-op {short_repr(name, 40)}; known: {sorted(SUB_OPS)}")
             if not allow_alloc and name in ("alloc", "fork"):
                 raise PoolError("draining", "the manager is draining: no new allocations")
             results.append(handler(pool, owner, op))

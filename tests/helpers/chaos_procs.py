@@ -74,7 +74,8 @@ def register(client: ManagerClient, pool: str) -> int:
 
 
 def main(endpoints: list[str], pool: str, seed: int, stop_file: str, check_every: int) -> None:
-    client = ManagerClient(endpoints, identity=f"chaos-{seed}", timeout_s=0.5, failover_s=120.0)
+    # several clients step on one pool: only admin sessions may share a pool (manager/guards.py)
+    client = ManagerClient(endpoints, identity=f"chaos-{seed}", role="admin", timeout_s=0.5, failover_s=120.0)
     epoch = register(client, pool)
     rng = random.Random(seed)
     tables: dict[int, list[int]] = {}

@@ -57,6 +57,8 @@ def test_manager_and_worker_configs_refuse_exposed_sockets_without_curve(tmp_pat
     with pytest.raises(ValueError, match="worker endpoint"):
         WorkerConfig(endpoint="tcp://0.0.0.0:5560")
     WorkerConfig(endpoint="tcp://0.0.0.0:5560", insecure=True)
+    WorkerConfig(endpoint="tcp://0.0.0.0:5560", curve_secret_key_file=str(secret),
+                  curve_allowed_keys_dir=str(tmp_path))  # the worker's own CURVE
     WorkerConfig(endpoint="tcp://127.0.0.1:5560")
 
 

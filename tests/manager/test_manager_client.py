@@ -60,6 +60,38 @@ def test_a_step_is_one_round_trip_and_a_stale_epoch_raises(live_server):
     c.close()
 
 
+def test_a_step_sent_with_begin_is_answered_while_the_caller_works(live_server):
+    """begin_step returns before the reply; the manager runs the step meanwhile; end_step
+    collects it (the worker's overlap of the round trip with its forward pass)."""
+    live = live_server()
+    c = ManagerClient(live.endpoint)
+    epoch = reg(c)["epoch"]
+    before = live.server.stats.messages
+    pending = c.begin_step("p", epoch, [{"op": "alloc", "req": 1, "hashes": [], "prompt_len": 3, "max_new": 3}])
+    deadline = time.monotonic() + 10
+    while live.server.stats.messages == before and time.monotonic() < deadline:
+        time.sleep(0.001)  # "computing": the manager handles the step without our waiting on it
+    assert live.server.stats.messages == before + 1
+    assert c.end_step(pending) == [{"ok": True, "cached": 0, "blocks": [1]}]
+    assert c.step("p", epoch, [{"op": "free", "req": 1}]) == [{"ok": True}]  # the socket is free again
+    reg(c, inc="restarted")
+    with pytest.raises(StaleEpoch):
+        c.end_step(c.begin_step("p", epoch, []))
+    c.close()
+
+
+def test_an_unanswered_begin_step_raises_unavailable_at_end(sock_dir):
+    live = LiveServer(f"ipc://{sock_dir}/gone.sock")
+    c = ManagerClient(live.endpoint, timeout_s=10)
+    epoch = reg(c)["epoch"]
+    live.stop()
+    c.timeout_s = 0.3
+    pending = c.begin_step("p", epoch, [])
+    with pytest.raises(ManagerUnavailable, match="no reply to 'step'"):
+        c.end_step(pending)
+    c.close()
+
+
 def test_a_manager_restart_is_reported_once_then_the_client_rejoins(sock_dir):
     endpoint = f"ipc://{sock_dir}/r.sock"
     first = LiveServer(endpoint)
@@ -129,6 +161,31 @@ def test_context_manager_deregisters(live_server):
         epoch = reg(c)["epoch"]
         c.step("p", epoch, [{"op": "alloc", "req": 1, "hashes": [], "prompt_len": 3, "max_new": 3}])
     assert live.server.registry.sessions == {} and live.server.registry.total_requests() == 0
+
+
+def test_a_too_large_request_is_answered_with_a_nil_id_and_the_client_takes_it(live_server):
+    live = live_server()
+    c = ManagerClient(live.endpoint, timeout_s=5)
+    reg(c)
+    hashes = [bytes(32)] * ((live.server.cfg.max_message_bytes // 34) + 1000)  # over the limit, under 2x
+    t0 = time.monotonic()
+    with pytest.raises(ManagerError) as ei:
+        c.lookup("p", hashes)
+    assert ei.value.code == "too_large" and time.monotonic() - t0 < 4.5, "an error, not a timeout"
+    assert c.lookup("p", []) == 0  # the same session carries on
+    c.close()
+
+
+def test_a_second_worker_waits_for_the_shards_session_then_takes_over(live_server):
+    live = live_server(session_timeout_s=1.0)
+    first, second = ManagerClient(live.endpoint), ManagerClient(live.endpoint)
+    assert reg(first, inc="a")["epoch"] == 1
+    with pytest.raises(ManagerError) as ei:
+        reg(second, inc="b", wait_s=0.3)  # the shard is held by a live session
+    assert ei.value.code == "not_owner"
+    first.close()  # the first worker stops talking: its session expires, the shard is free
+    assert reg(second, inc="b", wait_s=10)["epoch"] == 2
+    second.close()
 
 
 def test_a_reply_below_the_commit_sequence_seen_is_a_lost_manager(sock_dir):
