@@ -10,6 +10,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from kvpool.shared.bind import check_bind
 from kvpool.shared.logs import LEVELS
 from kvpool.shared.protocol import default_endpoint
 
@@ -144,6 +145,7 @@ class WorkerConfig:
     # -- the service (`kvpool worker`; docs/operating.md) --
     manager: str = field(default_factory=default_endpoint)  # manager endpoint(s), comma-separated
     endpoint: str | None = None  # generate endpoint to bind [ipc://$XDG_RUNTIME_DIR/kvpool/worker-POOL.sock]
+    insecure: bool = False  # allow a non-loopback TCP endpoint without CURVE (trusted networks only)
     threads: int = 0  # torch CPU threads (0: torch's default)
     metrics_port: int = 0  # Prometheus /metrics on this TCP port; 0: off
     metrics_host: str = "127.0.0.1"
@@ -182,6 +184,9 @@ class WorkerConfig:
             raise ValueError(f"metrics_port must be a TCP port in 1..65535, or 0 for no metrics; got {self.metrics_port!r}")
         if self.log_level.lower() not in LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LEVELS)}, got {self.log_level!r}")
+        if self.endpoint:  # the generate socket: loopback, ipc, CURVE, or --insecure
+            check_bind(self.endpoint, curve=bool(self.curve_secret_key_file), insecure=self.insecure,
+                       what="worker endpoint")
         if not 1 <= self.tp_size <= 64 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"need 1 <= tp_size <= 64 and 0 <= tp_rank < tp_size, got tp_size "
                              f"{self.tp_size} and tp_rank {self.tp_rank}")
