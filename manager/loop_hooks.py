@@ -53,12 +53,14 @@ class LoopHooks:
         cfg = self.cfg
         if cfg.events_endpoint and isinstance(publisher, NullSink):
             try:
-                pub = EventPublisher(ctx, cfg.events_endpoint, cfg.events_replay_endpoint, cfg.events_buffer)
+                pub = EventPublisher(ctx, cfg.events_endpoint, cfg.events_replay_endpoint, cfg.events_buffer,
+                                     cfg.events_format)
             except zmq.ZMQError as e:
                 raise RuntimeError(f"cannot bind the KV events sockets {cfg.events_endpoint} / "
                                    f"{cfg.events_replay_endpoint}: {e}; change events_endpoint") from None
             publisher = self.events = LoopPublisher(pub, self._block_size)
-            logger.info("KV events on %s (replay: %s)", cfg.events_endpoint, cfg.events_replay_endpoint or "off")
+            logger.info("KV events on %s (replay: %s) in the %s format", cfg.events_endpoint,
+                        cfg.events_replay_endpoint or "off", cfg.events_format)
             if self.events.replay_socket is not None:
                 self._poller = zmq.Poller()
                 self._poller.register(sock, zmq.POLLIN)
@@ -80,9 +82,10 @@ class LoopHooks:
         """Waits for a request; answers event replay requests meanwhile. True when one is ready."""
         if self._poller is None:
             return bool(sock.poll(timeout_ms, zmq.POLLIN))
-        ready = dict(self._poller.poll(timeout_ms))
-        if self.events is not None and self.events.replay_socket in ready:
-            self.events.serve_replay()
+        pending = self.events is not None and self.events.replay_pending
+        ready = dict(self._poller.poll(0 if pending else timeout_ms))
+        if self.events is not None and (self.events.replays or self.events.replay_socket in ready):
+            self.events.serve_replay()  # a bounded slice of the replays in progress
         return sock in ready
 
     def ready(self) -> None:

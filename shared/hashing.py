@@ -7,8 +7,9 @@
 - ``extra_i`` is the canonical encoding of the extra keys of block ``i`` (empty when there are
   none): a sequence of items ``tag (1 byte) || u32le(len(payload)) || payload``, in tag order:
   ``0x01`` cache salt (UTF-8; block 0 only), ``0x02`` LoRA name (UTF-8; every block),
-  ``0x03`` a multimodal input's identifier (UTF-8; every block the input's placeholder tokens
-  overlap, in input order).
+  ``0x03`` a multimodal input's offset from the block's first token (int32 little-endian,
+  negative when the input began in an earlier block) followed by its identifier (UTF-8); every
+  block the input's placeholder tokens overlap, in input order.
 
 Only full blocks are hashed. The exact byte layout and test vectors are in PROTOCOL.md, so an
 engine in another language produces identical hashes. Stdlib only: never ``hash()``, never pickle.
@@ -66,7 +67,8 @@ def extra_keys(
     start, end = block_index * block_size, (block_index + 1) * block_size
     for mm in mm_inputs:
         if mm.offset < end and mm.offset + mm.length > start:
-            parts.append(_item(TAG_MM, mm.identifier.encode()))
+            # the item's offset from the block's first token (< 0: it began in an earlier block)
+            parts.append(_item(TAG_MM, struct.pack("<i", mm.offset - start) + mm.identifier.encode()))
     return b"".join(parts)
 
 
@@ -92,17 +94,18 @@ def hash_blocks(
     ``tokens`` starts at block ``first_block`` of the sequence and ``parent`` is the hash of the
     block before it (SEED for block 0), so a caller can continue a chain incrementally.
     """
-    data = tokens_to_bytes(tokens)
+    data = tokens_to_bytes(tokens)  # one buffer for the whole prompt
     step = block_size * 4
-    n_full = len(tokens) // block_size
-    plain = cache_salt is None and lora is None and not mm_inputs
+    end = len(tokens) // block_size * step
     out: list[bytes] = []
-    for i in range(n_full):
-        chunk = data[i * step : (i + 1) * step]
-        if plain or (extra := extra_keys(first_block + i, block_size, cache_salt, lora, mm_inputs)) == b"":
-            parent = sha256(parent + _NO_EXTRA + chunk).digest()
-        else:
-            parent = sha256(parent + struct.pack("<I", len(extra)) + extra + chunk).digest()
+    if cache_salt is None and lora is None and not mm_inputs:  # the common case: no extra keys
+        for i in range(0, end, step):
+            parent = sha256(parent + _NO_EXTRA + data[i : i + step]).digest()
+            out.append(parent)
+        return out
+    for i in range(0, end, step):
+        extra = extra_keys(first_block + i // step, block_size, cache_salt, lora, mm_inputs)
+        parent = hash_block(parent, data[i : i + step], extra)
         out.append(parent)
     return out
 

@@ -11,20 +11,24 @@ socket also works). Frames as the manager sees them::
 The reply mirrors the request's framing. ``payload`` is one msgpack map (str keys, bytes as
 msgpack bin, strings as msgpack str)::
 
-    request {"v": 1, "id": uint64, "op": str, "sid": str (every op but hello), "args": map}
+    request {"v": 1, "id": uint64, "op": str, "sid": str (every op but hello), "args": map,
+             "seq": uint64 (optional: the highest commit sequence the client saw)}
     reply   {"id": uint64 | nil, "status": "ok" | <error code>, "inc": str, "state": str (optional),
-             "body": map (ok, and some errors), "msg": str (errors only)}
+             "seq": uint64 (durable managers), "body": map (ok, and some errors), "msg": str (errors only)}
 
 ``inc`` is the manager process's incarnation id; ``state`` the id of the state it serves (absent:
 equal to ``inc``). When the state id changes, every session, registration and request the client
 knew is gone. Without persistence the two are equal (a new process, a new empty state); with a
-persistent store the state id survives restarts and failovers, so clients carry on. Never pickle, never msgpack ext types.
+persistent store the state id survives restarts and failovers, so clients carry on. ``seq``, the
+state's commit sequence, never goes down within one state id: a client that meets a lower one
+treats it as a new state (PROTOCOL.md section 11). Never pickle, never msgpack ext types.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +40,7 @@ PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 MAX_MESSAGE_BYTES = 8 << 20  # a larger request gets "too_large"
 MAX_SUB_OPS = 1024  # sub-ops in one step message
+MAX_MODEL_LEN = 1 << 24  # the most tokens per request any spec may declare (a manager's own bound is lower)
 MAX_HASHES = 1 << 17  # hashes in one lookup/locate, or one sub-op (2M tokens at block_size 16)
 ROLES = ("worker", "admin", "router", "observer")
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -66,6 +71,10 @@ ERROR_CODES = {
                          "(a step with the same id)",
     "not_active": "this manager is a standby, or lost its lease: try the next endpoint",
     "stale_request": "a step id older than the session's last step: a late duplicate, not run",
+    "not_owner": "the pool (or the shard) belongs to other live sessions: only they or an admin may step on it "
+                 "or register over it (register with replace: true takes a shard over)",
+    "quota_exceeded": "the registration would take the session or the manager past its block quota",
+    "step_too_large": "a step would hand out or share more than max_step_blocks blocks: split it",
     "internal": "a manager bug; the message was logged",
 }
 
@@ -122,28 +131,72 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack(payload: bytes) -> Any:
-    """Decodes one payload; raises (ValueError and friends) on anything that is not msgpack."""
-    return msgpack.unpackb(payload, raw=False, strict_map_key=True)
+# Every byte that cannot be a map or array header (fixmap, fixarray, map16/32, array16/32).
+_NOT_CONTAINER_HEADERS = bytes(b for b in range(256) if not (0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF))
 
 
-def encode_request(msg_id: int, op: str, sid: str | None, args: dict) -> bytes:
+class TooComplex(ValueError):
+    """A payload holds more maps and arrays than any request needs (refused while decoding)."""
+
+
+def max_containers(max_sub_ops: int = MAX_SUB_OPS) -> int:
+    """Maps and arrays a request may hold: a step's envelope, args and ops list, and per sub-op
+    its map and its hash list, with room to spare."""
+    return 4 * max_sub_ops + 256
+
+
+def unpack(payload: bytes, max_objects: int | None = None) -> Any:
+    """Decodes one payload; raises (ValueError and friends) on anything that is not msgpack.
+
+    With ``max_objects``, decoding is bounded the way a request is: no array longer than
+    twice ``MAX_HASHES`` (a longer list is refused by its field's check), no map of more than 64 keys, no ext types, and at most ``max_objects``
+    maps and arrays in all, counted as they are built, so a payload of millions of empty maps
+    is refused after building a few thousand (``TooComplex``), not after building them all.
+    """
+    if max_objects is None:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    if len(payload.translate(None, _NOT_CONTAINER_HEADERS)) <= max_objects:
+        # Fewer bytes that could start a map or an array than the limit: nothing to count.
+        return msgpack.unpackb(payload, raw=False, strict_map_key=True, max_array_len=2 * MAX_HASHES,
+                               max_map_len=64, max_ext_len=0)
+    left = [max_objects]
+
+    def count(obj: Any) -> Any:
+        left[0] -= 1
+        if left[0] < 0:
+            raise TooComplex(f"more than {max_objects} maps and arrays in one message (the limit)")
+        return obj
+
+    return msgpack.unpackb(payload, raw=False, strict_map_key=True, max_array_len=2 * MAX_HASHES, max_map_len=64,
+                           max_ext_len=0, object_hook=count, list_hook=count)
+
+
+def encode_request(msg_id: int, op: str, sid: str | None, args: dict, seq: int | None = None) -> bytes:
+    """``seq``: the highest commit sequence the client saw in its session's state (optional)."""
     msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": msg_id, "op": op, "args": args}
     if sid is not None:
         msg["sid"] = sid
+        if seq:
+            msg["seq"] = seq
     return pack(msg)
 
 
-def ok_reply(msg_id: int | None, inc: str, body: dict, state: str | None = None) -> bytes:
-    if state is None or state == inc:
-        return pack({"id": msg_id, "status": "ok", "inc": inc, "body": body})
-    return pack({"id": msg_id, "status": "ok", "inc": inc, "state": state, "body": body})
+def ok_reply(msg_id: int | None, inc: str, body: dict, state: str | None = None, seq: int | None = None) -> bytes:
+    reply: dict[str, Any] = {"id": msg_id, "status": "ok", "inc": inc, "body": body}
+    if state is not None and state != inc:
+        reply["state"] = state
+    if seq is not None:
+        reply["seq"] = seq
+    return pack(reply)
 
 
-def error_reply(msg_id: int | None, inc: str, err: ManagerError, state: str | None = None) -> bytes:
+def error_reply(msg_id: int | None, inc: str, err: ManagerError, state: str | None = None,
+                seq: int | None = None) -> bytes:
     reply: dict[str, Any] = {"id": msg_id, "status": err.code, "inc": inc, "msg": err.message}
     if state is not None and state != inc:
         reply["state"] = state
+    if seq is not None:
+        reply["seq"] = seq
     if err.body:
         reply["body"] = err.body
     return pack(reply)
@@ -177,8 +230,18 @@ def default_endpoint() -> str:
 _MISSING: Any = object()
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 4, 4, 40, 40
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """A client's value for an error message: bounded in depth and length (a value nested a
+    thousand levels deep must not recurse, nor a huge one fill the reply)."""
+    return _SHORT.repr(value)[:limit]
+
+
 def bad_field(key: str, want: str, got: Any) -> ManagerError:
-    return ManagerError("bad_field", f"field {key!r} must be {want}, got {got!r:.60}")
+    return ManagerError("bad_field", f"field {key!r} must be {want}, got {short_repr(got)}")
 
 
 def get_int(args: dict, key: str, lo: int, hi: int, default: Any = _MISSING) -> int:
@@ -214,7 +277,7 @@ def get_hashes(args: dict, key: str = "hashes") -> list[bytes]:
         raise bad_field(key, f"a list of at most {MAX_HASHES} {HASH_BYTES}-byte bins", hs)
     for h in hs:
         if type(h) is not bytes or len(h) != HASH_BYTES:
-            raise ManagerError("bad_hash", f"every hash must be a {HASH_BYTES}-byte bin, got {h!r:.40}")
+            raise ManagerError("bad_hash", f"every hash must be a {HASH_BYTES}-byte bin, got {short_repr(h, 40)}")
     return hs
 
 
@@ -235,23 +298,32 @@ class KVSpec:
     num_kv_heads: int
     head_size: int
     dtype: str  # a key of DTYPE_BYTES
+    # The most tokens one request of this shard's engine holds, when it declares it; the manager
+    # bounds each sub-op's tokens by the least its shards declare (manager/guards.py).
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         for key, hi in _SPEC_LIMITS.items():
             get_int(vars(self), key, 1, hi)
-        if self.dtype not in DTYPE_BYTES:
+        if type(self.dtype) is not str or self.dtype not in DTYPE_BYTES:  # a list would be unhashable
             raise bad_field("dtype", f"one of {sorted(DTYPE_BYTES)}", self.dtype)
+        if self.max_model_len is not None:
+            get_int(vars(self), "max_model_len", 1, MAX_MODEL_LEN)
 
     @classmethod
     def from_wire(cls, spec: object) -> KVSpec:
         """The spec a wire map describes (other keys are ignored); ``bad_field`` otherwise."""
         if type(spec) is not dict:
             raise bad_field("spec", "a map", spec)
-        return cls(*(spec.get(key, _MISSING) for key in _SPEC_LIMITS), spec.get("dtype"))  # type: ignore[arg-type]
+        return cls(*(spec.get(key, _MISSING) for key in _SPEC_LIMITS), spec.get("dtype"),  # type: ignore[arg-type]
+                   spec.get("max_model_len"))
 
     def to_wire(self) -> dict:
-        return {"block_size": self.block_size, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_size": self.head_size, "dtype": self.dtype}
+        out = {"block_size": self.block_size, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+               "head_size": self.head_size, "dtype": self.dtype}
+        if self.max_model_len is not None:
+            out["max_model_len"] = self.max_model_len
+        return out
 
     @property
     def block_bytes(self) -> int:

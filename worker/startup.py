@@ -135,7 +135,8 @@ def serve_rank(cfg: WorkerConfig, manager_eps: list[str], endpoint: str, tp_mast
         bm = RemoteBlockManager(manager_eps, cfg.pool, shard_rank=cfg.tp_rank, shard_count=cfg.tp_size)
         if cfg.tp_rank == 0:
             engine = build_engine(cfg, bm)
-            WorkerServer(engine, endpoint, cfg.pool, metrics=WorkerMetrics.start(cfg)).serve()
+            curve = (cfg.curve_secret_key_file, cfg.curve_allowed_keys_dir) if cfg.curve_secret_key_file else None
+            WorkerServer(engine, endpoint, cfg.pool, metrics=WorkerMetrics.start(cfg), curve=curve).serve()
         else:
             build_follower(cfg, bm).run()
     finally:

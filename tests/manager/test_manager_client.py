@@ -161,3 +161,71 @@ def test_context_manager_deregisters(live_server):
         epoch = reg(c)["epoch"]
         c.step("p", epoch, [{"op": "alloc", "req": 1, "hashes": [], "prompt_len": 3, "max_new": 3}])
     assert live.server.registry.sessions == {} and live.server.registry.total_requests() == 0
+
+
+def test_a_too_large_request_is_answered_with_a_nil_id_and_the_client_takes_it(live_server):
+    live = live_server()
+    c = ManagerClient(live.endpoint, timeout_s=5)
+    reg(c)
+    hashes = [bytes(32)] * ((live.server.cfg.max_message_bytes // 34) + 1000)  # over the limit, under 2x
+    t0 = time.monotonic()
+    with pytest.raises(ManagerError) as ei:
+        c.lookup("p", hashes)
+    assert ei.value.code == "too_large" and time.monotonic() - t0 < 4.5, "an error, not a timeout"
+    assert c.lookup("p", []) == 0  # the same session carries on
+    c.close()
+
+
+def test_a_second_worker_waits_for_the_shards_session_then_takes_over(live_server):
+    live = live_server(session_timeout_s=1.0)
+    first, second = ManagerClient(live.endpoint), ManagerClient(live.endpoint)
+    assert reg(first, inc="a")["epoch"] == 1
+    with pytest.raises(ManagerError) as ei:
+        reg(second, inc="b", wait_s=0.3)  # the shard is held by a live session
+    assert ei.value.code == "not_owner"
+    first.close()  # the first worker stops talking: its session expires, the shard is free
+    assert reg(second, inc="b", wait_s=10)["epoch"] == 2
+    second.close()
+
+
+def test_a_reply_below_the_commit_sequence_seen_is_a_lost_manager(sock_dir):
+    """Defence in depth for a manager that does not check the ``seq`` clients send (PROTOCOL.md
+    section 3): the client itself treats a lower ``seq`` under the same state id as a new state.
+    The peer is a ROUTER socket answering as such a manager would."""
+    import zmq
+
+    from kvpool.shared.protocol import ok_reply, unpack
+
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"ipc://{sock_dir}/fake.sock")
+    seqs = iter([10, 12, 11, 11])
+    seen: list[dict] = []
+
+    def serve() -> None:
+        for _ in range(4):
+            ident, payload = router.recv_multipart()
+            msg = unpack(payload)
+            seen.append(msg)
+            body = {"sid": "x", "session": 1, "incarnation": "i", "state_id": "s", "durable": True} \
+                if msg["op"] == "hello" else {}
+            router.send_multipart([ident, ok_reply(msg["id"], "i", body, "s", next(seqs))])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    c = ManagerClient(f"ipc://{sock_dir}/fake.sock", timeout_s=5.0)
+    restarts: list[tuple] = []
+    c.on_restart = lambda old, new: restarts.append((old, new))
+    try:
+        c.hello()
+        c.heartbeat()
+        assert c.commit_seq == 12 and seen[1]["seq"] == 10  # each request says what it saw
+        with pytest.raises(ManagerRestarted, match="went back from commit 12 to 11"):
+            c.heartbeat()
+        assert c.sid is None and restarts == [("s", "s")] and c.restarts == 1
+        c.hello()  # joins again: the lower sequence is now the one it knows
+        assert c.commit_seq == 11
+        t.join(5)
+    finally:
+        c.close()
+        router.close(linger=0)
