@@ -29,6 +29,7 @@ class Notifier:
         watchdog_for_us = not pid or pid == str(os.getpid())
         self.watchdog_interval = int(usec) / 1e6 / 2 if usec.isdigit() and watchdog_for_us else None
         self._last_tick = 0.0
+        self.dropped = 0  # datagrams the receiver had no room for (it is not reading)
 
     @property
     def enabled(self) -> bool:
@@ -41,9 +42,16 @@ class Notifier:
         msg = "\n".join(fields).encode()
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+                s.setblocking(False)  # a receiver that stopped reading must never stall the caller's loop
                 s.connect(self.address)
-                s.sendall(msg)
+                s.send(msg)
             return True
+        except BlockingIOError:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.warning("sd_notify to %s: the receiver is not reading; %d datagrams dropped",
+                            self.address.lstrip("\0"), self.dropped)
+            return False
         except OSError as e:
             log.warning("sd_notify to %s failed: %s", self.address.lstrip("\0"), e)
             return False

@@ -44,3 +44,15 @@ def test_noop_outside_systemd_and_watchdog_for_other_pid():
     other = Notifier({"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"})
     assert other.watchdog_interval is None
     assert other.ready() is False, "a dead socket is reported, not raised"
+
+
+def test_a_receiver_that_does_not_read_never_blocks_the_sender(tmp_path):
+    # systemd (or a test) that stops reading must not wedge the manager's loop: datagrams that do
+    # not fit the receiver's queue are dropped and counted, never waited for
+    path = str(tmp_path / "notify.sock")
+    sock = _listen(path)
+    n = Notifier({"NOTIFY_SOCKET": path})
+    sent = [n.status(f"line {i}") for i in range(5000)]  # blocks forever without the fix
+    assert sent[0] and not all(sent) and n.dropped == sent.count(False)
+    assert sock.recv(1024) == b"STATUS=line 0"
+    sock.close()
