@@ -4,7 +4,8 @@ A service with ``Type=notify`` tells systemd it is ready by sending the datagram
 the AF_UNIX socket named in ``NOTIFY_SOCKET`` (a leading ``@`` means the abstract namespace).
 With ``WatchdogSec=`` set, systemd passes ``WATCHDOG_USEC`` and expects ``WATCHDOG=1`` more often
 than that; ``Watchdog.tick`` sends it at half the interval, from the service's own loop, so a
-wedged loop is restarted. Outside systemd (no NOTIFY_SOCKET) every call is a no-op.
+wedged loop is restarted. Outside systemd (no NOTIFY_SOCKET) every call is a no-op. A send never
+blocks: when the receiver's queue is full the datagram is dropped (the loop must not wait on it).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ class Notifier:
         watchdog_for_us = not pid or pid == str(os.getpid())
         self.watchdog_interval = int(usec) / 1e6 / 2 if usec.isdigit() and watchdog_for_us else None
         self._last_tick = 0.0
-        self.dropped = 0  # datagrams the receiver had no room for (it is not reading)
 
     @property
     def enabled(self) -> bool:
@@ -42,15 +42,11 @@ class Notifier:
         msg = "\n".join(fields).encode()
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-                s.setblocking(False)  # a receiver that stopped reading must never stall the caller's loop
                 s.connect(self.address)
-                s.send(msg)
+                s.send(msg, socket.MSG_DONTWAIT)  # never block the caller's loop on a full socket
             return True
-        except BlockingIOError:
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 1000 == 0:
-                log.warning("sd_notify to %s: the receiver is not reading; %d datagrams dropped",
-                            self.address.lstrip("\0"), self.dropped)
+        except BlockingIOError:  # the receiver is not reading: drop this one (the next tick retries)
+            log.debug("sd_notify to %s: its queue is full; dropped %r", self.address.lstrip("\0"), msg[:40])
             return False
         except OSError as e:
             log.warning("sd_notify to %s failed: %s", self.address.lstrip("\0"), e)
