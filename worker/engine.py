@@ -28,7 +28,7 @@ from kvpool.worker.model import LlamaForCausalLM
 from kvpool.worker.profiler import check_fits
 from kvpool.worker.request import Request
 from kvpool.worker.runner import ModelRunner, allocate_runner
-from kvpool.worker.sampler import SampleKey, SamplingParams, sample
+from kvpool.worker.sampler import Sampled, SampleKey, SamplingParams, sample_rows
 from kvpool.worker.scheduler import Scheduler
 from kvpool.worker.tp import TPLeader
 
@@ -41,7 +41,9 @@ class TokenEvent:
     index: int  # which of the request's n samples
     token: int | None  # None: the request ended without a token (error, abort)
     finished: bool = False
-    finish_reason: str | None = None  # "stop" (EOS), "length", "abort", "error: ..."
+    finish_reason: str | None = None  # "stop" (EOS, a stop id), "length", "abort", "error: ..."
+    logprob: float | None = None  # of the token, when the request asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class Engine:
@@ -177,20 +179,29 @@ class Engine:
             count = 1 if req.forked else req.params.n
             for i in range(count):
                 index = req.index if req.forked else i
-                keys.append(SampleKey(req.params, req.seed, index, req.num_output))
+                keys.append(self._key(req, index))
                 owners.append((row, req, i))
         if not owners:
             return []
         if len(owners) > len(sampling):  # an unforked n > 1 request draws n rows from its logits
             logits = logits[torch.tensor([row for row, _, _ in owners], dtype=torch.long, device=logits.device)]
-        tokens = sample(logits, keys)
+        drawn = sample_rows(logits, keys)
         events = []
-        for (_, req, i), tok in zip(owners, tokens):
-            target = req if i == 0 else self._child(req, i, tok)
-            events.append(self._accept(target, tok))
+        for (_, req, i), got in zip(owners, drawn):
+            target = req if i == 0 else self._child(req, i, got.token)
+            events.append(self._accept(target, got))
             if i == 0:
                 target.forked = True
         return events
+
+    def _key(self, req: Request, index: int) -> SampleKey:
+        p = req.params
+        output = req.tokens[req.num_prompt:] if p.penalized else ()
+        banned: tuple[int, ...] = ()
+        if req.num_output < p.min_tokens:
+            eos = self.model.config.eos_token_id
+            banned = p.stop_token_ids + ((eos,) if eos is not None else ())
+        return SampleKey(p, req.seed, index, req.num_output, output, banned)
 
     def _child(self, parent: Request, index: int, token: int) -> Request:
         child = Request(next(self._rids), parent.client_id, index, parent.tokens[: parent.num_prompt],
@@ -200,17 +211,21 @@ class Engine:
         self.scheduler.spawn(parent, child)
         return child
 
-    def _accept(self, req: Request, token: int) -> TokenEvent:
+    def _accept(self, req: Request, got: Sampled) -> TokenEvent:
+        token = got.token
         req.append(token)
         reason = None
         if token == self.model.config.eos_token_id and not req.params.ignore_eos:
+            reason = "stop"
+        elif token in req.params.stop_token_ids:
             reason = "stop"
         elif req.num_output >= req.params.max_tokens or len(req.tokens) >= self.scheduler.max_model_len:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(req, reason)
             self._forget(req)
-        return TokenEvent(req.client_id, req.index, token, reason is not None, reason)
+        return TokenEvent(req.client_id, req.index, token, reason is not None, reason, got.logprob,
+                          got.top_logprobs)
 
     def _forget(self, req: Request) -> None:
         reqs = self._requests.get(req.client_id, [])

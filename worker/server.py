@@ -3,7 +3,8 @@
 Messages are msgpack maps (never pickle). Client -> worker::
 
     {"op": "generate", "id": str, "prompt": [int...], "params": {max_tokens, temperature, top_p,
-     seed, n, ignore_eos}}                                  -> a stream of token messages
+     seed, n, ignore_eos, top_k, min_tokens, presence_penalty, frequency_penalty,
+     stop_token_ids, logprobs}}                             -> a stream of token messages
     {"op": "abort", "id": str}                              -> the request's final messages
     {"op": "stats", "id": str}                              -> {"id", "stats": {...}}
     {"op": "ping", "id": str}                               -> {"id", "pong": pool name}
@@ -11,6 +12,7 @@ Messages are msgpack maps (never pickle). Client -> worker::
 Worker -> client, one per sampled token (``index``: which of the n samples)::
 
     {"id": str, "index": int, "token": int | None, "finished": bool, "reason": str | None}
+    (+ "logprob": float, "top_logprobs": [[token, logprob]...] when params.logprobs is set)
     {"id": str, "error": str, "finished": true}             (refused request or bad message)
 
 The loop is single-threaded: drain the socket, run one engine step, send its tokens, heartbeat
@@ -36,7 +38,8 @@ from kvpool.worker.sampler import SamplingParams
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 100
-PARAM_KEYS = ("max_tokens", "temperature", "top_p", "seed", "n", "ignore_eos")
+PARAM_KEYS = ("max_tokens", "temperature", "top_p", "seed", "n", "ignore_eos", "top_k", "min_tokens",
+              "presence_penalty", "frequency_penalty", "stop_token_ids", "logprobs")
 MAX_MESSAGE_BYTES = 4 << 20
 
 
@@ -147,8 +150,11 @@ class WorkerServer:
             ident, cid = self._clients.get(ev.request_id, (None, ""))
             if ident is None:
                 continue
-            self._reply(ident, {"id": cid, "index": ev.index, "token": ev.token,
-                                "finished": ev.finished, "reason": ev.finish_reason})
+            body = {"id": cid, "index": ev.index, "token": ev.token, "finished": ev.finished,
+                    "reason": ev.finish_reason}
+            if ev.logprob is not None:
+                body.update(logprob=ev.logprob, top_logprobs=ev.top_logprobs)
+            self._reply(ident, body)
             if ev.finished:
                 self._open[ev.request_id] -= 1
                 if self._open[ev.request_id] == 0:
