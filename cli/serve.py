@@ -131,7 +131,9 @@ def _serve_rank(cfg, manager_eps: list[str], endpoint: str, tp_master: str, tp_t
         if cfg.tp_size > 1:  # refuse a bad split before any rank waits for the others
             check_tp(load_config(cfg.model), cfg.tp_size)
             init_group(cfg.tp_rank, cfg.tp_size, tp_master, rank_device(cfg), tp_timeout)
-        bm = RemoteBlockManager(manager_eps, cfg.pool, shard_rank=cfg.tp_rank, shard_count=cfg.tp_size)
+        serve = {"endpoint": endpoint, "model": cfg.model, "max_model_len": cfg.max_model_len}
+        bm = RemoteBlockManager(manager_eps, cfg.pool, shard_rank=cfg.tp_rank, shard_count=cfg.tp_size,
+                                serve=serve if cfg.tp_rank == 0 else None)
         if cfg.tp_rank == 0:
             engine = build_engine(cfg, bm)
             WorkerServer(engine, endpoint, cfg.pool, metrics=WorkerMetrics.start(cfg)).serve()

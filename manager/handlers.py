@@ -21,6 +21,7 @@ from kvpool.shared.protocol import (
     SUPPORTED_VERSIONS,
     ManagerError,
     bad_field,
+    check_serve,
     check_spec,
     get_hashes,
     get_int,
@@ -119,6 +120,7 @@ class Handlers:
             get_str(args, "incarnation", 128),
             check_spec(get_map(args, "spec")),
             get_int(args, "available_kv_bytes", 0, U63),
+            check_serve(args["serve"]) if "serve" in args else None,
         )
         return pool_info(entry)
 
@@ -149,6 +151,20 @@ class Handlers:
     def locate(self, sess: Session, args: dict, now: float) -> dict:
         hashes = get_hashes(args)
         return {"pools": {name: e.pool.lookup(hashes) for name, e in self.reg.pools.items() if e.pool is not None}}
+
+    def workers(self, sess: Session, args: dict, now: float) -> dict:
+        """Ready pools whose rank-0 shard announced a generate endpoint and is still connected:
+        what a front door routes to."""
+        out = []
+        for entry in self.reg.pools.values():
+            lead = entry.shards.get(0)
+            if entry.pool is None or lead is None or lead.serve is None or lead.sid not in self.reg.sessions:
+                continue
+            blocks = entry.pool.blocks
+            out.append({**lead.serve, "pool": entry.name, "epoch": entry.epoch, "num_blocks": blocks.num_blocks,
+                        "block_size": entry.spec["block_size"], "free_blocks": blocks.num_free,
+                        "requests": len(entry.pool.requests)})
+        return {"workers": out}
 
     def stats(self, sess: Session, args: dict, now: float) -> dict:
         reg = self.reg

@@ -54,6 +54,7 @@ class Shard:
     available_kv_bytes: int
     num_blocks: int
     sid: str | None  # the session that registered it; None once that session is gone
+    serve: dict | None = None  # where this shard serves generate requests (register's optional field)
 
 
 @dataclass
@@ -199,13 +200,14 @@ class Registry:
     # -- pools -----------------------------------------------------------------------------
 
     def register(
-        self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: dict, available: int
+        self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: dict, available: int,
+        serve: dict | None = None,
     ) -> PoolEntry:
         """Registers one shard (idempotent for the same incarnation); see the module docstring."""
         # Journaled before anything can fail, with the limits in force: a replay fails or
         # succeeds exactly as this call does, whatever the restarted manager is configured with.
         self.record("register", sess.sid, name, rank, count, incarnation, spec, available,
-                    self.max_blocks, self.max_pools)
+                    self.max_blocks, self.max_pools, *([serve] if serve is not None else []))
         if rank >= count:
             raise ManagerError("bad_field", f"shard_rank {rank} must be < shard_count {count}")
         per_block = block_bytes(spec)
@@ -233,8 +235,9 @@ class Registry:
                     "another spec or size; a restarted shard must register with a new incarnation",
                 )
             old.sid = sess.sid
+            old.serve = serve
             return entry
-        entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid)
+        entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid, serve)
         if len(entry.shards) == entry.shard_count:
             self._new_epoch(entry)
         self.dirty.add(name)

@@ -89,7 +89,7 @@ class Engine:
     # -- requests --------------------------------------------------------------------------
 
     def add_request(self, prompt: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._rids)}"
         vocab = self.model.config.vocab_size
@@ -101,8 +101,10 @@ class Engine:
         if any(type(t) is not int or not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
         seed = params.seed if params.seed is not None else self._rng.randrange(1 << 31)
+        if cache_salt is not None and (type(cache_salt) is not str or not 0 < len(cache_salt) <= 256):
+            raise ValueError("cache_salt must be a string of 1-256 characters")
         req = Request(next(self._rids), request_id, 0, list(prompt), len(prompt), params, seed,
-                      self.block_size)
+                      self.block_size, cache_salt)
         self._requests[request_id] = [req]
         self.scheduler.add(req)
         return request_id
@@ -205,7 +207,7 @@ class Engine:
 
     def _child(self, parent: Request, index: int, token: int) -> Request:
         child = Request(next(self._rids), parent.client_id, index, parent.tokens[: parent.num_prompt],
-                        parent.num_prompt, parent.params, parent.seed, self.block_size)
+                        parent.num_prompt, parent.params, parent.seed, self.block_size, parent.hasher.cache_salt)
         child.forked = True
         self._requests.setdefault(parent.client_id, []).append(child)  # the parent may have ended
         self.scheduler.spawn(parent, child)

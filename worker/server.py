@@ -2,7 +2,7 @@
 
 Messages are msgpack maps (never pickle). Client -> worker::
 
-    {"op": "generate", "id": str, "prompt": [int...], "params": {max_tokens, temperature, top_p,
+    {"op": "generate", "id": str, "prompt": [int...], "cache_salt": str (optional), "params": {max_tokens, temperature, top_p,
      seed, n, ignore_eos, top_k, min_tokens, presence_penalty, frequency_penalty,
      stop_token_ids, logprobs}}                             -> a stream of token messages
     {"op": "abort", "id": str}                              -> the request's final messages
@@ -135,7 +135,7 @@ class WorkerServer:
             raise ValueError("prompt must be a list of token ids")
         eid = f"c{self._next}"
         self._next += 1
-        self.engine.add_request(prompt, params, request_id=eid)
+        self.engine.add_request(prompt, params, request_id=eid, cache_salt=msg.get("cache_salt"))
         self._clients[eid] = (ident, cid)
         self._open[eid] = params.n
 

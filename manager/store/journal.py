@@ -11,6 +11,7 @@ Records (msgpack lists; ``Registry.record`` writes them)::
     ["open", sid, identity, role, admin, version]           a session opened (hello)
     ["end", sid]                                            deregister or expiry
     ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools]
+                                                            (+ serve, when the worker announced one)
     ["step", sid, msg_id, pool, ops]                        run_step again: the same results
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]
 
@@ -105,10 +106,10 @@ def apply(reg: Registry, rec: list, now: float) -> None:
 
 
 def _replay_register(reg: Registry, rec: list) -> None:
-    _, sid, name, rank, count, incarnation, spec, available, max_blocks, max_pools = rec
+    _, sid, name, rank, count, incarnation, spec, available, max_blocks, max_pools, *serve = rec
     reg.max_blocks, reg.max_pools = max_blocks, max_pools
     try:
-        reg.register(reg.sessions[sid], name, rank, count, incarnation, spec, available)
+        reg.register(reg.sessions[sid], name, rank, count, incarnation, spec, available, *serve[:1])
     except ManagerError:
         pass  # it failed the same way when it happened
 

@@ -30,8 +30,8 @@ def dump_registry(reg: Registry, seq: int) -> dict:
                 for s in reg.sessions.values()]
     pools = []
     for e in reg.pools.values():
-        shards = [[s.rank, s.incarnation, s.spec, s.available_kv_bytes, s.num_blocks, s.sid]
-                  for s in e.shards.values()]
+        shards = [[s.rank, s.incarnation, s.spec, s.available_kv_bytes, s.num_blocks, s.sid,
+                   *([s.serve] if s.serve is not None else [])] for s in e.shards.values()]
         pools.append([e.name, e.shard_count, e.epoch, shards, dump_pool(e.pool) if e.pool is not None else None])
     return {"format": FORMAT, "state_id": reg.state_id, "seq": seq, "next_num": reg._next_num,
             "draining": reg.draining, "sessions": sessions, "pools": pools}
@@ -90,8 +90,8 @@ def _sessions(rows: list, now: float) -> list[Session]:
 def _pool(row: list) -> PoolEntry:
     name, shard_count, epoch, shard_rows, dump = row
     shards = {}
-    for rank, inc, spec, available, num_blocks, sid in shard_rows:
-        shards[rank] = Shard(rank, inc, spec, available, num_blocks, sid)
+    for rank, inc, spec, available, num_blocks, sid, *serve in shard_rows:
+        shards[rank] = Shard(rank, inc, spec, available, num_blocks, sid, *serve[:1])
     # verify=False: every caller checks the whole registry's invariants once it is complete
     # (journal.recover after the replay, kvpool snapshot/restore), instead of each pool twice
     pool = load_pool(dump, enable_events=True, verify=False) if dump is not None else None
