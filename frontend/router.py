@@ -1,0 +1,87 @@
+"""Which worker takes a request: KV-aware (prefix cache against load), round-robin, least-loaded.
+
+KV-aware cost of sending a prompt of ``P`` full blocks to worker ``w`` (lowest wins)::
+
+    cost(w) = overlap_weight * (P - hit(w)) + load(w)
+    load(w) = max(active_blocks(w), used_blocks(w))
+
+- ``hit(w)``: leading blocks of the prompt's hash chain cached in ``w``'s pool (the manager's
+  ``locate``): prefill work the worker can skip.
+- ``active_blocks(w)``: KV blocks of the requests this front door has running on ``w`` (prompt
+  plus generated tokens, counted live); ``used_blocks(w)``: blocks in use in ``w``'s pool as its
+  manager last reported (other front doors' requests included). Both grow with the number of
+  running requests and their length: the decode work and KV memory the worker is already busy with.
+- ``overlap_weight`` (``--kv-overlap-weight``, default 1.0) is the knob: higher favours cache hits
+  (tenant affinity), lower favours spreading load; 0 is least-loaded by KV.
+
+Ties go to fewer running requests, then to the next worker in round-robin order. The same two
+terms as NVIDIA Dynamo's KV router (prefill blocks to compute, active blocks), in block units.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+
+from kvpool.frontend.directory import Worker
+
+POLICIES = ("kv-aware", "round-robin", "least-loaded")
+
+
+@dataclass
+class Candidate:
+    worker: Worker
+    hit_blocks: int
+    running: int
+    active_blocks: int
+
+    @property
+    def load(self) -> int:
+        used = self.worker.num_blocks - self.worker.free_blocks
+        return max(self.active_blocks, used)
+
+
+@dataclass
+class Decision:
+    worker: Worker
+    hit_blocks: int  # of the chosen worker
+    best_hit_blocks: int  # over all candidates
+    reason: str  # "prefix" (the longest cached prefix decided), "load", "round-robin"
+
+
+class Router:
+    def __init__(self, policy: str = "kv-aware", overlap_weight: float = 1.0) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        if overlap_weight < 0:
+            raise ValueError(f"overlap_weight must be >= 0, got {overlap_weight}")
+        self.policy, self.overlap_weight = policy, overlap_weight
+        self._turn = itertools.count()
+        self.decisions: Counter[str] = Counter()
+        self.per_worker: Counter[str] = Counter()
+
+    @property
+    def needs_locate(self) -> bool:
+        return self.policy == "kv-aware"
+
+    def cost(self, c: Candidate, prompt_blocks: int) -> float:
+        return self.overlap_weight * (prompt_blocks - c.hit_blocks) + c.load
+
+    def choose(self, candidates: list[Candidate], prompt_blocks: int) -> Decision:
+        if not candidates:
+            raise ValueError("no candidates")
+        turn = next(self._turn)
+        order = candidates[turn % len(candidates):] + candidates[: turn % len(candidates)]
+        best_hit = max(c.hit_blocks for c in candidates)
+        if self.policy == "round-robin":
+            pick, reason = order[0], "round-robin"
+        elif self.policy == "least-loaded":
+            pick, reason = min(order, key=lambda c: (c.running, c.load)), "load"
+        else:
+            pick = min(order, key=lambda c: (self.cost(c, prompt_blocks), c.running))
+            reason = "prefix" if best_hit > 0 and pick.hit_blocks == best_hit and \
+                any(c.hit_blocks < best_hit for c in candidates) else "load"
+        self.decisions[reason] += 1
+        self.per_worker[pick.worker.name] += 1
+        return Decision(pick.worker, pick.hit_blocks, best_hit, reason)
