@@ -107,8 +107,10 @@ async def _generate(fd: FrontDoor, request: Request, chat: bool):
         await _end(fd, run, events, endpoint, "error")
         raise _lost(e) if isinstance(e, WorkerLost) else e from None
     builder = ResponseBuilder(chat, req.model, req.logprobs is not None)
+    headers = {"x-kvpool-worker": ",".join(r.decision.worker.name for r in run.runs)}  # where it was routed
     if req.stream:
-        return StreamingResponse(_stream(fd, run, events, first, builder, endpoint), media_type="text/event-stream")
+        return StreamingResponse(_stream(fd, run, events, first, builder, endpoint), media_type="text/event-stream",
+                                 headers=headers)
     deltas = [first] if first is not None else []
     try:
         deltas += [d async for d in events]
@@ -117,7 +119,7 @@ async def _generate(fd: FrontDoor, request: Request, chat: bool):
         raise _lost(e) if isinstance(e, WorkerLost) else e from None
     await _end(fd, run, events, endpoint, "200")
     body = builder.whole(deltas, len(run.runs) * req.n, _usage(run))
-    return JSONResponse(body)
+    return JSONResponse(body, headers=headers)
 
 
 def _usage(run: Run) -> dict:

@@ -36,6 +36,7 @@ class Worker:
     block_size: int
     num_blocks: int
     free_blocks: int
+    epoch: int
     link: WorkerLink
 
     @property
@@ -97,14 +98,14 @@ class Directory:
             key = (i, row["pool"])
             seen.add(key)
             old = self.workers.get(key)
-            if old is not None and old.endpoint == row["endpoint"] and old.link.lost is None:
+            if old is not None and (old.endpoint, old.epoch) == (row["endpoint"], row["epoch"]):
                 old.free_blocks, old.num_blocks = row["free_blocks"], row["num_blocks"]
-                continue
+                continue  # a lost link stays lost until the worker re-registers (new epoch) or reconnects
             if old is not None:
                 await self._drop(old, "re-registered")
             link = WorkerLink(row["endpoint"], self.ctx, self.silence_s)
             self.workers[key] = Worker(i, row["pool"], row["model"], row["endpoint"], row["max_model_len"],
-                                       row["block_size"], row["num_blocks"], row["free_blocks"], link)
+                                       row["block_size"], row["num_blocks"], row["free_blocks"], row["epoch"], link)
             self.changes += 1
             logger.info("worker %s serves %s at %s", row["pool"], row["model"], row["endpoint"])
         for key in [k for k in self.workers if k[0] == i and k not in seen]:

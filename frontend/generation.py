@@ -73,11 +73,13 @@ def cut_at_stop(pending: str, stops: list[str], final: bool) -> tuple[str, bool,
 
 class PromptRun:
     def __init__(self, tokenizer: Tokenizer, prompt: list[int], decision: Decision, *, n: int, first_index: int,
-                 stops: list[str], params: dict, cache_salt: str | None, timing: Timing) -> None:
+                 stops: list[str], params: dict, cache_salt: str | None, timing: Timing,
+                 token_ids_in_logprobs: bool = False) -> None:
         self.tok, self.prompt, self.decision = tokenizer, prompt, decision
         self.stops, self.params, self.cache_salt, self.timing = stops, params, cache_salt, timing
         self.choices = [Choice(first_index + i, IncrementalDetokenizer(tokenizer, prompt)) for i in range(n)]
         self.want_logprobs = params.get("logprobs") is not None
+        self.token_ids_in_logprobs = token_ids_in_logprobs
 
     @property
     def completion_tokens(self) -> int:
@@ -111,8 +113,8 @@ class PromptRun:
             self.timing.token()
             text = c.detok.add(tok)
             if self.want_logprobs and msg.get("logprob") is not None:
-                top = [(t, self.tok.decode([t]), lp) for t, lp in msg.get("top_logprobs") or []]
-                lps.append(TokenLogprob(tok, self.tok.decode([tok]), msg["logprob"], top))
+                top = [(t, self._token_text(t), lp) for t, lp in msg.get("top_logprobs") or []]
+                lps.append(TokenLogprob(tok, self._token_text(tok), msg["logprob"], top))
         if finished:
             text += c.detok.flush()
         out, stopped, c.held = cut_at_stop(c.held + text, self.stops, finished)
@@ -124,6 +126,9 @@ class PromptRun:
         if not out and not lps and c.finish_reason is None:
             return None
         return Delta(c.index, out, lps, c.finish_reason)
+
+    def _token_text(self, token: int) -> str:
+        return f"token_id:{token}" if self.token_ids_in_logprobs else self.tok.decode([token])
 
     @staticmethod
     def _reason(reason: object) -> str:

@@ -5,7 +5,8 @@ ids, or a list of either: a batch) / ``messages``, ``max_tokens`` (``max_complet
 chat), ``temperature``, ``top_p``, ``top_k``*, ``min_tokens``*, ``seed``, ``n``, ``stop``,
 ``stop_token_ids``*, ``ignore_eos``*, ``logprobs`` (completions: an int 0-5; chat: a bool with
 ``top_logprobs`` 0-20), ``presence_penalty``, ``frequency_penalty``, ``stream``,
-``stream_options.include_usage``, ``cache_salt``*, ``user`` (ignored). Fields this server cannot
+``stream_options.include_usage``, ``cache_salt``*, ``return_tokens_as_token_ids``* (logprob tokens
+read ``token_id:N``), ``user`` (ignored). Fields this server cannot
 honour (``logit_bias``, ``best_of`` other than n, ``echo``, ``suffix``, tools) are refused, not
 ignored; unknown fields are ignored as OpenAI's clients send extras.
 """
@@ -36,6 +37,7 @@ class GenRequest:
     include_usage: bool = False
     logprobs: int | None = None  # top alternatives per token (None: no logprobs)
     cache_salt: str | None = None
+    token_ids_in_logprobs: bool = False
     worker_params: dict = field(default_factory=dict)  # for the worker's SamplingParams
 
 
@@ -177,4 +179,5 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
     return GenRequest(chat=chat, model=model, prompts=[] if chat else _prompts(body),
                       messages=_messages(body) if chat else None, max_tokens=max_tokens, n=n, stop=_stop(body),
                       stream=_bool(body, "stream", False), include_usage=_bool(opts, "include_usage", False),
-                      logprobs=logprobs, cache_salt=salt, worker_params=wp)
+                      logprobs=logprobs, cache_salt=salt,
+                      token_ids_in_logprobs=_bool(body, "return_tokens_as_token_ids", False), worker_params=wp)

@@ -64,11 +64,13 @@ class LocalCluster:
         proc.wait()
 
     def stop(self) -> None:
-        workers = [n for n in self.procs if not n.startswith("manager")]
-        for name in workers + [n for n in self.procs if n not in workers]:  # workers free and deregister first
-            proc = self.procs[name]
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        workers = [p for n, p in self.procs.items() if not n.startswith("manager")]
+        managers = [p for p in self.procs.values() if p not in workers]
+        for group in (workers, managers):  # workers free and deregister first, all at once
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in group:
                 try:
                     proc.wait(10)
                 except subprocess.TimeoutExpired:

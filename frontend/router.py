@@ -2,15 +2,15 @@
 
 KV-aware cost of sending a prompt of ``P`` full blocks to worker ``w`` (lowest wins)::
 
-    cost(w) = overlap_weight * (P - hit(w)) + load(w)
-    load(w) = max(active_blocks(w), used_blocks(w))
+    cost(w) = overlap_weight * (P - hit(w)) + active_blocks(w)
 
 - ``hit(w)``: leading blocks of the prompt's hash chain cached in ``w``'s pool (the manager's
-  ``locate``): prefill work the worker can skip.
-- ``active_blocks(w)``: KV blocks of the requests this front door has running on ``w`` (prompt
-  plus generated tokens, counted live); ``used_blocks(w)``: blocks in use in ``w``'s pool as its
-  manager last reported (other front doors' requests included). Both grow with the number of
-  running requests and their length: the decode work and KV memory the worker is already busy with.
+  ``locate``, asked per request): prefill work the worker can skip.
+- ``active_blocks(w)``: the prompt blocks of the requests this front door has running on ``w``,
+  counted live: the KV memory those requests hold and the work the worker is busy with; it grows
+  with the number of running requests and their length. (The manager's own block counts are not
+  used: polled, they lag a finished request by up to a poll interval and would steer the next
+  request of a tenant away from its cache.)
 - ``overlap_weight`` (``--kv-overlap-weight``, default 1.0) is the knob: higher favours cache hits
   (tenant affinity), lower favours spreading load; 0 is least-loaded by KV.
 
@@ -38,8 +38,7 @@ class Candidate:
 
     @property
     def load(self) -> int:
-        used = self.worker.num_blocks - self.worker.free_blocks
-        return max(self.active_blocks, used)
+        return self.active_blocks
 
 
 @dataclass

@@ -178,7 +178,8 @@ class FrontDoor:
             d = await self.route(workers, ids, req.cache_salt)
             params = {**req.worker_params, "max_tokens": budget}
             runs.append(PromptRun(tok, ids, d, n=req.n, first_index=k * req.n, stops=req.stop, params=params,
-                                  cache_salt=req.cache_salt, timing=timing))
+                                  cache_salt=req.cache_salt, timing=timing,
+                                  token_ids_in_logprobs=req.token_ids_in_logprobs))
         return Run(req, runs, sum(len(i) for i in all_ids), timing)
 
     def hold(self, run: Run) -> None:
