@@ -99,7 +99,6 @@ async def _generate(fd: FrontDoor, request: Request, chat: bool):
     except APIError as e:
         fd.metrics.finished(endpoint, str(e.status))
         raise
-    fd.hold(run)
     events = run.events()
     try:
         first: Delta | None = await anext(events, None)

@@ -85,6 +85,16 @@ class PromptRun:
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices)
 
+    def outstanding_blocks(self) -> float:
+        """Work the worker still has for this run, in blocks (frontend/router.py's cost)."""
+        d = self.decision
+        bs = d.worker.block_size
+        max_tokens = self.params.get("max_tokens", 16)
+        decode = sum(max_tokens - c.tokens for c in self.choices if c.finish_reason is None) / bs
+        if self.timing.first is None:
+            return max(len(self.prompt) // bs - d.hit_blocks, 0) + decode
+        return decode
+
     async def deltas(self) -> AsyncIterator[Delta]:
         link = self.decision.worker.link
         rid = link.submit(self.prompt, self.params, self.cache_salt)

@@ -2,17 +2,19 @@
 
 KV-aware cost of sending a prompt of ``P`` full blocks to worker ``w`` (lowest wins)::
 
-    cost(w) = overlap_weight * (P - hit(w)) + active_blocks(w)
+    cost(w) = overlap_weight * (P - hit(w)) + outstanding(w)
 
 - ``hit(w)``: leading blocks of the prompt's hash chain cached in ``w``'s pool (the manager's
-  ``locate``, asked per request): prefill work the worker can skip.
-- ``active_blocks(w)``: the prompt blocks of the requests this front door has running on ``w``,
-  counted live: the KV memory those requests hold and the work the worker is busy with; it grows
-  with the number of running requests and their length. (The manager's own block counts are not
-  used: polled, they lag a finished request by up to a poll interval and would steer the next
-  request of a tenant away from its cache.)
+  ``locate``, asked per request): prefill work the worker can skip; ``P - hit(w)`` is the prefill
+  work this request would add to ``w``, in blocks.
+- ``outstanding(w)``: the work ``w`` still has to do for the requests this front door has running
+  on it, in the same unit, counted live: for a request that has no token yet its uncached prompt
+  blocks, plus for every unfinished sample ``(max_tokens - tokens so far) / block_size`` (decode
+  work, and the KV blocks it will still claim). It grows with the number of running requests
+  and their length. (The manager's block counts are not used: polled, they lag a finished request
+  by up to a poll interval and would steer a tenant's next request away from its cache.)
 - ``overlap_weight`` (``--kv-overlap-weight``, default 1.0) is the knob: higher favours cache hits
-  (tenant affinity), lower favours spreading load; 0 is least-loaded by KV.
+  (tenant affinity), lower favours spreading load; 0 is least-outstanding-work.
 
 Ties go to fewer running requests, then to the next worker in round-robin order. The same two
 terms as NVIDIA Dynamo's KV router (prefill blocks to compute, active blocks), in block units.
@@ -34,11 +36,11 @@ class Candidate:
     worker: Worker
     hit_blocks: int
     running: int
-    active_blocks: int
+    outstanding: float  # blocks of work still to do on the worker (see the module docstring)
 
     @property
-    def load(self) -> int:
-        return self.active_blocks
+    def load(self) -> float:
+        return self.outstanding
 
 
 @dataclass

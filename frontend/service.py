@@ -5,7 +5,6 @@ turns a validated request into prompt runs on workers.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -92,7 +91,7 @@ class FrontDoor:
         self.metrics = FrontDoorMetrics()
         self._tokenizers: dict[str, Tokenizer] = {}
         self._overrides = dict(cfg.tokenizers)
-        self.active: Counter[tuple[int, str]] = Counter()  # prompt blocks running per worker
+        self.live: dict[tuple[int, str], set[PromptRun]] = {}  # running prompt runs per worker
 
     async def start(self) -> None:
         await self.directory.start()
@@ -163,7 +162,7 @@ class FrontDoor:
                 located = await self.directory.locate(m, hash_blocks(ids[: full * bs], bs, cache_salt=salt))
                 for w in group:
                     hits[w.key] = located.get(w.pool, 0)
-        cands = [Candidate(w, hits.get(w.key, 0), w.link.running, self.active[w.key]) for w in workers]
+        cands = [Candidate(w, hits.get(w.key, 0), w.link.running, self.outstanding(w.key)) for w in workers]
         return self.router.choose(cands, full)
 
     async def start_run(self, req: GenRequest) -> Run:
@@ -173,25 +172,32 @@ class FrontDoor:
         all_ids = self.prompt_ids(req, tok)
         budgets = [self._budget(req, ids, max_len) for ids in all_ids]
         timing = Timing()
-        runs = []
-        for k, (ids, budget) in enumerate(zip(all_ids, budgets)):
-            d = await self.route(workers, ids, req.cache_salt)
-            params = {**req.worker_params, "max_tokens": budget}
-            runs.append(PromptRun(tok, ids, d, n=req.n, first_index=k * req.n, stops=req.stop, params=params,
-                                  cache_salt=req.cache_salt, timing=timing,
-                                  token_ids_in_logprobs=req.token_ids_in_logprobs))
-        return Run(req, runs, sum(len(i) for i in all_ids), timing)
+        run = Run(req, [], sum(len(i) for i in all_ids), timing)
+        try:
+            for k, (ids, budget) in enumerate(zip(all_ids, budgets)):
+                d = await self.route(workers, ids, req.cache_salt)
+                params = {**req.worker_params, "max_tokens": budget}
+                pr = PromptRun(tok, ids, d, n=req.n, first_index=k * req.n, stops=req.stop, params=params,
+                               cache_salt=req.cache_salt, timing=timing,
+                               token_ids_in_logprobs=req.token_ids_in_logprobs)
+                run.runs.append(pr)
+                self.live.setdefault(d.worker.key, set()).add(pr)  # counted at once: the next request sees it
+        except BaseException:
+            self.release(run, count=False)
+            raise
+        return run
 
-    def hold(self, run: Run) -> None:
-        for r in run.runs:
-            self.active[r.decision.worker.key] += -(-len(r.prompt) // r.decision.worker.block_size)
+    def outstanding(self, key: tuple[int, str]) -> float:
+        return sum(r.outstanding_blocks() for r in self.live.get(key, ()))
 
-    def release(self, run: Run) -> None:
+    def release(self, run: Run, count: bool = True) -> None:
         for r in run.runs:
             key = r.decision.worker.key
-            self.active[key] -= -(-len(r.prompt) // r.decision.worker.block_size)
-            if self.active[key] <= 0:
-                del self.active[key]
+            self.live.get(key, set()).discard(r)
+            if not self.live.get(key):
+                self.live.pop(key, None)
+        if not count:
+            return
         m = self.metrics
         m.prompt_tokens += run.prompt_tokens
         m.generation_tokens += run.completion_tokens

@@ -99,7 +99,7 @@ def fake_worker(name: str, num_blocks: int = 100, free: int = 100):
 def test_the_cost_function_weighs_hits_against_load() -> None:
     a, b = fake_worker("a"), fake_worker("b")
     kv = Router("kv-aware", overlap_weight=1.0)
-    # 10 prompt blocks; a holds 8 of them but has 20 blocks of running work: b (cost 10) beats a (2 + 20)
+    # 10 prompt blocks; a holds 8 of them but has 20 blocks of work outstanding: b (cost 10) beats a (2 + 20)
     assert kv.choose([Candidate(a, 8, 3, 20), Candidate(b, 0, 0, 0)], 10).worker is b
     # with a higher weight on the overlap, the prefix wins: 3*2 + 20 = 26 < 3*10 = 30
     assert Router("kv-aware", overlap_weight=3.0).choose([Candidate(a, 8, 3, 20), Candidate(b, 0, 0, 0)],
