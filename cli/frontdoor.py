@@ -25,7 +25,7 @@ def _tokenizer_pairs(ctx: click.Context, param: click.Parameter, values: tuple[s
 @click.option("--port", default=8000, show_default=True, help="TCP port (0: any free port).")
 @click.option("--policy", type=click.Choice(["kv-aware", "round-robin", "least-loaded"]), default="kv-aware",
               show_default=True, help="Routing policy (frontend/router.py documents the cost function).")
-@click.option("--kv-overlap-weight", default=1.0, show_default=True,
+@click.option("--kv-overlap-weight", default=2.0, show_default=True,
               help="KV-aware: weight of prompt blocks to compute against blocks already in use.")
 @click.option("--tokenizer", "tokenizers", multiple=True, callback=_tokenizer_pairs,
               help="MODEL=PATH: the tokenizer for a model whose name is not a local checkpoint path.")

@@ -13,7 +13,8 @@ KV-aware cost of sending a prompt of ``P`` full blocks to worker ``w`` (lowest w
   work, and the KV blocks it will still claim). It grows with the number of running requests
   and their length. (The manager's block counts are not used: polled, they lag a finished request
   by up to a poll interval and would steer a tenant's next request away from its cache.)
-- ``overlap_weight`` (``--kv-overlap-weight``, default 1.0) is the knob: higher favours cache hits
+- ``overlap_weight`` (``--kv-overlap-weight``, default 2.0, the better of 1 and 2 in
+  scripts/bench_router.py) is the knob: higher favours cache hits
   (tenant affinity), lower favours spreading load; 0 is least-outstanding-work.
 
 Ties go to fewer running requests, then to the next worker in round-robin order. The same two
@@ -52,7 +53,7 @@ class Decision:
 
 
 class Router:
-    def __init__(self, policy: str = "kv-aware", overlap_weight: float = 1.0) -> None:
+    def __init__(self, policy: str = "kv-aware", overlap_weight: float = 2.0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing policy {policy!r}: choose one of {', '.join(POLICIES)}")
         if overlap_weight < 0:

@@ -23,7 +23,7 @@ from kvpool.shared.hashing import hash_blocks
 class FrontDoorConfig:
     managers: tuple[str, ...]
     policy: str = "kv-aware"
-    overlap_weight: float = 1.0
+    overlap_weight: float = 2.0
     poll_s: float = 0.5
     silence_s: float = 30.0  # a worker silent this long with requests open is taken for lost
     tokenizers: tuple[tuple[str, str], ...] = ()  # (model, tokenizer path) overrides

@@ -50,7 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, nargs=2, default=(8, 24))
     ap.add_argument("--requests", type=int, default=240)
     ap.add_argument("--max-inflight", type=int, default=12)
-    ap.add_argument("--kv-overlap-weight", type=float, default=1.0)
+    ap.add_argument("--kv-overlap-weight", type=float, default=2.0)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
