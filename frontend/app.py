@@ -5,11 +5,13 @@ A request is validated, tokenized, routed and submitted before the response star
 first token is awaited too: refusals keep their status codes (400 bad parameters, 404 unknown
 model, 413 prompt longer than max_model_len, 503 no worker). A worker lost mid-stream ends the
 stream with an error event (``data: {"error": ...}``) and ``[DONE]``. A client that disconnects
-cancels the stream, which aborts the request on the worker.
+cancels the stream (or, not streaming, the collection of the answer), which aborts the request
+on the worker.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -26,6 +28,7 @@ from kvpool.frontend.service import FrontDoor, Run
 from kvpool.shared.metrics import CONTENT_TYPE
 
 MAX_BODY_BYTES = 16 << 20
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
 def _sse(obj: dict | str) -> str:
@@ -112,13 +115,35 @@ async def _generate(fd: FrontDoor, request: Request, chat: bool):
                                  headers=headers)
     deltas = [first] if first is not None else []
     try:
-        deltas += [d async for d in events]
+        rest = await _collect(events, request)
     except (APIError, WorkerLost) as e:
         await _end(fd, run, events, endpoint, "error")
         raise _lost(e) if isinstance(e, WorkerLost) else e from None
+    if rest is None:  # the client went away: the request was aborted on the worker
+        await _end(fd, run, events, endpoint, "disconnected")
+        return JSONResponse({}, status_code=499)
+    deltas += rest
     await _end(fd, run, events, endpoint, "200")
     body = builder.whole(deltas, len(run.runs) * req.n, _usage(run))
     return JSONResponse(body, headers=headers)
+
+
+async def _collect(events: AsyncIterator[Delta], request: Request) -> list[Delta] | None:
+    """Every remaining delta; None when the client disconnected first (the generation is then
+    cancelled, which aborts it on the worker): the non-streaming twin of a cancelled stream."""
+    task = asyncio.ensure_future(_drain(events))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return None
+
+
+async def _drain(events: AsyncIterator[Delta]) -> list[Delta]:
+    return [d async for d in events]
 
 
 def _usage(run: Run) -> dict:

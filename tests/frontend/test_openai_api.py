@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -158,34 +159,52 @@ def test_metrics_have_latency_histograms(stack) -> None:
     assert 'status="200"' in text
 
 
-def test_a_client_disconnecting_mid_stream_aborts_the_request_and_frees_its_blocks(stack) -> None:
+def worker_computed(stack) -> dict[str, int]:
     from kvpool.worker.client import GenerateClient
+
+    out = {}
+    for w in stack.fd.frontdoor.directory.workers.values():
+        gc = GenerateClient(w.endpoint)
+        out[w.name] = gc.call("stats")["stats"]["computed_tokens"]
+        gc.close()
+    return out
+
+
+def assert_pools_drain(stack) -> None:
     from kvpool.worker.manager_client import ManagerClient
 
-    workers = {w.name: w for w in stack.fd.frontdoor.directory.workers.values()}
-    before = {}
-    for name, w in workers.items():
-        gc = GenerateClient(w.endpoint)
-        before[name] = gc.call("stats")["stats"]["computed_tokens"]
-        gc.close()
-    with httpx.stream("POST", stack.url + "/v1/completions", json={
-            "model": "tiny", "prompt": "a long one", "max_tokens": 480, "ignore_eos": True, "stream": True},
-            timeout=60) as r:
-        lines = r.iter_lines()
-        got = [next(lines) for _ in range(6)]  # a few tokens in, then the client goes away
-        name = r.headers["x-kvpool-worker"]
-    assert any(line.startswith("data: ") for line in got)
     with ManagerClient(stack.managers[0], role="admin") as mc:
         pools = {}
         for _ in range(100):
             pools = mc.stats()["pools"]
             if all(p["requests"] == 0 and p["used_blocks"] == 0 for p in pools.values()):
-                break
-            asyncio.run(asyncio.sleep(0.02))
-        assert all(p["requests"] == 0 and p["used_blocks"] == 0 for p in pools.values()), pools
-    gc = GenerateClient(workers[name].endpoint)
-    computed = gc.call("stats")["stats"]["computed_tokens"] - before[name]
-    gc.close()
-    assert computed < 300, computed  # stopped well before its 480 tokens
-    text = httpx.get(stack.url + "/metrics").text
-    assert 'status="disconnected"' in text
+                return
+            time.sleep(0.02)
+    raise AssertionError(f"blocks still held: {pools}")
+
+
+def test_a_client_disconnecting_mid_stream_aborts_the_request_and_frees_its_blocks(stack) -> None:
+    before = worker_computed(stack)
+    with httpx.stream("POST", stack.url + "/v1/completions", json={
+            "model": "tiny", "prompt": "a long one", "max_tokens": 480, "ignore_eos": True, "stream": True},
+            timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # a few tokens in, then the client goes away
+    assert any(line.startswith("data: ") for line in got)
+    assert_pools_drain(stack)
+    after = worker_computed(stack)
+    assert all(after[k] - before[k] < 300 for k in after), (before, after)  # stopped well before 480 tokens
+    assert 'endpoint="completions",status="disconnected"} 1' in httpx.get(stack.url + "/metrics").text
+
+
+def test_a_client_leaving_a_whole_response_request_aborts_it_too(stack) -> None:
+    before = worker_computed(stack)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 480, "ignore_eos": True,
+            "n": 8}, timeout=0.3)
+    time.sleep(0.5)  # the front door notices within DISCONNECT_POLL_S
+    assert_pools_drain(stack)
+    after = worker_computed(stack)
+    assert all(after[k] - before[k] < 8 * 480 // 2 for k in after), (before, after)  # aborted halfway at most
+    assert 'endpoint="chat",status="disconnected"} 1' in httpx.get(stack.url + "/metrics").text
