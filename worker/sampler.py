@@ -55,6 +55,8 @@ class SamplingParams:
                 raise ValueError(f"{key} must be in [-2, 2], got {getattr(self, key)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not isinstance(self.stop_token_ids, list | tuple):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r:.40}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if any(type(t) is not int or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {list(self.stop_token_ids)[:8]}")

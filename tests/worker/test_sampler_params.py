@@ -47,7 +47,8 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
 
 
 @pytest.mark.parametrize("bad", [dict(top_k=-1), dict(min_tokens=20, max_tokens=10), dict(presence_penalty=3),
-                                 dict(frequency_penalty=-2.5), dict(logprobs=21), dict(stop_token_ids=[-1])])
+                                 dict(frequency_penalty=-2.5), dict(logprobs=21), dict(stop_token_ids=[-1]),
+                                 dict(stop_token_ids=5)])
 def test_new_params_validate(bad: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)
