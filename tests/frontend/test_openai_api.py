@@ -208,3 +208,32 @@ def test_a_client_leaving_a_whole_response_request_aborts_it_too(stack) -> None:
     after = worker_computed(stack)
     assert all(after[k] - before[k] < 32 * 480 * 3 // 4 for k in after), (before, after)  # stopped early
     assert 'endpoint="chat",status="disconnected"} 1' in httpx.get(stack.url + "/metrics").text
+
+
+def test_a_batch_of_prompts_gives_n_choices_each(stack) -> None:
+    out = client(stack).completions.create(model="tiny", prompt=["first", "second one"], n=2, max_tokens=3,
+                                           temperature=0)
+    assert [c.index for c in sorted(out.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
+    assert out.usage.prompt_tokens == len("first") + 1 + len("second one") + 1
+    assert out.usage.completion_tokens == 12
+    texts = {c.index: c.text for c in out.choices}
+    assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy samples of one prompt agree
+
+
+def test_chat_logprobs_with_the_openai_client(stack) -> None:
+    out = client(stack).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=4, logprobs=True, top_logprobs=3, temperature=0)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.logprob == t.top_logprobs[0].logprob for t in content)  # greedy: the best token
+
+
+def test_sampling_parameters_reach_the_worker(stack) -> None:
+    def text(**extra) -> str:
+        body = {"model": "tiny", "prompt": [40, 41, 42], "max_tokens": 32, "ignore_eos": True, **extra}
+        return httpx.post(stack.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
+    greedy = text(temperature=0)
+    assert text(temperature=1.5, top_k=1, seed=3) == greedy  # top_k=1 leaves only the best token
+    assert text(temperature=0, frequency_penalty=2.0) != greedy  # repeats are pushed down
+    assert text(temperature=1.0, seed=5) == text(temperature=1.0, seed=5) != text(temperature=1.0, seed=6)
