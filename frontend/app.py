@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,6 +28,7 @@ from kvpool.frontend.responses import ResponseBuilder, usage
 from kvpool.frontend.service import FrontDoor, Run
 from kvpool.shared.metrics import CONTENT_TYPE
 
+logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
@@ -64,6 +66,11 @@ def create_app(fd: FrontDoor) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("request %s %s failed", request.method, request.url.path)
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -174,6 +181,10 @@ async def _stream(fd: FrontDoor, run: Run, events: AsyncIterator[Delta], first: 
         except (APIError, WorkerLost) as e:
             status = "error"
             yield _sse((_lost(e) if isinstance(e, WorkerLost) else e).body())
+        except Exception as e:  # a bug: the client still gets a clean end
+            logger.exception("stream failed")
+            status = "error"
+            yield _sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
         yield _sse("[DONE]")
     finally:
         await _end(fd, run, events, endpoint, status)

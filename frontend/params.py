@@ -20,6 +20,7 @@ from kvpool.frontend.errors import bad_param
 
 MAX_N = 64
 MAX_STOP = 16
+MAX_CHOICES = 256  # prompts in a batch times n
 
 
 @dataclass
@@ -176,7 +177,10 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
     opts = body.get("stream_options") or {}
     if type(opts) is not dict:
         raise bad_param("stream_options", "stream_options must be an object")
-    return GenRequest(chat=chat, model=model, prompts=[] if chat else _prompts(body),
+    prompts = [] if chat else _prompts(body)
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad_param("prompt", f"{len(prompts)} prompts x n={n} choices; at most {MAX_CHOICES} per request")
+    return GenRequest(chat=chat, model=model, prompts=prompts,
                       messages=_messages(body) if chat else None, max_tokens=max_tokens, n=n, stop=_stop(body),
                       stream=_bool(body, "stream", False), include_usage=_bool(opts, "include_usage", False),
                       logprobs=logprobs, cache_salt=salt,
