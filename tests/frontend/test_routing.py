@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+import signal
+import time
 
 import httpx
 import openai
@@ -82,6 +84,21 @@ def test_workers_lost_mid_stream_end_streams_cleanly_and_new_workers_are_noticed
         stack.cluster.worker(stack.managers[0], "late")
         stack.fd.wait_for_workers("tiny", 1)
         assert post(stack, {"prompt": "x"}).headers["x-kvpool-worker"] == "late"
+        # the twin of a crash: a worker stopped cleanly (SIGTERM) aborts its requests and deregisters
+        with httpx.stream("POST", stack.url + "/v1/completions", json={
+                "model": "tiny", "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True},
+                timeout=60) as r:
+            lines = r.iter_lines()
+            first = [next(lines) for _ in range(2)]
+            stack.cluster.procs["late"].send_signal(signal.SIGTERM)
+            rest = list(lines)
+        events = [ln[6:] for ln in first + rest if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] in ("worker_ended", "worker_lost")
+        assert stack.cluster.procs["late"].wait(15) == 0
+        deadline = time.monotonic() + 10
+        while stack.fd.frontdoor.directory.workers:  # deregistered: gone from the manager's list
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
     finally:
         stack.close()
 
