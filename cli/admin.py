@@ -1,138 +1,26 @@
 """Manager commands: `kvpool manager` runs the daemon; the others ask it (tables, or --json).
 
-Exit status: 0 on success, 1 when the manager answers with an error, 3 when it cannot be reached,
-4 when `kvpool status` finds it unhealthy (see its help).
+Exit status: cli/common.py's table (0 ok, 1 refused, 3 unreachable, 4 unhealthy for `status`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import click
 
+from kvpool.cli.common import (
+    EXIT_UNHEALTHY,
+    ask,
+    client_options,
+    connect,
+    durability_options,
+    emit,
+    table,
+)
 from kvpool.cli.layered import explicit_flags, load_service, manager_ops_options, summary
-from kvpool.cli.state import durability_options
-from kvpool.shared.protocol import ManagerError, ManagerUnavailable, default_endpoint
-
-EXIT_UNREACHABLE = 3
-EXIT_UNHEALTHY = 4
-CURVE_META = "kvpool.curve"  # ctx.meta key: the ClientKeys from --curve-server-key/--curve-key-file
-
-
-class Unreachable(click.ClickException):
-    exit_code = EXIT_UNREACHABLE
-
-
-def manager_option(f: Callable) -> Callable:
-    return click.option(
-        "--manager", "-m", "endpoint", envvar="KVPOOL_MANAGER", default=default_endpoint, show_default=True,
-        help="Manager endpoint (ipc://PATH or tcp://HOST:PORT); env KVPOOL_MANAGER.",
-    )(f)
-
-
-def _curve_keys(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """Stores the CURVE client keys in ctx.meta once both options are parsed."""
-    ctx.meta.setdefault("kvpool.curve_args", {})[param.name] = value
-    args = ctx.meta["kvpool.curve_args"]
-    if len(args) == 2:
-        from kvpool.shared.curve import ClientKeys
-
-        try:
-            ctx.meta[CURVE_META] = ClientKeys.load(args["curve_server_key"], args["curve_key_file"])
-        except ValueError as e:
-            raise click.BadParameter(str(e)) from None
-    return value
-
-
-def curve_options(f: Callable) -> Callable:
-    f = click.option("--curve-key-file", envvar="KVPOOL_CURVE_KEY_FILE", default=None, expose_value=False,
-                     callback=_curve_keys, help="This client's NAME.key_secret (CURVE); env KVPOOL_CURVE_KEY_FILE.")(f)
-    return click.option("--curve-server-key", envvar="KVPOOL_CURVE_SERVER_KEY", default=None, expose_value=False,
-                        callback=_curve_keys,
-                        help="The manager's public key: its NAME.key file or Z85 text; env KVPOOL_CURVE_SERVER_KEY.")(f)
-
-
-def export_curve_env(ctx: click.Context) -> None:
-    """Puts the CURVE options into the environment, where ManagerClient (and child processes)
-    read them when not given keys explicitly (shared/curve.py)."""
-    from kvpool.shared.curve import ENV_KEY_FILE, ENV_SERVER_KEY
-
-    args = ctx.meta.get("kvpool.curve_args", {})
-    for var, name in ((ENV_SERVER_KEY, "curve_server_key"), (ENV_KEY_FILE, "curve_key_file")):
-        if args.get(name):
-            os.environ[var] = args[name]
-
-
-def client_options(f: Callable) -> Callable:
-    f = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(f)
-    f = click.option("--timeout", "timeout_s", default=3.0, show_default=True, help="Seconds to wait for a reply.")(f)
-    f = click.option("--admin-key", envvar="KVPOOL_ADMIN_KEY", default=None, help="Admin key; env KVPOOL_ADMIN_KEY.")(f)
-    return curve_options(manager_option(f))
-
-
-@contextmanager
-def connect(endpoint: str, timeout_s: float, admin_key: str | None) -> Iterator:
-    from kvpool.worker.manager_client import ManagerClient
-
-    ctx = click.get_current_context(silent=True)
-    curve = ctx.meta.get(CURVE_META) if ctx is not None else None
-    # Without a key, an observer session: admin ops then work only on a manager without an admin key.
-    role = "admin" if admin_key else "observer"
-    try:
-        client = ManagerClient(endpoint, role=role, identity="kvpool-cli", timeout_s=timeout_s,
-                               admin_key=admin_key, curve=curve)
-    except ValueError as e:  # bad CURVE settings in the environment
-        raise click.ClickException(str(e)) from None
-    try:
-        yield client
-        try:
-            client.deregister()
-        except ManagerError:
-            pass
-    except ManagerUnavailable as e:
-        raise Unreachable(f"cannot reach the manager: {e.message}") from None
-    except ManagerError as e:
-        raise click.ClickException(f"the manager refused: {e.code}: {e.message}") from None
-    finally:
-        client.close()
-
-
-def ask(endpoint: str, timeout_s: float, admin_key: str | None, op: str, **args: object) -> dict:
-    with connect(endpoint, timeout_s, admin_key) as client:
-        return client.call(op, **args)
-
-
-def emit(data: object, as_json: bool, human: Callable[[], None]) -> None:
-    if as_json:
-        click.echo(json.dumps(data, indent=2, sort_keys=True))
-    else:
-        human()
-
-
-def table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
-    """Prints ``rows`` under ``columns`` = [(header, key)], left-aligned, one space-padded."""
-    if not rows:
-        click.echo("(none)")
-        return
-    cells = [[_fmt(r.get(k)) for _, k in columns] for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _) in enumerate(columns)]
-    click.echo("  ".join(h.ljust(w) for (h, _), w in zip(columns, widths)).rstrip())
-    for c in cells:
-        click.echo("  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip())
-
-
-def _fmt(v: object) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3f}" if abs(v) < 1000 else f"{v:,.0f}"
-    return str(v)
-
 
 # -- the daemon ----------------------------------------------------------------------------
 

@@ -13,8 +13,8 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from kvpool.cli.common import log_options
 from kvpool.shared.config import ConfigError, default_path, describe, load
-from kvpool.shared.logs import LEVELS
 
 SECRET_FIELDS = ("admin_key",)  # printed masked by `config show`
 
@@ -84,12 +84,6 @@ def manager_ops_options(f: Callable) -> Callable:
     for opt in reversed(opts):
         f = opt(f)
     return log_options(f)
-
-
-def log_options(f: Callable) -> Callable:
-    f = click.option("--log-level", type=click.Choice(LEVELS), default=None, help="Log level [info].")(f)
-    return click.option("--json-logs/--plain-logs", "json_logs", default=None,
-                        help="One JSON object per log line [plain].")(f)
 
 
 def summary(cfg: Any, source: Mapping[str, str]) -> str:

@@ -40,11 +40,11 @@ from kvpool.cli import state  # noqa: E402  (snapshot, restore)
 cli.add_command(state.snapshot)
 cli.add_command(state.restore)
 
-from kvpool.cli import ops  # noqa: E402  (config show, events, keygen)
+from kvpool.cli import tools  # noqa: E402  (config show, events, keygen)
 
-cli.add_command(ops.config)
-cli.add_command(ops.events)
-cli.add_command(ops.keygen)
+cli.add_command(tools.config)
+cli.add_command(tools.events)
+cli.add_command(tools.keygen)
 
 from kvpool.cli import frontdoor  # noqa: E402  (serve: the HTTP front door)
 

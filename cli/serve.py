@@ -10,10 +10,14 @@ import sys
 
 import click
 
+from kvpool.cli.common import (
+    EXIT_TP_PEER_LOST,
+    EXIT_UNREACHABLE,
+    curve_options,
+    export_curve_env,
+    log_options,
+)
 from kvpool.shared.protocol import ManagerError, default_endpoint
-
-EXIT_UNREACHABLE = 3
-EXIT_TP_PEER_LOST = 4
 
 
 def default_worker_endpoint(pool: str) -> str:
@@ -38,9 +42,6 @@ def _default_tp_master() -> str:
 
 def worker_service_options(f):
     """Metrics, logs and CURVE options of `kvpool worker` (None: the config file's / default)."""
-    from kvpool.cli.admin import curve_options
-    from kvpool.cli.layered import log_options
-
     f = click.option("--metrics-port", type=int, default=None, help="Prometheus /metrics TCP port; 0: off [0].")(f)
     f = click.option("--metrics-host", default=None, help="Address of the metrics endpoint [127.0.0.1].")(f)
     return curve_options(log_options(f))
@@ -88,8 +89,6 @@ def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: s
     With --tp-size N the pool is one model over N ranks (one process, one GPU each), each holding
     its slice of the KV heads; rank 0 serves requests, every rank registers as a shard.
     """
-    from kvpool.cli.admin import export_curve_env
-
     cfg, source = _worker_config(ctx, config_path, no_prefix_caching)
     export_curve_env(ctx)  # every ManagerClient of this process and of its tensor-parallel ranks
     if cfg.tp_size > 1 and tp_rank is None:
@@ -120,26 +119,12 @@ def _worker_config(ctx: click.Context, config_path: str | None, no_prefix_cachin
 
 def _serve_rank(cfg, manager_eps: list[str], endpoint: str, tp_master: str, tp_timeout: float) -> None:
     """One worker, or one tensor-parallel rank: joins the group, loads its share, serves/follows."""
-    from kvpool.worker.block_manager import RemoteBlockManager
-    from kvpool.worker.checkpoint import load_config
-    from kvpool.worker.metrics import WorkerMetrics
-    from kvpool.worker.parallel import TPPeerLost, check_tp, close_group, init_group
+    from kvpool.worker.parallel import TPPeerLost
     from kvpool.worker.profiler import KVMemoryError
-    from kvpool.worker.server import WorkerServer
-    from kvpool.worker.startup import build_engine, build_follower, rank_device
+    from kvpool.worker.startup import serve_rank
 
     try:
-        if cfg.tp_size > 1:  # refuse a bad split before any rank waits for the others
-            check_tp(load_config(cfg.model), cfg.tp_size)
-            init_group(cfg.tp_rank, cfg.tp_size, tp_master, rank_device(cfg), tp_timeout)
-        serve = {"endpoint": endpoint, "model": cfg.model, "max_model_len": cfg.max_model_len}
-        bm = RemoteBlockManager(manager_eps, cfg.pool, shard_rank=cfg.tp_rank, shard_count=cfg.tp_size,
-                                serve=serve if cfg.tp_rank == 0 else None)
-        if cfg.tp_rank == 0:
-            engine = build_engine(cfg, bm)
-            WorkerServer(engine, endpoint, cfg.pool, metrics=WorkerMetrics.start(cfg)).serve()
-        else:
-            build_follower(cfg, bm).run()
+        serve_rank(cfg, manager_eps, endpoint, tp_master, tp_timeout)
     except (ValueError, KVMemoryError) as e:
         raise click.ClickException(str(e)) from None
     except ManagerError as e:
@@ -150,8 +135,6 @@ def _serve_rank(cfg, manager_eps: list[str], endpoint: str, tp_master: str, tp_t
                    "epoch moves on when the lost shard's session ends or it re-registers; restart every "
                    "rank of the pool.", err=True)
         sys.exit(EXIT_TP_PEER_LOST)
-    finally:
-        close_group()
 
 
 @click.command("generate")
@@ -208,10 +191,10 @@ def demo(num_requests: int, max_inflight: int, kv_blocks: int, tenants: int, pol
          as_json: bool) -> None:
     """A manager, two CPU workers and the HTTP front door serving a multi-tenant chat trace."""
     from kvpool.frontend.demo import TextDemoConfig, format_report, run_text_demo
-    from kvpool.frontend.loadgen import TraceConfig
+    from kvpool.frontend.loadgen import ChatTraceConfig
 
     try:
-        cfg = TextDemoConfig(TraceConfig(num_requests=num_requests, num_tenants=tenants, seed=seed),
+        cfg = TextDemoConfig(ChatTraceConfig(num_requests=num_requests, num_tenants=tenants, seed=seed),
                              max_inflight=max_inflight, kv_blocks=kv_blocks, policy=policy)
         result = run_text_demo(cfg, progress=not as_json)
     except (RuntimeError, ValueError) as e:

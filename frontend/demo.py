@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict, dataclass
 
-from kvpool.frontend.loadgen import Result, TraceConfig, chat_trace, drive, summarize
+from kvpool.frontend.loadgen import ChatTraceConfig, Result, chat_trace, drive, summarize
 from kvpool.frontend.procs import LocalCluster
 from kvpool.frontend.server import FrontDoorServer
 from kvpool.frontend.service import FrontDoorConfig
@@ -22,7 +22,7 @@ SAMPLES = 3
 
 @dataclass(frozen=True)
 class TextDemoConfig:
-    trace: TraceConfig = TraceConfig()
+    trace: ChatTraceConfig = ChatTraceConfig()
     num_workers: int = 2
     max_inflight: int = 32
     kv_blocks: int = 128  # per worker

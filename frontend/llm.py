@@ -14,22 +14,9 @@ from tqdm import tqdm
 from kvpool.frontend.detokenizer import IncrementalDetokenizer
 from kvpool.frontend.generation import cut_at_stop
 from kvpool.frontend.tokenizer import load_tokenizer
-from kvpool.worker.sampler import SamplingParams as _EngineParams
+from kvpool.worker.sampler import SamplingParams
 
-
-@dataclass(frozen=True)
-class SamplingParams(_EngineParams):
-    """The engine's sampling parameters (worker/sampler.py) plus ``stop`` strings: a sample ends
-    before the first stop string it produces (finish reason ``stop``)."""
-
-    stop: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError("stop must be a non-empty string or a list of them")
-        object.__setattr__(self, "stop", stop)
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 
 @dataclass
@@ -97,7 +84,7 @@ class LLM:
             self._next += 1
             self.engine.add_request(prompt, p, request_id=rid)
             outs[rid] = RequestOutput(rid, text, prompt)
-            state[rid] = [_Sample(IncrementalDetokenizer(self.tokenizer, prompt), tuple(getattr(p, "stop", ())))
+            state[rid] = [_Sample(IncrementalDetokenizer(self.tokenizer, prompt), p.stop)
                           for _ in range(p.n)]
         bar = tqdm(total=len(outs), desc="prompts", disable=not use_tqdm)
         done: set[str] = set()

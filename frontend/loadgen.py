@@ -19,7 +19,7 @@ WORDS = ("kv cache block pool prefix hash route worker tenant token stream promp
 
 
 @dataclass(frozen=True)
-class TraceConfig:
+class ChatTraceConfig:
     num_requests: int = 200
     num_tenants: int = 4
     system_words: tuple[int, int] = (12, 24)  # words of a tenant's system prompt (~7 bytes a word)
@@ -50,7 +50,7 @@ def _words(rng: random.Random, span: tuple[int, int]) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(*span)))
 
 
-def chat_trace(cfg: TraceConfig) -> list[TraceRequest]:
+def chat_trace(cfg: ChatTraceConfig) -> list[TraceRequest]:
     rng = random.Random(cfg.seed)
     systems = [f"You are the assistant of tenant {t}. Rules: {_words(rng, cfg.system_words)}."
                for t in range(cfg.num_tenants)]

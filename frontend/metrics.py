@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from kvpool.frontend.generation import Timing
-from kvpool.frontend.router import Router
+from kvpool.frontend.router import KVRouter
 from kvpool.shared.metrics import Histogram, family, histogram_family
 
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -29,7 +29,7 @@ class FrontDoorMetrics:
             self.itl.observe(gap)
         self.e2e.observe((timing.last or timing.start) - timing.start)
 
-    def render(self, router: Router, workers: dict[str, int]) -> str:
+    def render(self, router: KVRouter, workers: dict[str, int]) -> str:
         parts = [
             histogram_family("kvpool_frontdoor_time_to_first_token_seconds", "Time to first token.",
                              [({}, self.ttft)]),

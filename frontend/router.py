@@ -52,7 +52,7 @@ class Decision:
     reason: str  # "prefix" (the longest cached prefix decided), "load", "round-robin"
 
 
-class Router:
+class KVRouter:
     def __init__(self, policy: str = "kv-aware", overlap_weight: float = 2.0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing policy {policy!r}: choose one of {', '.join(POLICIES)}")

@@ -14,7 +14,7 @@ from kvpool.frontend.errors import APIError, bad_param
 from kvpool.frontend.generation import Delta, PromptRun, Timing
 from kvpool.frontend.metrics import FrontDoorMetrics
 from kvpool.frontend.params import GenRequest
-from kvpool.frontend.router import Candidate, Decision, Router
+from kvpool.frontend.router import Candidate, Decision, KVRouter
 from kvpool.frontend.tokenizer import Tokenizer, load_tokenizer
 from kvpool.shared.hashing import hash_blocks
 
@@ -87,7 +87,7 @@ class FrontDoor:
     def __init__(self, cfg: FrontDoorConfig) -> None:
         self.cfg = cfg
         self.directory = Directory(list(cfg.managers), poll_s=cfg.poll_s, silence_s=cfg.silence_s)
-        self.router = Router(cfg.policy, cfg.overlap_weight)
+        self.router = KVRouter(cfg.policy, cfg.overlap_weight)
         self.metrics = FrontDoorMetrics()
         self._tokenizers: dict[str, Tokenizer] = {}
         self._overrides = dict(cfg.tokenizers)

@@ -30,7 +30,7 @@ class ManagerConfig:
     max_blocks: int = 1 << 22  # per pool; a shard reporting more KV memory is clamped to this
     max_batch: int = 4096  # messages handled per loop iteration (bounds reply latency under flood)
     send_hwm: int = 1000  # replies queued per client; a client that does not read loses replies
-    # -- operations (docs/operating.md) --
+    # -- operating (docs/operating.md) --
     metrics_port: int = 0  # Prometheus /metrics on this TCP port; 0: off (the packaged config: 9400)
     metrics_host: str = "127.0.0.1"  # address the metrics endpoint binds (0.0.0.0: every interface)
     events_endpoint: str | None = None  # KV events PUB socket (vLLM wire format), e.g. tcp://*:5557

@@ -31,25 +31,26 @@ from collections.abc import Callable
 import msgpack
 import zmq
 
+from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
 log = logging.getLogger(__name__)
 
 END_SEQ = (1 << 64) - 1
 MEDIUM = "GPU"
 
 
-def encode_events(events: list[tuple], block_size: int) -> list:
-    """Turns block-pool events (manager/core/block_pool.py) into vLLM event arrays."""
+def encode_events(events: list[KVEvent], block_size: int) -> list:
+    """Turns block-pool events (manager/core/kv_events.py) into vLLM event arrays."""
     out = []
     for ev in events:
-        kind = ev[0]
-        if kind == "stored":
-            out.append(["BlockStored", ev[1], ev[2], [], block_size, None, MEDIUM])
-        elif kind == "removed":
-            out.append(["BlockRemoved", ev[1], MEDIUM])
-        elif kind == "cleared":
+        if isinstance(ev, BlockStored):
+            out.append(["BlockStored", ev.hashes, ev.parent, [], block_size, None, MEDIUM])
+        elif isinstance(ev, BlockRemoved):
+            out.append(["BlockRemoved", ev.hashes, MEDIUM])
+        elif isinstance(ev, AllBlocksCleared):
             out.append(["AllBlocksCleared"])
         else:
-            raise ValueError(f"unknown block-pool event {kind!r}")
+            raise ValueError(f"unknown block-pool event {ev!r:.80}")
     return out
 
 
@@ -78,7 +79,7 @@ class EventPublisher:
         self.buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_size)
         self.next_seq = 0
 
-    def publish(self, pool: str, events: list[tuple], block_size: int) -> int:
+    def publish(self, pool: str, events: list[KVEvent], block_size: int) -> int:
         """Sends one batch; returns its sequence number."""
         payload = msgpack.packb([time.time(), encode_events(events, block_size)], use_bin_type=True)
         seq = self.next_seq
@@ -116,7 +117,7 @@ class EventPublisher:
 
 
 class LoopPublisher:
-    """The manager loop's publisher hook (manager/store/base.py ``EventPublisher``) over a ZeroMQ
+    """The manager loop's event sink (manager/store/base.py ``EventSink``) over a ZeroMQ
     ``EventPublisher``: one batch per pool per iteration, topic = the pool's name, block size
     from ``block_size_of(pool)``. The loop polls ``replay_socket`` and calls ``serve_replay``."""
 
@@ -128,7 +129,7 @@ class LoopPublisher:
     def replay_socket(self) -> zmq.Socket | None:
         return self.zmq.replay
 
-    def publish(self, pool: str, epoch: int, events: list[tuple]) -> None:
+    def publish(self, pool: str, epoch: int, events: list[KVEvent]) -> None:
         self.zmq.publish(pool, events, self.block_size_of(pool))
 
     def serve_replay(self) -> None:

@@ -19,10 +19,10 @@ from kvpool.shared.protocol import (
     PROTOCOL_VERSION,
     ROLES,
     SUPPORTED_VERSIONS,
+    KVSpec,
     ManagerError,
     bad_field,
     check_serve,
-    check_spec,
     get_hashes,
     get_int,
     get_map,
@@ -118,7 +118,7 @@ class Handlers:
             get_int(args, "shard_rank", 0, 4095),
             get_int(args, "shard_count", 1, 4096),
             get_str(args, "incarnation", 128),
-            check_spec(get_map(args, "spec")),
+            KVSpec.from_wire(get_map(args, "spec")),
             get_int(args, "available_kv_bytes", 0, U63),
             check_serve(args["serve"]) if "serve" in args else None,
         )
@@ -148,10 +148,6 @@ class Handlers:
         _, pool = self.reg.ready_pool(args.get("pool"), epoch)
         return {"blocks": pool.lookup(get_hashes(args))}
 
-    def locate(self, sess: Session, args: dict, now: float) -> dict:
-        hashes = get_hashes(args)
-        return {"pools": {name: e.pool.lookup(hashes) for name, e in self.reg.pools.items() if e.pool is not None}}
-
     def workers(self, sess: Session, args: dict, now: float) -> dict:
         """Ready pools whose rank-0 shard announced a generate endpoint and is still connected:
         what a front door routes to."""
@@ -165,6 +161,10 @@ class Handlers:
                         "block_size": entry.spec["block_size"], "free_blocks": blocks.num_free,
                         "requests": len(entry.pool.requests)})
         return {"workers": out}
+
+    def locate(self, sess: Session, args: dict, now: float) -> dict:
+        hashes = get_hashes(args)
+        return {"pools": {name: e.pool.lookup(hashes) for name, e in self.reg.pools.items() if e.pool is not None}}
 
     def stats(self, sess: Session, args: dict, now: float) -> dict:
         reg = self.reg
@@ -200,7 +200,7 @@ class Handlers:
                 cached_blocks=len(pool.blocks.cached) if pool else 0,
                 requests=len(pool.requests) if pool else 0,
                 shards=[{"rank": s.rank, "incarnation": s.incarnation, "num_blocks": s.num_blocks,
-                         "num_kv_heads": s.spec["num_kv_heads"], "session": live[s.sid].num if s.sid in live else None}
+                         "num_kv_heads": s.spec.num_kv_heads, "session": live[s.sid].num if s.sid in live else None}
                         for s in sorted(entry.shards.values(), key=lambda s: s.rank)],
             )
             out.append(info)

@@ -20,13 +20,24 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 
+from kvpool.manager.core.kv_events import AllBlocksCleared, KVEvent
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
-from kvpool.manager.store.base import GLOBAL
-from kvpool.shared.protocol import ManagerError, block_bytes
+from kvpool.manager.mutations import (
+    BlocksEvicted,
+    CacheReset,
+    DrainingSet,
+    Mutation,
+    SessionEnded,
+    SessionOpened,
+    ShardRegistered,
+    StepRan,
+)
+from kvpool.shared.protocol import KVSpec, ManagerError
 
 logger = logging.getLogger(__name__)
 
+GLOBAL = "\x00global"  # dirty marker: sessions or manager-wide flags (not a valid pool name)
 COMMON_SPEC = ("block_size", "num_layers", "head_size", "dtype")  # shards agree on these
 
 
@@ -50,11 +61,11 @@ class Session:
 class Shard:
     rank: int
     incarnation: str
-    spec: dict
+    spec: KVSpec
     available_kv_bytes: int
     num_blocks: int
     sid: str | None  # the session that registered it; None once that session is gone
-    serve: dict | None = None  # where this shard serves generate requests (register's optional field)
+    serve: dict | None = None  # where this shard takes generate requests (register's optional field)
 
 
 @dataclass
@@ -67,8 +78,9 @@ class PoolEntry:
 
     @property
     def spec(self) -> dict:
+        """What every shard of the pool agrees on (COMMON_SPEC), as a wire map."""
         any_shard = next(iter(self.shards.values()))
-        return {k: any_shard.spec[k] for k in COMMON_SPEC}
+        return {k: getattr(any_shard.spec, k) for k in COMMON_SPEC}
 
     @property
     def state(self) -> str:
@@ -93,51 +105,75 @@ class Registry:
         self.draining = False
         self.dirty: set[str] = set()  # pool names (and GLOBAL) changed this iteration
         # KV events of pools dropped this iteration (a shard left): (pool, epoch, events)
-        self.orphan_events: list[tuple[str, int, list]] = []
-        self._next_num = 1
+        self.orphan_events: list[tuple[str, int, list[KVEvent]]] = []
+        self.next_num = 1  # the public number of the next session
         # The identity of this state: the incarnation without persistence; a persistent store
         # replaces it with the id it keeps with the state, so it survives restarts and failovers.
         self.state_id = incarnation
         self.durable = False  # a persistent store holds this state (set by the store)
         # When a store journals (manager/store/journal.py): this iteration's mutations as records.
-        self.log: list[list] | None = None
+        self.log: list[Mutation] | None = None
 
-    def record(self, *rec: object) -> None:
+    def record(self, rec: Mutation) -> None:
         if self.log is not None:
-            self.log.append(list(rec))
+            self.log.append(rec)
+
+    def apply(self, rec: Mutation, now: float) -> object:
+        """The one way the state changes: runs ``rec`` and journals it. The named methods below
+        (the live path) and the journal's replay both come here; returns what the method returns."""
+        if type(rec) is StepRan:  # the hot path first
+            return self._step(rec)
+        if type(rec) is SessionOpened:
+            return self._open_session(rec, now)
+        if type(rec) is SessionEnded:
+            return self._end_session(rec)
+        if type(rec) is ShardRegistered:
+            return self._register(rec)
+        if type(rec) is CacheReset:
+            return self._reset_cache(rec)
+        if type(rec) is BlocksEvicted:
+            return self._evict(rec)
+        if type(rec) is DrainingSet:
+            return self._set_draining(rec)
+        raise TypeError(f"not a registry mutation: {rec!r:.80}")
 
     def adopt(self, other: Registry) -> None:
         """Takes over the state a store loaded into ``other``; this object (which the loop,
         the handlers and the metrics hold) stays, with its incarnation and limits."""
         self.sessions, self.pools, self.draining = other.sessions, other.pools, other.draining
-        self._next_num, self.state_id, self.durable = other._next_num, other.state_id, other.durable
+        self.next_num, self.state_id, self.durable = other.next_num, other.state_id, other.durable
         self.log, self.dirty = other.log, set()
         self.orphan_events = []
         for entry in self.pools.values():
-            if entry.pool is not None and entry.pool.blocks.events is not None:
+            if entry.pool is not None:
                 # Subscribers resynchronise to the recovered cache, whatever they saw before.
-                cached = list(entry.pool.blocks.cached)
-                entry.pool.blocks.events = [("cleared",), *([("stored", cached, None)] if cached else [])]
+                entry.pool.blocks.restate_events()
 
     # -- sessions --------------------------------------------------------------------------
 
-    def open_session(self, identity: str, role: str, admin: bool, version: int, now: float,
-                     sid: str | None = None) -> Session:
-        """A new session; ``sid`` is given only when a journal is replayed."""
+    def open_session(self, identity: str, role: str, admin: bool, version: int, now: float) -> Session:
+        """A new session, with a fresh secret sid."""
+        return self.apply(SessionOpened(secrets.token_hex(16), identity, role, admin, version), now)  # type: ignore[return-value]
+
+    def _open_session(self, rec: SessionOpened, now: float) -> Session:
         if len(self.sessions) >= self.max_sessions:
             raise ManagerError("too_many_sessions", f"{self.max_sessions} sessions are open; retry later")
-        sess = Session(sid or secrets.token_hex(16), self._next_num, identity, role, admin, version, now, now)
-        self._next_num += 1
+        sess = Session(rec.sid, self.next_num, rec.identity, rec.role, rec.admin, rec.version, now, now)
+        self.next_num += 1
         self.sessions[sess.sid] = sess
         self.dirty.add(GLOBAL)
-        self.record("open", sess.sid, identity, role, admin, version)
+        self.record(rec)
         return sess
 
     def end_session(self, sid: str) -> int:
         """Closes a session: frees its requests in every pool; returns how many."""
+        return self.apply(SessionEnded(sid), 0.0)  # type: ignore[return-value]
+
+    def _end_session(self, rec: SessionEnded) -> int:
+        sid = rec.sid
         self.sessions.pop(sid, None)
         self.dirty.add(GLOBAL)
-        self.record("end", sid)
+        self.record(rec)
         freed = 0
         for entry in self.pools.values():
             lost = [r for r, shard in entry.shards.items() if shard.sid == sid]
@@ -179,8 +215,8 @@ class Registry:
 
     def _drop_pool(self, entry: PoolEntry) -> None:
         """The entry's Pool is gone: subscribers drop its hashes now, not when it re-forms."""
-        if entry.pool is not None and entry.pool.blocks.events is not None:
-            self.orphan_events.append((entry.name, entry.epoch, [*entry.pool.blocks.events, ("cleared",)]))
+        if entry.pool is not None and entry.pool.blocks.events_enabled:
+            self.orphan_events.append((entry.name, entry.epoch, [*entry.pool.take_events(), AllBlocksCleared()]))
         entry.pool = None
 
     def expire(self, now: float) -> list[tuple[Session, int]]:
@@ -200,17 +236,23 @@ class Registry:
     # -- pools -----------------------------------------------------------------------------
 
     def register(
-        self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: dict, available: int,
+        self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: KVSpec, available: int,
         serve: dict | None = None,
     ) -> PoolEntry:
         """Registers one shard (idempotent for the same incarnation); see the module docstring."""
-        # Journaled before anything can fail, with the limits in force: a replay fails or
-        # succeeds exactly as this call does, whatever the restarted manager is configured with.
-        self.record("register", sess.sid, name, rank, count, incarnation, spec, available,
-                    self.max_blocks, self.max_pools, *([serve] if serve is not None else []))
+        rec = ShardRegistered(sess.sid, name, rank, count, incarnation, spec, available, self.max_blocks,
+                              self.max_pools, serve)
+        return self.apply(rec, 0.0)  # type: ignore[return-value]
+
+    def _register(self, rec: ShardRegistered) -> PoolEntry:
+        # Journaled before anything can fail, checked against the record's limits (manager/mutations.py).
+        self.record(rec)
+        sess = self.sessions[rec.sid]
+        name, rank, count, incarnation, spec, available = (
+            rec.pool, rec.rank, rec.count, rec.incarnation, rec.spec, rec.available_kv_bytes)
         if rank >= count:
             raise ManagerError("bad_field", f"shard_rank {rank} must be < shard_count {count}")
-        per_block = block_bytes(spec)
+        per_block = spec.block_bytes
         num_blocks = available // per_block
         if num_blocks < 2:
             raise ManagerError(
@@ -220,8 +262,8 @@ class Registry:
             )
         entry = self.pools.get(name)
         if entry is None:
-            if len(self.pools) >= self.max_pools:
-                raise ManagerError("too_many_pools", f"{self.max_pools} pools exist; no room for {name!r}")
+            if len(self.pools) >= rec.max_pools:
+                raise ManagerError("too_many_pools", f"{rec.max_pools} pools exist; no room for {name!r}")
             entry = self.pools[name] = PoolEntry(name, count)
         elif not self._compatible(entry, rank, count, spec):
             self._drop_pool(entry)
@@ -235,15 +277,15 @@ class Registry:
                     "another spec or size; a restarted shard must register with a new incarnation",
                 )
             old.sid = sess.sid
-            old.serve = serve
+            old.serve = rec.serve
             return entry
-        entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid, serve)
+        entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid, rec.serve)
         if len(entry.shards) == entry.shard_count:
-            self._new_epoch(entry)
+            self._new_epoch(entry, rec.max_blocks)
         self.dirty.add(name)
         return entry
 
-    def _compatible(self, entry: PoolEntry, rank: int, count: int, spec: dict) -> bool:
+    def _compatible(self, entry: PoolEntry, rank: int, count: int, spec: KVSpec) -> bool:
         """False when a new deployment replaces the pool (a new shard_count with no other shard,
         or every other shard gone and this one disagrees); raises spec_mismatch when a live
         shard disagrees. Changes nothing."""
@@ -256,8 +298,8 @@ class Registry:
             logger.warning("pool %s: shard %d registers with shard_count %d (pool: %d); replacing the pool",
                            entry.name, rank, count, entry.shard_count)
             return False
-        want = {k: others[0].spec[k] for k in COMMON_SPEC}
-        have = {k: spec[k] for k in COMMON_SPEC}
+        want = {k: getattr(others[0].spec, k) for k in COMMON_SPEC}
+        have = {k: getattr(spec, k) for k in COMMON_SPEC}
         if have == want and count == entry.shard_count:
             return True
         if all(s.sid is None or s.sid not in self.sessions for s in others):
@@ -274,16 +316,16 @@ class Registry:
             "pool must run the same model, block_size, dtype and shard_count",
         )
 
-    def _new_epoch(self, entry: PoolEntry) -> None:
+    def _new_epoch(self, entry: PoolEntry, max_blocks: int) -> None:
         num_blocks = min(s.num_blocks for s in entry.shards.values())
-        if num_blocks > self.max_blocks:
-            logger.warning("pool %s: %d blocks clamped to max_blocks %d", entry.name, num_blocks, self.max_blocks)
-            num_blocks = self.max_blocks
+        if num_blocks > max_blocks:
+            logger.warning("pool %s: %d blocks clamped to max_blocks %d", entry.name, num_blocks, max_blocks)
+            num_blocks = max_blocks
         restarted = entry.epoch > 0  # an earlier Pool of this name had cached hashes
         entry.epoch += 1
         entry.pool = Pool(num_blocks, entry.spec["block_size"], enable_events=True)
         if restarted:
-            entry.pool.blocks.events.append(("cleared",))  # type: ignore[union-attr]
+            entry.pool.blocks.restate_events()  # the new pool is empty: a clear
             logger.warning("pool %s: a shard restarted; epoch %d, cache and requests dropped", entry.name, entry.epoch)
         else:
             logger.info("pool %s ready: %d blocks, epoch %d", entry.name, num_blocks, entry.epoch)
@@ -315,29 +357,43 @@ class Registry:
     def step(self, sess: Session, entry: PoolEntry, ops: list, msg_id: int) -> list[dict]:
         """Runs one step's sub-ops for ``sess`` (the caller checked the epoch); caches the
         results under ``msg_id`` so a retried step is answered, not run twice."""
-        results = run_step(entry.pool, sess.sid, ops, allow_alloc=not self.draining)  # type: ignore[arg-type]
-        sess.last_step_id, sess.last_step = msg_id, results
-        if ops:
+        return self.apply(StepRan(sess.sid, msg_id, entry.name, ops), 0.0)  # type: ignore[return-value]
+
+    def _step(self, rec: StepRan) -> list[dict]:
+        sess, entry = self.sessions[rec.sid], self.pools[rec.pool]
+        results = run_step(entry.pool, sess.sid, rec.ops, allow_alloc=not self.draining)  # type: ignore[arg-type]
+        sess.last_step_id, sess.last_step = rec.msg_id, results
+        if rec.ops:
             self.dirty.add(entry.name)
-            self.record("step", sess.sid, msg_id, entry.name, ops)
+            self.record(rec)
         return results
 
     def reset_cache(self, entry: PoolEntry) -> bool:
-        done = entry.pool.reset_prefix_cache()  # type: ignore[union-attr]
+        return self.apply(CacheReset(entry.name), 0.0)  # type: ignore[return-value]
+
+    def _reset_cache(self, rec: CacheReset) -> bool:
+        done = self.pools[rec.pool].pool.reset_prefix_cache()  # type: ignore[union-attr]
         if done:
-            self.dirty.add(entry.name)
-            self.record("reset", entry.name)
+            self.dirty.add(rec.pool)
+            self.record(rec)
         return done
 
     def evict(self, entry: PoolEntry, n: int) -> int:
-        self.dirty.add(entry.name)
-        self.record("evict", entry.name, n)
-        return entry.pool.evict(n)  # type: ignore[union-attr]
+        return self.apply(BlocksEvicted(entry.name, n), 0.0)  # type: ignore[return-value]
+
+    def _evict(self, rec: BlocksEvicted) -> int:
+        pool = self.pools[rec.pool].pool
+        self.dirty.add(rec.pool)
+        self.record(rec)
+        return pool.evict(rec.n)  # type: ignore[union-attr]
 
     def set_draining(self, enable: bool) -> None:
-        self.draining = enable
+        self.apply(DrainingSet(enable), 0.0)
+
+    def _set_draining(self, rec: DrainingSet) -> None:
+        self.draining = bool(rec.enable)
         self.dirty.add(GLOBAL)
-        self.record("drain", enable)
+        self.record(rec)
 
     def total_requests(self) -> int:
         return sum(len(e.pool.requests) for e in self.pools.values() if e.pool is not None)

@@ -5,7 +5,7 @@ Each iteration: wait for a message (or the next expiry check), read every ready 
 mutations to the store, hand the pools' KV events to the publisher, then send the replies.
 Nothing a client sends can kill the loop: bad input becomes an error reply (or, with a
 malformed envelope, a counted drop) and changes nothing. Framing: shared/protocol.py.
-CURVE, KV-event sockets, metrics and systemd notify hang off the loop in manager/operations.py.
+CURVE, KV-event sockets, metrics and systemd notify hang off the loop in manager/loop_hooks.py.
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ import zmq
 from kvpool.manager.config import ManagerConfig
 from kvpool.manager.core.snapshot import CorruptState
 from kvpool.manager.handlers import Handlers
-from kvpool.manager.operations import Operations
+from kvpool.manager.loop_hooks import LoopHooks
 from kvpool.manager.registry import Registry, Session
 from kvpool.manager.stats import ServerStats
 from kvpool.manager.store.base import (
-    EventPublisher,
+    EventSink,
     Fenced,
-    NullPublisher,
+    NullSink,
     StateStore,
     StoreUnavailable,
 )
-from kvpool.manager.store.recovery import INACTIVE, activate, lost_store, open_store
+from kvpool.manager.store.recovery import INACTIVE, Recovery, open_store
 from kvpool.shared.protocol import (
     SUPPORTED_VERSIONS,
     ManagerError,
@@ -75,19 +75,16 @@ class Server:
         cfg: ManagerConfig,
         *,
         store: StateStore | None = None,
-        publisher: EventPublisher | None = None,
+        publisher: EventSink | None = None,
         incarnation: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.registry = self.new_registry(incarnation or uuid.uuid4().hex)
         self.stats = ServerStats()
         self.store: StateStore = store or open_store(cfg)
-        # "active" serves; "recovering" (the store failed), "standby" (no lease) and "fenced"
-        # (lost the lease) answer every message with an INACTIVE error and change nothing.
-        self.mode = "active" if not self.store.durable else "starting"
-        self.exit_code = 0
-        self._next_activate = 0.0
-        self.publisher: EventPublisher = publisher or NullPublisher()
+        self.recovery = Recovery(self.store, self.registry, lease_ms=cfg.lease_ms, new_registry=self.new_registry,
+                                 errors=self.stats.errors, request_stop=self.request_stop)
+        self.publisher: EventSink = publisher or NullSink()
         self.handlers = Handlers(
             self.registry, self.stats, max_sub_ops=cfg.max_sub_ops, max_message_bytes=cfg.max_message_bytes,
             admin_key=cfg.admin_key, request_stop=self.request_stop,
@@ -102,7 +99,7 @@ class Server:
         self._next_gc = 0.0
         self.ctx: zmq.Context | None = None
         self.sock: zmq.Socket | None = None
-        self.ops = Operations(cfg, self.registry, self.stats)
+        self.hooks = LoopHooks(cfg, self.registry, self.stats)
 
     def new_registry(self, incarnation: str) -> Registry:
         cfg = self.cfg
@@ -112,6 +109,15 @@ class Server:
     @property
     def incarnation(self) -> str:
         return self.registry.incarnation
+
+    @property
+    def mode(self) -> str:
+        """``active``, or why it is not serving (manager/store/recovery.py ``INACTIVE``)."""
+        return self.recovery.mode
+
+    @property
+    def exit_code(self) -> int:
+        return self.recovery.exit_code
 
     def request_stop(self) -> None:
         """Stops after the current iteration (safe from a signal handler)."""
@@ -199,13 +205,13 @@ class Server:
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_message_bytes)  # beyond this the peer is cut off
         sock.setsockopt(zmq.LINGER, 1000)
         try:
-            self.ops.secure(self.ctx, sock)  # CURVE, before bind
+            self.hooks.secure(self.ctx, sock)  # CURVE, before bind
             sock.bind(cfg.endpoint)
         except (zmq.ZMQError, ValueError):
             sock.close(linger=0)  # an open socket would block the context's term()
             raise
         self.sock = sock
-        self.publisher = self.ops.start(self.ctx, sock, self.publisher)
+        self.publisher = self.hooks.start(self.ctx, sock, self.publisher)
         logger.info("manager %s listening on %s", self.incarnation, cfg.endpoint)
 
     def run(self) -> None:
@@ -216,7 +222,7 @@ class Server:
             self._activate(time.monotonic())  # CorruptState propagates: never serve part of a state
         else:
             self.store.load(self.registry, time.monotonic())
-        self.ops.ready()  # READY=1: bound and recovered
+        self.hooks.ready()  # READY=1: bound and recovered
         # The state is acyclic and large (per-block lists, the hash map): automatic collections
         # would traverse all of it every few thousand allocations. Collect when idle instead.
         gc_was_enabled = gc.isenabled()
@@ -225,7 +231,7 @@ class Server:
             while not self._stop:
                 self._maybe_gc(idle=not self.run_once(MAX_POLL_MS))
         finally:
-            self.ops.stopping()
+            self.hooks.stopping()
             if gc_was_enabled:
                 gc.enable()
             self.close()
@@ -236,7 +242,7 @@ class Server:
         sock = self.sock
         assert sock is not None, "bind() first"
         batch: list[list[bytes]] = []
-        if self.ops.wait(sock, timeout_ms):
+        if self.hooks.wait(sock, timeout_ms):
             t0 = time.perf_counter()
             while len(batch) < self.cfg.max_batch:
                 try:
@@ -251,13 +257,13 @@ class Server:
             if now >= self._next_expiry:
                 self._expire(now)
             replies = self._commit(replies)
-        elif now >= self._next_activate:
+        elif now >= self.recovery.next_activate:
             self._activate(now)
         self._send(replies)
         if batch:
             self.stats.iteration_latency.observe(time.perf_counter() - t0)
         self.stats.iterations += 1
-        self.ops.tick(now)
+        self.hooks.tick(now)
         return len(batch)
 
     def _maybe_gc(self, idle: bool) -> None:
@@ -286,17 +292,16 @@ class Server:
         try:
             self.store.commit(reg, reg.dirty)
         except (StoreUnavailable, Fenced) as e:
-            return lost_store(self, e, replies or [])
+            return self.recovery.lost_store(e, replies or [])
         if reg.dirty:
             self.stats.commit_latency.observe(time.perf_counter() - t0)
             reg.dirty = set()
         batches = reg.orphan_events
         reg.orphan_events = []
         for name, entry in reg.pools.items():
-            pool = entry.pool
-            if pool is not None and pool.blocks.events:
-                batches.append((name, entry.epoch, pool.blocks.events))
-                pool.blocks.events = []
+            events = entry.pool.take_events() if entry.pool is not None else []
+            if events:
+                batches.append((name, entry.epoch, events))
         for name, epoch, events in batches:
             self.publisher.publish(name, epoch, events)
             self.stats.event_batches += 1
@@ -305,7 +310,8 @@ class Server:
 
     def _activate(self, now: float) -> None:
         """Takes the lease and recovers the state: at start, as a standby, after a store failure."""
-        activate(self, now)
+        if self.recovery.activate(now):
+            self._next_expiry = 0.0
 
     def _send(self, replies: list[list[bytes] | None]) -> None:
         sock = self.sock
@@ -324,11 +330,11 @@ class Server:
             self.sock = None
             if self.cfg.ipc_path and os.path.exists(self.cfg.ipc_path):
                 os.unlink(self.cfg.ipc_path)  # libzmq leaves the socket file behind
-        self.ops.close_sockets()  # event sockets and the ZAP thread live in self.ctx
+        self.hooks.close_sockets()  # event sockets and the ZAP thread live in self.ctx
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
-        self.ops.close()
+        self.hooks.close()
         self.store.shutdown(self.registry if self.mode == "active" else None)
         self.store.close()
         self.publisher.close()
@@ -359,12 +365,12 @@ def serve(cfg: ManagerConfig) -> int:
     except (OSError, zmq.ZMQError) as e:
         server.close()
         raise RuntimeError(f"cannot bind {cfg.endpoint}: {e}") from None
-    except (RuntimeError, ValueError):  # an extra socket or the metrics port (manager/operations.py)
+    except (RuntimeError, ValueError):  # an extra socket or the metrics port (manager/loop_hooks.py)
         server.close()
         raise
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_stop())
-    signal.signal(signal.SIGHUP, lambda *_: server.ops.request_reload())  # re-read allowed CURVE keys
+    signal.signal(signal.SIGHUP, lambda *_: server.hooks.request_reload())  # re-read allowed CURVE keys
     try:
         server.run()
     except CorruptState as e:

@@ -39,7 +39,7 @@ from kvpool.manager.core.bench import run_trace
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
 from kvpool.shared.hashing import hash_blocks
-from kvpool.shared.protocol import block_bytes
+from kvpool.shared.protocol import KVSpec
 from kvpool.shared.trace import TraceConfig, prompts
 from kvpool.worker.manager_client import ManagerClient
 
@@ -165,7 +165,7 @@ def run_daemon(endpoint: str, shard_files: list[str], batch: int, prehash: bool,
     try:
         admin = ManagerClient(endpoint, role="admin", timeout_s=30.0)
         reg = admin.register(POOL, shard_rank=0, shard_count=1, incarnation="bench", spec=SPEC,
-                             available_kv_bytes=TraceConfig.num_blocks * block_bytes(SPEC))
+                             available_kv_bytes=TraceConfig.num_blocks * KVSpec.from_wire(SPEC).block_bytes)
         for k, shard in enumerate(shard_files):
             cmd = [sys.executable, __file__, "--client", endpoint, shard, os.path.join(tmp, f"rtt{k}.npy"),
                    str(reg["epoch"]), str(batch), str(int(prehash))]

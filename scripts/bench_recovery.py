@@ -26,7 +26,7 @@ from kvpool.manager.store.journal import recover
 from kvpool.manager.store.redis_store import RedisStore, namespace_keys
 from kvpool.manager.store.redis_url import connect
 from kvpool.manager.store.state_file import dump_registry, encode_state
-from kvpool.shared.protocol import block_bytes
+from kvpool.shared.protocol import KVSpec
 
 SPEC = {"block_size": 16, "num_layers": 1, "num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
 REQ_BLOCKS = 64  # blocks per request (1024-token prompts)
@@ -46,7 +46,7 @@ def build(store: RedisStore, reg: Registry, blocks: int, tail_steps: int, seed: 
     """Fills ~80% of the pool with live requests and ~15% with cached free blocks, journaled."""
     rng = random.Random(seed)
     sess = reg.open_session("bench", "worker", True, 1, 0.0)
-    entry = reg.register(sess, "big", 0, 1, "i", dict(SPEC), blocks * block_bytes(SPEC))
+    entry = reg.register(sess, "big", 0, 1, "i", KVSpec(**SPEC), blocks * KVSpec.from_wire(SPEC).block_bytes)
     live, rid, msg = [], 0, 0
     target_live, target_cached = int(0.8 * blocks) // REQ_BLOCKS, int(0.15 * blocks) // REQ_BLOCKS
     snapshot_s = []

@@ -30,7 +30,7 @@ import sys
 import time
 
 from kvpool.frontend.demo import worker_stats
-from kvpool.frontend.loadgen import TraceConfig, chat_trace, drive, summarize
+from kvpool.frontend.loadgen import ChatTraceConfig, chat_trace, drive, summarize
 from kvpool.frontend.procs import LocalCluster
 from kvpool.frontend.router import POLICIES
 from kvpool.frontend.server import FrontDoorServer
@@ -123,11 +123,11 @@ def main(argv: list[str]) -> int:
     bad = [p for p in policies if p not in POLICIES]
     if bad:
         raise SystemExit(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
-    cfg = TraceConfig(num_requests=args.requests, num_tenants=args.tenants, system_words=tuple(args.system_words),
+    cfg = ChatTraceConfig(num_requests=args.requests, num_tenants=args.tenants, system_words=tuple(args.system_words),
                       user_words=tuple(args.user_words), max_tokens=tuple(args.max_tokens), parallel_every=0,
                       seed=args.seed)
     trace = chat_trace(cfg)
-    warmup = chat_trace(TraceConfig(num_requests=2 * args.workers, num_tenants=1, system_words=(4, 8),
+    warmup = chat_trace(ChatTraceConfig(num_requests=2 * args.workers, num_tenants=1, system_words=(4, 8),
                                     max_tokens=(2, 4), parallel_every=0, seed=args.seed + 1))
     if args.url:
         results, elapsed = asyncio.run(drive(args.url, args.model, trace, max_inflight=args.max_inflight,

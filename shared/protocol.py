@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -231,21 +232,43 @@ def get_hashes(args: dict, key: str = "hashes") -> list[bytes]:
     return hs
 
 
-def check_spec(spec: dict) -> dict:
-    """A validated KV spec: {block_size, num_layers, num_kv_heads, head_size, dtype}."""
-    out = {
-        "block_size": get_int(spec, "block_size", 1, 1 << 16),
-        "num_layers": get_int(spec, "num_layers", 1, 1 << 12),
-        "num_kv_heads": get_int(spec, "num_kv_heads", 1, 1 << 12),
-        "head_size": get_int(spec, "head_size", 1, 1 << 12),
-        "dtype": spec.get("dtype"),
-    }
-    if out["dtype"] not in DTYPE_BYTES:
-        raise bad_field("dtype", f"one of {sorted(DTYPE_BYTES)}", out["dtype"])
-    return out
+_SPEC_LIMITS = {"block_size": 1 << 16, "num_layers": 1 << 12, "num_kv_heads": 1 << 12, "head_size": 1 << 12}
 
 
-def block_bytes(spec: dict) -> int:
-    """KV bytes one block takes on one shard, over all layers (K and V)."""
-    per_layer = 2 * spec["block_size"] * spec["num_kv_heads"] * spec["head_size"] * DTYPE_BYTES[spec["dtype"]]
-    return per_layer * spec["num_layers"]
+@dataclass(frozen=True)
+class KVSpec:
+    """The KV-cache layout of one shard: what a worker registers and the manager sizes blocks by.
+
+    Validated here and nowhere else (``bad_field`` naming the field); on the wire it is the map
+    ``{block_size, num_layers, num_kv_heads, head_size, dtype}`` (``to_wire`` / ``from_wire``).
+    ``num_kv_heads`` is this shard's share of the model's heads.
+    """
+
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str  # a key of DTYPE_BYTES
+
+    def __post_init__(self) -> None:
+        for key, hi in _SPEC_LIMITS.items():
+            get_int(vars(self), key, 1, hi)
+        if self.dtype not in DTYPE_BYTES:
+            raise bad_field("dtype", f"one of {sorted(DTYPE_BYTES)}", self.dtype)
+
+    @classmethod
+    def from_wire(cls, spec: object) -> KVSpec:
+        """The spec a wire map describes (other keys are ignored); ``bad_field`` otherwise."""
+        if type(spec) is not dict:
+            raise bad_field("spec", "a map", spec)
+        return cls(*(spec.get(key, _MISSING) for key in _SPEC_LIMITS), spec.get("dtype"))  # type: ignore[arg-type]
+
+    def to_wire(self) -> dict:
+        return {"block_size": self.block_size, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                "head_size": self.head_size, "dtype": self.dtype}
+
+    @property
+    def block_bytes(self) -> int:
+        """KV bytes one block takes on one shard, over all layers (K and V)."""
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_size * DTYPE_BYTES[self.dtype]
+        return per_layer * self.num_layers

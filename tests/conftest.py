@@ -1,3 +1,9 @@
+"""Fixtures every test folder shares; the helpers themselves live in the ``helpers`` package.
+
+Sockets live in short temporary directories (ipc paths are limited to 107 bytes); every thread
+and process a fixture starts is stopped or killed in its finalizer.
+"""
+
 import os
 
 import torch
@@ -6,3 +12,65 @@ import torch
 # test module can import one. Only without CUDA: on a GPU the kernels must really compile.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+
+import pytest  # noqa: E402
+from helpers.durable import drop_namespace, new_namespace, redis_or_skip  # noqa: E402
+from helpers.manager import LiveServer  # noqa: E402
+
+
+@pytest.fixture
+def sock_dir():
+    d = tempfile.mkdtemp(prefix="kvp-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def live_server(sock_dir):
+    """Starts Servers looping in threads: ``live_server(**cfg)``; stopped at teardown."""
+    started: list[LiveServer] = []
+
+    def start(**cfg) -> LiveServer:
+        s = LiveServer(f"ipc://{sock_dir}/m{len(started)}.sock", **cfg)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.server.request_stop()
+        s.thread.join(10)
+
+
+@pytest.fixture
+def procs():
+    """Spawns processes (stdout piped, text, unless given); the one kill policy: whatever is
+    still running at teardown is SIGKILLed (a test that wants a clean stop uses stop_process)."""
+    started: list[subprocess.Popen] = []
+
+    def spawn(args: list[str], **kw) -> subprocess.Popen:
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("text", True)
+        p = subprocess.Popen(args, **kw)
+        started.append(p)
+        return p
+
+    yield spawn
+    for p in started:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+
+
+@pytest.fixture
+def namespace():
+    """A fresh Redis namespace for a durable manager, deleted afterwards."""
+    r = redis_or_skip()
+    name = new_namespace()
+    yield name
+    drop_namespace(r, name)
+    r.close()

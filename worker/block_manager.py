@@ -15,7 +15,7 @@ from typing import Protocol
 
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
-from kvpool.shared.protocol import ManagerRestarted, ManagerUnavailable, StaleEpoch, block_bytes
+from kvpool.shared.protocol import KVSpec, ManagerRestarted, ManagerUnavailable, StaleEpoch
 from kvpool.worker.manager_client import ManagerClient
 
 logger = logging.getLogger(__name__)
@@ -25,15 +25,15 @@ class ManagerReset(Exception):
     """The manager forgot this worker's requests (restart, new epoch): re-register, recompute."""
 
 
-def spec_num_blocks(spec: dict, available_kv_bytes: int) -> int:
+def spec_num_blocks(spec: KVSpec, available_kv_bytes: int) -> int:
     """Blocks of ``spec`` that fit ``available_kv_bytes`` (the same arithmetic as the manager's)."""
-    return available_kv_bytes // block_bytes(spec)
+    return available_kv_bytes // spec.block_bytes
 
 
 class BlockManager(Protocol):
     pool: str
 
-    def register(self, spec: dict, available_kv_bytes: int) -> dict: ...
+    def register(self, spec: KVSpec, available_kv_bytes: int) -> dict: ...
 
     def step(self, ops: list[dict]) -> list[dict]: ...
 
@@ -56,13 +56,13 @@ class LocalBlockManager:
         self.epoch = 0
         self._pool: Pool | None = None
 
-    def register(self, spec: dict, available_kv_bytes: int) -> dict:
+    def register(self, spec: KVSpec, available_kv_bytes: int) -> dict:
         num_blocks = spec_num_blocks(spec, available_kv_bytes)
         if self.max_blocks is not None:
             num_blocks = min(num_blocks, self.max_blocks)
-        self._pool = Pool(num_blocks, spec["block_size"], enable_caching=self.enable_caching)
+        self._pool = Pool(num_blocks, spec.block_size, enable_caching=self.enable_caching)
         self.epoch += 1
-        return {"num_blocks": num_blocks, "block_size": spec["block_size"], "epoch": self.epoch}
+        return {"num_blocks": num_blocks, "block_size": spec.block_size, "epoch": self.epoch}
 
     def step(self, ops: list[dict]) -> list[dict]:
         if self._pool is None:
@@ -116,12 +116,12 @@ class RemoteBlockManager:
         self.epoch = 0
         self._fresh_session = False
 
-    def register(self, spec: dict, available_kv_bytes: int) -> dict:
+    def register(self, spec: KVSpec, available_kv_bytes: int) -> dict:
         if self._fresh_session:
             self.client.hello()
             self._fresh_session = False
         info = self.client.register(self.pool, shard_rank=self.shard_rank, shard_count=self.shard_count,
-                                    incarnation=self.incarnation, spec=spec,
+                                    incarnation=self.incarnation, spec=spec.to_wire(),
                                     available_kv_bytes=available_kv_bytes, wait_s=self.register_wait_s,
                                     serve=self.serve)
         self.epoch = int(info["epoch"])

@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import torch
 
+from kvpool.shared.protocol import KVSpec
 from kvpool.worker.config import ModelConfig
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def kv_spec(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> dict:
+def kv_spec(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> KVSpec:
     """The spec a shard registers with (num_kv_heads: this shard's, of ``tp_size`` shards)."""
-    return {
-        "block_size": block_size,
-        "num_layers": cfg.num_layers,
-        "num_kv_heads": cfg.num_kv_heads // tp_size,
-        "head_size": cfg.head_size,
-        "dtype": DTYPE_NAMES[dtype],
-    }
+    return KVSpec(block_size, cfg.num_layers, cfg.num_kv_heads // tp_size, cfg.head_size, DTYPE_NAMES[dtype])
 
 
 def allocate_kv_caches(

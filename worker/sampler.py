@@ -36,6 +36,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()  # end the sample (finish reason "stop"), EOS aside
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k alternatives
+    stop: tuple[str, ...] = ()  # stop strings: applied to text by the front door and the offline LLM
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -58,6 +59,10 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list | tuple):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r:.40}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError("stop must be a non-empty string or a list of them")
+        object.__setattr__(self, "stop", tuple(stop))
         if any(type(t) is not int or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {list(self.stop_token_ids)[:8]}")
 

@@ -2,7 +2,7 @@
 
 A tensor-parallel rank (``tp_size > 1``, process group already joined: worker/parallel.py)
 builds the whole model, keeps its share and profiles its own memory; rank 0 gets the engine,
-the others a ``TPFollower`` (worker/tp.py).
+the others a ``TPFollower`` (worker/tp.py). ``serve_rank`` wires it all for ``kvpool worker``.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import logging
 
 import torch
 
-from kvpool.worker.block_manager import BlockManager
-from kvpool.worker.checkpoint import load_model
+from kvpool.worker.block_manager import BlockManager, RemoteBlockManager
+from kvpool.worker.checkpoint import load_config, load_model
 from kvpool.worker.config import WorkerConfig
 from kvpool.worker.engine import Engine
+from kvpool.worker.metrics import WorkerMetrics
 from kvpool.worker.model import LlamaForCausalLM
-from kvpool.worker.parallel import shard_model
+from kvpool.worker.parallel import check_tp, close_group, init_group, shard_model
 from kvpool.worker.profiler import (
     activation_estimate,
     kv_cache_budget,
@@ -25,6 +26,7 @@ from kvpool.worker.profiler import (
 )
 from kvpool.worker.runner import allocate_runner
 from kvpool.worker.scheduler import Scheduler, SeqPlan, StepPlan
+from kvpool.worker.server import WorkerServer
 from kvpool.worker.tp import Channel, TPFollower, TPLeader
 
 logger = logging.getLogger(__name__)
@@ -120,3 +122,23 @@ def build_follower(cfg: WorkerConfig, block_manager: BlockManager) -> TPFollower
     model, kv_bytes = load_rank(cfg)
     return TPFollower(model, block_manager, Channel(rank_device(cfg)), block_size=cfg.block_size,
                       available_kv_bytes=kv_bytes, max_model_len=cfg.max_model_len)
+
+
+def serve_rank(cfg: WorkerConfig, manager_eps: list[str], endpoint: str, tp_master: str, tp_timeout: float) -> None:
+    """One worker, or one tensor-parallel rank: joins the group, loads its share, serves (rank 0)
+    or follows. Raises ValueError or KVMemoryError (config or memory: the message says what to
+    change), ManagerError (the manager refused or is gone), TPPeerLost (another rank is gone)."""
+    try:
+        if cfg.tp_size > 1:  # refuse a bad split before any rank waits for the others
+            check_tp(load_config(cfg.model), cfg.tp_size)
+            init_group(cfg.tp_rank, cfg.tp_size, tp_master, rank_device(cfg), tp_timeout)
+        serve = {"endpoint": endpoint, "model": cfg.model, "max_model_len": cfg.max_model_len}
+        bm = RemoteBlockManager(manager_eps, cfg.pool, shard_rank=cfg.tp_rank, shard_count=cfg.tp_size,
+                                serve=serve if cfg.tp_rank == 0 else None)  # front doors find rank 0 by it
+        if cfg.tp_rank == 0:
+            engine = build_engine(cfg, bm)
+            WorkerServer(engine, endpoint, cfg.pool, metrics=WorkerMetrics.start(cfg)).serve()
+        else:
+            build_follower(cfg, bm).run()
+    finally:
+        close_group()

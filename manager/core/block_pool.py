@@ -17,12 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvpool.manager.core.free_queue import FreeQueue
+from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 NULL_BLOCK = 0
-
-# KV events queued for a publisher: ("stored", [hash, ...], parent_hash | None),
-# ("removed", [hash, ...]), ("cleared",).
-Event = tuple
 
 
 class BlockPool:
@@ -36,7 +33,7 @@ class BlockPool:
         self.free_queue = FreeQueue(range(1, num_blocks))
         self.cached: dict[bytes, int] = {}
         self._dups: dict[bytes, list[int]] = {}
-        self.events: list[Event] | None = [] if enable_events else None
+        self._events: list[KVEvent] | None = [] if enable_events else None  # see take_events
         self.num_evictions = 0
 
     # -- queries ---------------------------------------------------------------------------
@@ -64,6 +61,44 @@ class BlockPool:
         """How many of ``blocks`` sit in the free queue (touching them shrinks it)."""
         ref = self.ref_cnt
         return sum(1 for b in blocks if ref[b] == 0)
+
+    def duplicates(self) -> dict[bytes, list[int]]:
+        """Hash -> the blocks holding it besides its map entry (read-only: the snapshot codec)."""
+        return self._dups
+
+    @classmethod
+    def restore(cls, ref_cnt: list[int], block_hash: list[bytes | None], primary: list[int],
+                dups: dict[bytes, list[int]], free_queue: FreeQueue, num_evictions: int, *,
+                enable_caching: bool, enable_events: bool) -> BlockPool:
+        """A block pool from its parts (manager/core/snapshot.py decodes them); the caller
+        checks the invariants before using it."""
+        bp = cls(len(ref_cnt), enable_caching, enable_events)
+        bp.ref_cnt, bp.block_hash, bp._dups, bp.free_queue = ref_cnt, block_hash, dups, free_queue
+        bp.cached = {block_hash[b]: b for b in primary}  # type: ignore[misc]
+        bp.num_evictions = num_evictions
+        return bp
+
+    # -- events ----------------------------------------------------------------------------
+
+    @property
+    def events_enabled(self) -> bool:
+        return self._events is not None
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events queued since the last call, oldest first (none when events are off)."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def restate_events(self) -> None:
+        """Replaces the queued events with a clear and one store of every cached hash, so a
+        subscriber matches this cache whatever it saw before (a restarted or recovered pool)."""
+        if self._events is None:
+            return
+        cached = list(self.cached)
+        self._events = [AllBlocksCleared(), *([BlockStored(cached, None)] if cached else [])]
 
     # -- mutations -------------------------------------------------------------------------
 
@@ -122,8 +157,8 @@ class BlockPool:
             else:
                 cached[h] = b
                 stored.append(h)
-        if stored and self.events is not None:
-            self.events.append(("stored", stored, parent))
+        if stored and self._events is not None:
+            self._events.append(BlockStored(stored, parent))
 
     def evict(self, n: int) -> int:
         """Drops the hashes of up to ``n`` free cached blocks, LRU first; returns how many."""
@@ -142,13 +177,13 @@ class BlockPool:
             self.block_hash[b] = None
         self.cached.clear()
         self._dups.clear()
-        if self.events is not None:
-            self.events.append(("cleared",))
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
         return True
 
     def _drop_hashes(self, blocks: list[int]) -> None:
         """Lazy eviction: blocks leaving the free queue for reuse lose their hash."""
-        bhash, cached, dups, events = self.block_hash, self.cached, self._dups, self.events
+        bhash, cached, dups, events = self.block_hash, self.cached, self._dups, self._events
         for b in blocks:
             h = bhash[b]
             bhash[b] = None
@@ -157,7 +192,7 @@ class BlockPool:
                 continue
             del cached[h]  # type: ignore[arg-type]
             if events is not None:
-                events.append(("removed", [h]))
+                events.append(BlockRemoved([h]))
         self.num_evictions += len(blocks)
 
     def _drop_shared(self, b: int, h: bytes) -> None:
@@ -168,8 +203,8 @@ class BlockPool:
                 self.cached[h] = dups.pop()
             else:
                 del self.cached[h]
-                if self.events is not None:
-                    self.events.append(("removed", [h]))
+                if self._events is not None:
+                    self._events.append(BlockRemoved([h]))
         else:
             dups.remove(b)  # type: ignore[union-attr]
         if dups is not None and not dups:

@@ -68,6 +68,18 @@ class FreeQueue:
         self._front.extend(reversed(moved))
         return moved
 
+    def segments(self) -> tuple[list[int], list[int]]:
+        """The two segments as stored (front: a stack, its top last; lru: oldest first), for
+        the snapshot codec (manager/core/snapshot.py); ``from_segments`` takes them back."""
+        return self._front, list(self._lru)
+
+    @classmethod
+    def from_segments(cls, front: list[int], lru: list[int]) -> FreeQueue:
+        fq = cls(())
+        fq._front = front
+        fq._lru = OrderedDict.fromkeys(lru)
+        return fq
+
     def order(self) -> list[int]:
         """The queue front to back (tests and snapshots; O(n))."""
         return list(reversed(self._front)) + list(self._lru)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.manager.core.block_pool import BlockPool
+from kvpool.manager.core.kv_events import KVEvent
 
 
 class PoolError(ValueError):
@@ -26,8 +27,9 @@ class PoolError(ValueError):
         self.code = code
 
 
-class Request:
-    """The one mutable record of a request: its blocks, token count and known block hashes."""
+class RequestBlocks:
+    """The one mutable record of a request in the pool: its blocks, token count and known block
+    hashes (the worker's own record of a request is worker/request.py ``Request``)."""
 
     __slots__ = ("blocks", "num_tokens", "hashes", "num_cached")
 
@@ -61,10 +63,21 @@ class Pool:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.blocks = BlockPool(num_blocks, enable_caching, enable_events)
-        self.requests: dict[object, Request] = {}
+        self.requests: dict[object, RequestBlocks] = {}
         self.stats = PoolStats()
 
+    @classmethod
+    def restore(cls, blocks: BlockPool, block_size: int, requests: dict[object, RequestBlocks], stats: PoolStats) -> Pool:
+        """A pool from its parts (manager/core/snapshot.py decodes them)."""
+        pool = cls(2, block_size)  # a placeholder block pool, replaced below
+        pool.blocks, pool.requests, pool.stats = blocks, requests, stats
+        return pool
+
     # -- lookups ---------------------------------------------------------------------------
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events queued since the last call (``BlockPool.take_events``)."""
+        return self.blocks.take_events()
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
         """Number of leading blocks of the chain that are cached (no side effects)."""
@@ -107,7 +120,7 @@ class Pool:
         stats.allocations += 1
         bp.touch(hits)
         blocks = hits + bp.get_new_blocks(num_new)
-        req = Request(blocks, num_tokens, list(hashes), len(hits))
+        req = RequestBlocks(blocks, num_tokens, list(hashes), len(hits))
         self.requests[req_id] = req
         self._cache_full(req)
         return num_cached, blocks
@@ -167,7 +180,7 @@ class Pool:
         self.blocks.touch(blocks)
         # the child knows only the hashes of blocks it holds written (not the parent's prompt tail)
         hashes = parent.hashes[:n_full]
-        self.requests[child_id] = Request(list(blocks), parent.num_tokens, hashes, min(parent.num_cached, n_full))
+        self.requests[child_id] = RequestBlocks(list(blocks), parent.num_tokens, hashes, min(parent.num_cached, n_full))
         self.stats.forks += 1
         return list(blocks)
 
@@ -223,13 +236,13 @@ class Pool:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _get(self, req_id: object) -> Request:
+    def _get(self, req_id: object) -> RequestBlocks:
         req = self.requests.get(req_id)
         if req is None:
             raise PoolError("unknown_request", f"request {req_id!r} holds no blocks")
         return req
 
-    def _cache_full(self, req: Request) -> None:
+    def _cache_full(self, req: RequestBlocks) -> None:
         n_full = min(req.num_tokens // self.block_size, len(req.hashes))
         start = req.num_cached
         if n_full > start:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections import OrderedDict
 from dataclasses import asdict
 
-from kvpool.manager.core.pool import Pool, PoolStats, Request
+from kvpool.manager.core.block_pool import BlockPool
+from kvpool.manager.core.free_queue import FreeQueue
+from kvpool.manager.core.pool import Pool, PoolStats, RequestBlocks
 from kvpool.shared.hashing import HASH_BYTES
 
 FORMAT = 1
@@ -50,6 +51,7 @@ def _split_hashes(data: bytes, what: str) -> list[bytes]:
 def dump_pool(pool: Pool) -> dict:
     bp = pool.blocks
     hashed = [b for b in range(bp.num_blocks) if bp.block_hash[b] is not None]
+    front, lru = bp.free_queue.segments()
     return {
         "format": FORMAT,
         "num_blocks": bp.num_blocks,
@@ -59,9 +61,9 @@ def dump_pool(pool: Pool) -> dict:
         "hashed_ids": _ints(hashed),
         "hashes": b"".join(bp.block_hash[b] for b in hashed),  # type: ignore[misc]
         "primary": _ints(bp.cached.values()),  # map entries, in map order
-        "dups": [[h, _ints(ids)] for h, ids in bp._dups.items()],
-        "front": _ints(bp.free_queue._front),
-        "lru": _ints(bp.free_queue._lru),
+        "dups": [[h, _ints(ids)] for h, ids in bp.duplicates().items()],
+        "front": _ints(front),
+        "lru": _ints(lru),
         "num_evictions": bp.num_evictions,
         "requests": [
             [key[0], key[1], _ints(r.blocks), r.num_tokens, b"".join(r.hashes), r.num_cached]
@@ -91,26 +93,25 @@ def _load(d: dict, enable_events: bool, verify: bool = True) -> Pool:
     if d.get("format") != FORMAT:
         raise CorruptState(f"pool snapshot format {d.get('format')!r}, expected {FORMAT}")
     n = d["num_blocks"]
-    pool = Pool(n, d["block_size"], enable_caching=d["enable_caching"], enable_events=enable_events)
-    bp = pool.blocks
-    bp.ref_cnt = _unints(d["ref_cnt"], "ref_cnt")
-    if len(bp.ref_cnt) != n:
-        raise CorruptState(f"ref_cnt has {len(bp.ref_cnt)} entries for {n} blocks")
+    ref_cnt = _unints(d["ref_cnt"], "ref_cnt")
+    if len(ref_cnt) != n:
+        raise CorruptState(f"ref_cnt has {len(ref_cnt)} entries for {n} blocks")
     ids = _unints(d["hashed_ids"], "hashed_ids")
     hashes = _split_hashes(d["hashes"], "hashes")
     if len(ids) != len(hashes):
         raise CorruptState("hashed_ids and hashes differ in length")
+    block_hash: list[bytes | None] = [None] * n
     for b, h in zip(ids, hashes):
-        bp.block_hash[b] = h
-    bp.cached = {bp.block_hash[b]: b for b in _unints(d["primary"], "primary")}  # type: ignore[misc]
-    bp._dups = {h: _unints(raw, "dups") for h, raw in d["dups"]}
-    bp.free_queue._front = _unints(d["front"], "front")
-    bp.free_queue._lru = OrderedDict.fromkeys(_unints(d["lru"], "lru"))
-    bp.num_evictions = d["num_evictions"]
+        block_hash[b] = h
+    free_queue = FreeQueue.from_segments(_unints(d["front"], "front"), _unints(d["lru"], "lru"))
+    bp = BlockPool.restore(ref_cnt, block_hash, _unints(d["primary"], "primary"),
+                           {h: _unints(raw, "dups") for h, raw in d["dups"]}, free_queue, d["num_evictions"],
+                           enable_caching=d["enable_caching"], enable_events=enable_events)
+    requests: dict[object, RequestBlocks] = {}
     for owner, rid, blocks, num_tokens, hs, num_cached in d["requests"]:
         key = rid if owner is None else (owner, rid)
-        pool.requests[key] = Request(_unints(blocks, "request blocks"), num_tokens, _split_hashes(hs, "request hashes"), num_cached)
-    pool.stats = PoolStats(**d["stats"])
+        requests[key] = RequestBlocks(_unints(blocks, "request blocks"), num_tokens, _split_hashes(hs, "request hashes"), num_cached)
+    pool = Pool.restore(bp, d["block_size"], requests, PoolStats(**d["stats"]))
     if not verify:
         return pool
     try:

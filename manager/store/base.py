@@ -1,4 +1,4 @@
-"""Per-iteration sinks of the manager loop: the state store and the KV-event publisher.
+"""Per-iteration sinks of the manager loop: the state store and the KV-event sink.
 
 The loop (manager/server.py) runs, once per iteration and in this order::
 
@@ -6,15 +6,16 @@ The loop (manager/server.py) runs, once per iteration and in this order::
 
 so every mutation an iteration made is durable before any client hears about it (group commit:
 one commit per iteration, however many messages it held). ``dirty`` names what changed: pool
-names, plus ``GLOBAL`` when sessions or manager-wide flags (draining) changed. All state lives in the
+names, plus ``registry.GLOBAL`` when sessions or manager-wide flags (draining) changed. All state lives in the
 ``Registry`` (manager/registry.py), which a store may snapshot whole or by pool.
 
 The memory store keeps nothing (a restarted manager starts empty and workers re-register). The
 Redis store (manager/store/redis_store.py) journals the registry's mutations (manager/store/journal.py) and
 snapshots it, so a restarted manager, or a standby taking over, recovers the exact state. A
 store that cannot commit raises ``StoreUnavailable``; one that lost its lease to another
-manager raises ``Fenced``: the loop then acknowledges nothing of the iteration. The publisher receives each pool's KV events
-(``manager/core/block_pool.py`` Event tuples) drained after the iteration; the null one drops them.
+manager raises ``Fenced``: the loop then acknowledges nothing of the iteration. The event sink (the ZeroMQ publisher of manager/events.py, or the null one) receives each pool's KV events
+(``manager/core/kv_events.py`` records, taken from each pool after the iteration); the null one
+drops them.
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from kvpool.manager.core.kv_events import KVEvent
     from kvpool.manager.registry import Registry
-
-GLOBAL = "\x00global"  # dirty marker: sessions or manager-wide flags (not a valid pool name)
 
 
 class StoreUnavailable(Exception):
@@ -91,21 +91,21 @@ class MemoryStore:
         pass
 
 
-class EventPublisher(Protocol):
-    def publish(self, pool: str, epoch: int, events: list[tuple]) -> None:
+class EventSink(Protocol):
+    def publish(self, pool: str, epoch: int, events: list[KVEvent]) -> None:
         """KV events of one pool from one iteration, in order (the list is the caller's)."""
         ...
 
     def close(self) -> None: ...
 
 
-class NullPublisher:
+class NullSink:
     """Drops events; counts them so tests can see the hook runs."""
 
     def __init__(self) -> None:
         self.events = 0
 
-    def publish(self, pool: str, epoch: int, events: list[tuple]) -> None:
+    def publish(self, pool: str, epoch: int, events: list[KVEvent]) -> None:
         self.events += len(events)
 
     def close(self) -> None:

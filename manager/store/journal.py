@@ -1,19 +1,12 @@
-"""The write-ahead command journal: the registry's mutations as records, and their replay.
+"""The write-ahead command journal: batches of the registry's mutation records, and their replay.
 
 The pool core is deterministic, so the registry's state is a pure function of the sequence of
 mutating commands applied to it. Instead of diffing state, the registry journals each mutation
-as a record with every nondeterministic value already resolved (the new session's sid, the
-limits a registration was checked against); replaying the records in order through the same
-registry methods rebuilds the exact state, free-queue order, hash map and step replies included.
-
-Records (msgpack lists; ``Registry.record`` writes them)::
-
-    ["open", sid, identity, role, admin, version]           a session opened (hello)
-    ["end", sid]                                            deregister or expiry
-    ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools]
-                                                            (+ serve, when the worker announced one)
-    ["step", sid, msg_id, pool, ops]                        run_step again: the same results
-    ["reset", pool]   ["evict", pool, n]   ["drain", enable]
+as a typed record (manager/mutations.py) with every nondeterministic value already resolved
+(the new session's sid, the limits a registration was checked against); replaying the records
+in order through ``Registry.apply``, the code the live path runs, rebuilds the exact state,
+free-queue order, hash map and step replies included. Records travel as msgpack lists (their
+layout: manager/mutations.py).
 
 The loop hands one iteration's records to the store as one *batch*:
 ``b"J" || crc32(payload) as u32le || payload``, payload ``msgpack([seq, [record...]])``, ``seq``
@@ -27,6 +20,7 @@ import struct
 import zlib
 
 from kvpool.manager.core.snapshot import CorruptState
+from kvpool.manager.mutations import Mutation, ShardRegistered, from_wire, to_wire
 from kvpool.manager.registry import Registry
 from kvpool.shared.protocol import ManagerError, pack, unpack
 
@@ -34,8 +28,13 @@ _CRC = struct.Struct("<I")
 UNLIMITED = 1 << 62
 
 
-def encode_batch(seq: int, records: list[list]) -> bytes:
-    payload = pack([seq, records])
+def encode_batch(seq: int, records: list[Mutation]) -> bytes:
+    return encode_lists(seq, [to_wire(rec) for rec in records])
+
+
+def encode_lists(seq: int, lists: list[list]) -> bytes:
+    """A batch of records already in their wire form (``decode_batch`` gives them back)."""
+    payload = pack([seq, lists])
     return b"J" + _CRC.pack(zlib.crc32(payload)) + payload
 
 
@@ -61,7 +60,7 @@ def replay(reg: Registry, blobs: list[bytes], after_seq: int, now: float) -> int
     drops ``reg`` (nothing is half-loaded into a serving manager).
     """
     seq = after_seq
-    limits = reg.max_sessions, reg.max_pools, reg.max_blocks
+    max_sessions = reg.max_sessions
     reg.max_sessions = UNLIMITED  # opens were checked against the limit when they happened
     try:
         for i, blob in enumerate(blobs):
@@ -73,45 +72,26 @@ def replay(reg: Registry, blobs: list[bytes], after_seq: int, now: float) -> int
                 apply(reg, rec, now)
             seq = bseq
     finally:
-        reg.max_sessions, reg.max_pools, reg.max_blocks = limits
+        reg.max_sessions = max_sessions
     return seq
 
 
-def apply(reg: Registry, rec: list, now: float) -> None:
-    """One record through the registry method that journaled it."""
+def apply(reg: Registry, raw: list, now: float) -> None:
+    """One journal list through ``Registry.apply``, as the live call ran it."""
     try:
-        kind = rec[0]
-        if kind == "step":
-            _, sid, msg_id, name, ops = rec
-            reg.step(reg.sessions[sid], reg.pools[name], ops, msg_id)
-        elif kind == "open":
-            _, sid, identity, role, admin, version = rec
-            reg.open_session(identity, role, admin, version, now, sid=sid)
-        elif kind == "end":
-            reg.end_session(rec[1])
-        elif kind == "register":
-            _replay_register(reg, rec)
-        elif kind == "reset":
-            reg.reset_cache(reg.pools[rec[1]])
-        elif kind == "evict":
-            reg.evict(reg.pools[rec[1]], rec[2])
-        elif kind == "drain":
-            reg.set_draining(bool(rec[1]))
-        else:
-            raise CorruptState(f"journal record of unknown kind {kind!r:.40}")
+        rec = from_wire(raw)
+    except (TypeError, ValueError) as e:
+        raise CorruptState(f"journal record {str(raw)[:120]} is not a record: {e}") from None
+    try:
+        reg.apply(rec, now)
+    except ManagerError:
+        if type(rec) is not ShardRegistered:
+            raise
+        # a registration is journaled before its checks: it failed the same way when it happened
     except CorruptState:
         raise
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
-        raise CorruptState(f"journal record {str(rec)[:120]} does not apply: {type(e).__name__}: {e}") from None
-
-
-def _replay_register(reg: Registry, rec: list) -> None:
-    _, sid, name, rank, count, incarnation, spec, available, max_blocks, max_pools, *serve = rec
-    reg.max_blocks, reg.max_pools = max_blocks, max_pools
-    try:
-        reg.register(reg.sessions[sid], name, rank, count, incarnation, spec, available, *serve[:1])
-    except ManagerError:
-        pass  # it failed the same way when it happened
+        raise CorruptState(f"journal record {str(raw)[:120]} does not apply: {type(e).__name__}: {e}") from None
 
 
 def recover(reg: Registry, snap: bytes, blobs: list[bytes], committed: int, what: str, now: float) -> tuple[int, int]:
@@ -131,6 +111,6 @@ def recover(reg: Registry, snap: bytes, blobs: list[bytes], committed: int, what
     except AssertionError as e:
         raise CorruptState(f"{what}: the recovered state breaks an invariant: {e}") from None
     for entry in reg.pools.values():  # replayed events were published when they happened
-        if entry.pool is not None and entry.pool.blocks.events:
-            entry.pool.blocks.events = []
+        if entry.pool is not None:
+            entry.pool.take_events()
     return snap_seq, seq

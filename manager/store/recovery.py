@@ -1,6 +1,6 @@
 """How the loop loses and regains its state store: failed commits, recovery, standby, fencing.
 
-The loop (manager/server.py) is *active* while it holds the store's lease and its state is the
+The loop (manager/server.py) owns a ``Recovery`` and is *active* while it holds the store's lease and its state is the
 store's. Otherwise it keeps answering, with an error and no state change:
 
 - ``recovering``: a commit failed (Redis down or unreachable). The iteration's mutations may or
@@ -26,8 +26,11 @@ from kvpool.manager.store.base import Fenced, MemoryStore, StateStore, StoreUnav
 from kvpool.shared.protocol import ManagerError, error_reply, unpack
 
 if TYPE_CHECKING:
+    from collections import Counter
+    from collections.abc import Callable
+
     from kvpool.manager.config import ManagerConfig
-    from kvpool.manager.server import Server
+    from kvpool.manager.registry import Registry
 
 logger = logging.getLogger(__name__)
 RECOVER_EVERY_S = 0.5
@@ -53,68 +56,84 @@ def open_store(cfg: ManagerConfig) -> StateStore:
                       durability=cfg.durability, lease_ms=cfg.lease_ms, snapshot_bytes=cfg.snapshot_bytes)
 
 
-def activate(server: Server, now: float) -> None:
-    """Takes the lease and loads the state into a fresh registry, which the server's adopts
-    only once it is whole. CorruptState propagates (the manager refuses to serve)."""
-    was = server.mode
-    server._next_activate = now + (server.cfg.lease_ms / 5000 if was == "standby" else RECOVER_EVERY_S)
-    try:
-        if not server.store.acquire():
-            if was == "recovering":  # cut off past the lease, and a standby took over
-                _fence(server, "the lease went to another manager while the store was unreachable")
-            elif was != "standby":
-                logger.warning("another manager holds the lease: standing by")
-            server.mode = "standby"
-            return
-        fresh = server.new_registry(server.registry.incarnation)
-        server.store.load(fresh, now)
-    except StoreUnavailable as e:
-        if was != "recovering":
-            logger.error("state store unavailable: %s; answering store_unavailable until it is back", e)
-        server.mode = "recovering"
-        return
-    except Fenced as e:
-        _fence(server, str(e))
-        return
-    server.registry.adopt(fresh)
-    server.mode = "active"
-    server._next_expiry = 0.0
-    logger.warning("manager %s active: state %s, %d sessions, %d pools, %d requests", server.incarnation,
-                   fresh.state_id, len(fresh.sessions), len(fresh.pools), fresh.total_requests())
+class Recovery:
+    """The server's standing with its store: the mode, and the moves between modes.
 
+    The server owns one and hands it what it touches: the store, the registry the loop serves
+    (the one object the handlers and metrics hold: a recovered state is adopted into it),
+    a factory for an empty registry, the error counter and a way to stop the loop.
+    """
 
-def lost_store(server: Server, err: Exception, replies: list) -> list:
-    """A commit failed: nothing of this iteration is acknowledged; stop serving until recovered."""
-    reg = server.registry
-    for entry in reg.pools.values():  # events of uncommitted mutations are never published
-        if entry.pool is not None:
-            entry.pool.blocks.events = [] if entry.pool.blocks.events is not None else None
-    reg.log, reg.dirty = [], set()
-    if isinstance(err, Fenced):
-        _fence(server, str(err))
-    else:
-        logger.error("commit failed (%s): this iteration's %d replies become store_unavailable; "
-                     "recovering from the store", err, sum(r is not None for r in replies))
-        server.mode = "recovering"
-        server._next_activate = 0.0
-    code, message = INACTIVE[server.mode]
-    return [_as_error(server, frames, ManagerError(code, message)) for frames in replies]
+    def __init__(self, store: StateStore, registry: Registry, *, lease_ms: int,
+                 new_registry: Callable[[str], Registry], errors: Counter, request_stop: Callable[[], None]) -> None:
+        self.store, self.registry, self.lease_ms = store, registry, lease_ms
+        self.new_registry, self.errors, self.request_stop = new_registry, errors, request_stop
+        # "active" serves; "recovering" (the store failed), "standby" (no lease) and "fenced"
+        # (lost the lease) answer every message with an INACTIVE error and change nothing.
+        self.mode = "active" if not store.durable else "starting"
+        self.exit_code = 0
+        self.next_activate = 0.0
 
+    def activate(self, now: float) -> bool:
+        """Takes the lease and loads the state into a fresh registry, which the server's adopts
+        only once it is whole; True when the loop serves again. CorruptState propagates (the
+        manager refuses to serve)."""
+        was = self.mode
+        self.next_activate = now + (self.lease_ms / 5000 if was == "standby" else RECOVER_EVERY_S)
+        try:
+            if not self.store.acquire():
+                if was == "recovering":  # cut off past the lease, and a standby took over
+                    self._fence("the lease went to another manager while the store was unreachable")
+                elif was != "standby":
+                    logger.warning("another manager holds the lease: standing by")
+                self.mode = "standby"
+                return False
+            fresh = self.new_registry(self.registry.incarnation)
+            self.store.load(fresh, now)
+        except StoreUnavailable as e:
+            if was != "recovering":
+                logger.error("state store unavailable: %s; answering store_unavailable until it is back", e)
+            self.mode = "recovering"
+            return False
+        except Fenced as e:
+            self._fence(str(e))
+            return False
+        self.registry.adopt(fresh)
+        self.mode = "active"
+        logger.warning("manager %s active: state %s, %d sessions, %d pools, %d requests", self.registry.incarnation,
+                       fresh.state_id, len(fresh.sessions), len(fresh.pools), fresh.total_requests())
+        return True
 
-def _fence(server: Server, why: str) -> None:
-    logger.error("fenced: %s; this manager stops (exit %d) and must not write again", why, EXIT_FENCED)
-    server.mode = "fenced"
-    server.exit_code = EXIT_FENCED
-    server.request_stop()
+    def lost_store(self, err: Exception, replies: list) -> list:
+        """A commit failed: nothing of this iteration is acknowledged; stop serving until recovered."""
+        reg = self.registry
+        for entry in reg.pools.values():  # events of uncommitted mutations are never published
+            if entry.pool is not None:
+                entry.pool.take_events()
+        reg.log, reg.dirty = [], set()
+        if isinstance(err, Fenced):
+            self._fence(str(err))
+        else:
+            logger.error("commit failed (%s): this iteration's %d replies become store_unavailable; "
+                         "recovering from the store", err, sum(r is not None for r in replies))
+            self.mode = "recovering"
+            self.next_activate = 0.0
+        code, message = INACTIVE[self.mode]
+        return [self._as_error(frames, ManagerError(code, message)) for frames in replies]
 
+    def _fence(self, why: str) -> None:
+        logger.error("fenced: %s; this manager stops (exit %d) and must not write again", why, EXIT_FENCED)
+        self.mode = "fenced"
+        self.exit_code = EXIT_FENCED
+        self.request_stop()
 
-def _as_error(server: Server, frames: list[bytes] | None, err: ManagerError) -> list[bytes] | None:
-    if frames is None:
-        return None
-    try:
-        msg_id = unpack(frames[-1]).get("id")
-    except Exception:
-        msg_id = None
-    server.stats.errors[err.code] += 1
-    reg = server.registry
-    return [*frames[:-1], error_reply(msg_id, reg.incarnation, err, reg.state_id)]
+    def _as_error(self, frames: list[bytes] | None, err: ManagerError) -> list[bytes] | None:
+        if frames is None:
+            return None
+        try:
+            msg_id = unpack(frames[-1]).get("id")
+        except Exception:
+            msg_id = None
+        self.errors[err.code] += 1
+        reg = self.registry
+        return [*frames[:-1], error_reply(msg_id, reg.incarnation, err, reg.state_id)]

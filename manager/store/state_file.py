@@ -18,7 +18,7 @@ import hashlib
 
 from kvpool.manager.core.snapshot import CorruptState, dump_pool, load_pool
 from kvpool.manager.registry import PoolEntry, Registry, Session, Shard
-from kvpool.shared.protocol import pack, unpack
+from kvpool.shared.protocol import KVSpec, ManagerError, pack, unpack
 
 MAGIC = b"KVPOOL-STATE"
 FORMAT = 1
@@ -30,10 +30,11 @@ def dump_registry(reg: Registry, seq: int) -> dict:
                 for s in reg.sessions.values()]
     pools = []
     for e in reg.pools.values():
-        shards = [[s.rank, s.incarnation, s.spec, s.available_kv_bytes, s.num_blocks, s.sid,
-                   *([s.serve] if s.serve is not None else [])] for s in e.shards.values()]
+        shards = [[s.rank, s.incarnation, s.spec.to_wire(), s.available_kv_bytes, s.num_blocks, s.sid,
+                   *([s.serve] if s.serve is not None else [])]
+                  for s in e.shards.values()]
         pools.append([e.name, e.shard_count, e.epoch, shards, dump_pool(e.pool) if e.pool is not None else None])
-    return {"format": FORMAT, "state_id": reg.state_id, "seq": seq, "next_num": reg._next_num,
+    return {"format": FORMAT, "state_id": reg.state_id, "seq": seq, "next_num": reg.next_num,
             "draining": reg.draining, "sessions": sessions, "pools": pools}
 
 
@@ -74,7 +75,7 @@ def load_registry(d: dict, reg: Registry, now: float) -> int:
         raise CorruptState(f"state snapshot is not loadable: {type(e).__name__}: {e}") from None
     reg.sessions = {s.sid: s for s in sessions}
     reg.pools = {e.name: e for e in pools}
-    reg.state_id, reg._next_num, reg.draining = state_id, next_num, bool(draining)
+    reg.state_id, reg.next_num, reg.draining = state_id, next_num, bool(draining)
     return seq
 
 
@@ -91,7 +92,11 @@ def _pool(row: list) -> PoolEntry:
     name, shard_count, epoch, shard_rows, dump = row
     shards = {}
     for rank, inc, spec, available, num_blocks, sid, *serve in shard_rows:
-        shards[rank] = Shard(rank, inc, spec, available, num_blocks, sid, *serve[:1])
+        try:
+            kv_spec = KVSpec.from_wire(spec)
+        except ManagerError as e:
+            raise CorruptState(f"pool {name!r:.40}, shard {rank!r:.10}: {e}") from None
+        shards[rank] = Shard(rank, inc, kv_spec, available, num_blocks, sid, *serve[:1])
     # verify=False: every caller checks the whole registry's invariants once it is complete
     # (journal.recover after the replay, kvpool snapshot/restore), instead of each pool twice
     pool = load_pool(dump, enable_events=True, verify=False) if dump is not None else None

@@ -12,9 +12,9 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import Stack
+from helpers.frontend import Stack
 
-from kvpool.frontend.router import Candidate, Router
+from kvpool.frontend.router import Candidate, KVRouter
 
 pytestmark = pytest.mark.slow
 
@@ -115,19 +115,19 @@ def fake_worker(name: str, num_blocks: int = 100, free: int = 100):
 
 def test_the_cost_function_weighs_hits_against_load() -> None:
     a, b = fake_worker("a"), fake_worker("b")
-    kv = Router("kv-aware", overlap_weight=1.0)
+    kv = KVRouter("kv-aware", overlap_weight=1.0)
     # 10 prompt blocks; a holds 8 of them but has 20 blocks of work outstanding: b (cost 10) beats a (2 + 20)
     assert kv.choose([Candidate(a, 8, 3, 20), Candidate(b, 0, 0, 0)], 10).worker is b
     # with a higher weight on the overlap, the prefix wins: 3*2 + 20 = 26 < 3*10 = 30
-    assert Router("kv-aware", overlap_weight=3.0).choose([Candidate(a, 8, 3, 20), Candidate(b, 0, 0, 0)],
+    assert KVRouter("kv-aware", overlap_weight=3.0).choose([Candidate(a, 8, 3, 20), Candidate(b, 0, 0, 0)],
                                                          10).worker is a
     # equal load: the hit decides, and is reported as a prefix decision
     d = kv.choose([Candidate(a, 0, 1, 4), Candidate(b, 5, 1, 4)], 10)
     assert d.worker is b and d.reason == "prefix" and d.hit_blocks == 5
-    rr = Router("round-robin")
+    rr = KVRouter("round-robin")
     assert [rr.choose([Candidate(a, 9, 0, 0), Candidate(b, 0, 0, 0)], 10).worker.name for _ in range(4)] == \
         ["a", "b", "a", "b"]
-    ll = Router("least-loaded")
+    ll = KVRouter("least-loaded")
     assert ll.choose([Candidate(a, 9, 2, 0), Candidate(b, 0, 1, 0)], 10).worker is b
     with pytest.raises(ValueError, match="choose one of"):
-        Router("random")
+        KVRouter("random")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from kvpool.frontend.demo import TextDemoConfig, format_report, run_text_demo
-from kvpool.frontend.loadgen import TraceConfig, chat_trace
+from kvpool.frontend.loadgen import ChatTraceConfig, chat_trace
 
 pytestmark = pytest.mark.slow
 
 
 def test_the_trace_is_multi_tenant_and_seeded() -> None:
-    cfg = TraceConfig(num_requests=40, num_tenants=3, seed=5)
+    cfg = ChatTraceConfig(num_requests=40, num_tenants=3, seed=5)
     trace = chat_trace(cfg)
     assert trace == chat_trace(cfg) and {r.tenant for r in trace} == {0, 1, 2}
     systems = {r.tenant: r.messages[0]["content"] for r in trace}
@@ -20,7 +20,7 @@ def test_the_trace_is_multi_tenant_and_seeded() -> None:
 
 
 def test_text_demo_report() -> None:
-    cfg = TextDemoConfig(TraceConfig(num_requests=24, num_tenants=2), max_inflight=8)
+    cfg = TextDemoConfig(ChatTraceConfig(num_requests=24, num_tenants=2), max_inflight=8)
     r = run_text_demo(cfg, progress=False)
     assert r["requests"] == 24 and r["failed"] == 0
     assert r["generated_tokens"] >= 24 * cfg.trace.max_tokens[0]

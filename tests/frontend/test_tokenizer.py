@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tokenizer_factories import make_tokenizer_dir
+from helpers.tokenizers import make_tokenizer_dir
 
 from kvpool.frontend.chat_template import TemplateError
 from kvpool.frontend.detokenizer import IncrementalDetokenizer

@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
-from durable_helpers import Daemon
-from manager_helpers import wait_until
+from helpers.durable import Daemon
+from helpers.manager import HELPERS, wait_until
 
 from kvpool.worker.manager_client import ManagerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
-CHAOS = [sys.executable, str(Path(__file__).with_name("chaos_procs.py"))]
+CHAOS = [sys.executable, str(HELPERS / "chaos_procs.py")]
 KILLS = 22
 CLIENTS = 3
 

@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from manager_helpers import SPEC, LiveServer, kv_bytes
+from helpers.manager import SPEC, LiveServer, kv_bytes
 
 from kvpool.worker.manager_client import (
     ManagerClient,

@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
-from manager_helpers import CLI, wait_until
+from helpers.manager import CLI, HELPERS, wait_until
 
 from kvpool.worker.manager_client import ManagerClient, ManagerUnavailable
 
 pytestmark = pytest.mark.slow
-PROC = [sys.executable, str(Path(__file__).with_name("manager_procs.py"))]
+PROC = [sys.executable, str(HELPERS / "manager_procs.py")]
 
 
 @pytest.fixture

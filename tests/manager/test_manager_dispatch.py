@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from manager_helpers import SPEC, call, hello, make_server, ok, register
+from helpers.manager import SPEC, call, hello, make_server, ok, register
 
 from kvpool.manager.server import OPS
 from kvpool.shared.hashing import hash_blocks
@@ -198,7 +198,7 @@ def test_commit_and_events_run_once_per_iteration_before_replies():
     srv._commit()
     assert srv.store.commits == 1 and srv.registry.dirty == set()
     assert srv.publisher.events == 1  # one "stored" event for the 7 cached blocks
-    assert srv.registry.pools["p"].pool.blocks.events == []
+    assert srv.registry.pools["p"].pool.take_events() == []
 
 
 def test_an_internal_error_is_answered_and_counted(monkeypatch):

@@ -11,7 +11,7 @@ import random
 
 import msgpack
 import zmq
-from manager_helpers import SPEC, kv_bytes
+from helpers.manager import SPEC, kv_bytes
 
 from kvpool.shared.hashing import hash_blocks
 from kvpool.shared.protocol import ERROR_CODES, pack, unpack

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from manager_helpers import SPEC, kv_bytes
+from helpers.manager import SPEC, kv_bytes
 
-from kvpool.manager.registry import Registry
-from kvpool.manager.store.base import GLOBAL
-from kvpool.shared.protocol import ManagerError
+from kvpool.manager.core.kv_events import AllBlocksCleared, BlockStored
+from kvpool.manager.registry import GLOBAL, Registry
+from kvpool.shared.protocol import KVSpec, ManagerError
 
 
 def make_registry(**kw) -> Registry:
@@ -16,7 +16,7 @@ def make_registry(**kw) -> Registry:
 
 
 def reg_shard(r: Registry, sess, rank=0, count=1, inc="a", blocks=64, spec=SPEC, pool="p"):
-    return r.register(sess, pool, rank, count, inc, dict(spec), kv_bytes(blocks, spec))
+    return r.register(sess, pool, rank, count, inc, KVSpec(**spec), kv_bytes(blocks, spec))
 
 
 def test_pool_is_pending_until_every_shard_registers_then_takes_the_min():
@@ -25,7 +25,7 @@ def test_pool_is_pending_until_every_shard_registers_then_takes_the_min():
     e = reg_shard(r, s0, rank=0, count=2, blocks=100)
     assert (e.state, e.epoch, e.pool) == ("pending", 0, None)
     # shard 1 holds twice the heads per block: the bytes of 70 two-head blocks hold 35 of its own
-    e = r.register(s1, "p", 1, 2, "b", {**SPEC, "num_kv_heads": 4}, kv_bytes(70))
+    e = r.register(s1, "p", 1, 2, "b", KVSpec(**{**SPEC, "num_kv_heads": 4}), kv_bytes(70))
     assert (e.state, e.epoch, e.pool.blocks.num_blocks) == ("ready", 1, 35)
     assert e.shards[0].num_blocks == 100 and e.shards[1].num_blocks == 35
 
@@ -40,7 +40,7 @@ def test_same_incarnation_is_idempotent_new_one_bumps_epoch_and_drops_state():
     e = reg_shard(r, s, inc="b", blocks=16)
     assert e.epoch == 2 and e.pool is not pool
     assert e.pool.requests == {} and e.pool.lookup([b"h" * 32]) == 0
-    assert e.pool.blocks.events == [("cleared",)]
+    assert e.pool.take_events() == [AllBlocksCleared()]
 
 
 def test_same_incarnation_with_another_size_is_a_conflict():
@@ -149,7 +149,7 @@ def test_a_new_shard_count_replaces_the_pool_never_leaves_it_ready_without_its_s
     e = reg_shard(r, s, rank=0, count=2, inc=inc, blocks=16)
     assert (e.state, e.shard_count, e.epoch, list(e.shards)) == ("pending", 2, 1, [0])
     r.check_invariants()  # was: "ready without all shards", serving the old block space
-    assert r.orphan_events == [("p", 1, [("stored", [b"h" * 32], None), ("cleared",)])]
+    assert r.orphan_events == [("p", 1, [BlockStored([b"h" * 32], None), AllBlocksCleared()])]
     e = reg_shard(r, s, rank=1, count=2, inc="c", blocks=16)
     assert (e.state, e.epoch) == ("ready", 2) and e.pool.requests == {}
 

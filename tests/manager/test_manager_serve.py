@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from durable_helpers import CaptureStore, durable_server
-from manager_helpers import SPEC, call, hello, kv_bytes, make_server, ok
+from helpers.durable import CaptureStore, durable_server
+from helpers.manager import SPEC, call, hello, kv_bytes, make_server, ok
 
 SERVE = {"endpoint": "ipc:///tmp/w0.sock", "model": "tiny", "max_model_len": 512}
 

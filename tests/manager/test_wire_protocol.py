@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from manager_helpers import call, make_server
+from helpers.manager import call, make_server
 
 from kvpool.manager.config import ManagerConfig
 from kvpool.shared import protocol as p
@@ -91,8 +91,8 @@ def test_validators_refuse_bools_floats_and_out_of_range():
 
 
 def test_block_bytes_matches_the_design_formula():
-    spec = p.check_spec({"block_size": 16, "num_layers": 32, "num_kv_heads": 8, "head_size": 128, "dtype": "bfloat16"})
-    assert p.block_bytes(spec) == 2 * 16 * 8 * 128 * 2 * 32
+    spec = p.KVSpec.from_wire({"block_size": 16, "num_layers": 32, "num_kv_heads": 8, "head_size": 128, "dtype": "bfloat16"})
+    assert spec.block_bytes == 2 * 16 * 8 * 128 * 2 * 32
 
 
 def test_default_endpoint_uses_the_runtime_dir(monkeypatch):

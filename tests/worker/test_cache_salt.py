@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from worker_factories import make_engine, make_prompt
+from helpers.worker import make_engine, make_prompt
 
 from kvpool.shared.hashing import hash_blocks
 from kvpool.worker.sampler import SamplingParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from worker_factories import assert_drained, greedy, make_engine, make_prompt, reference
+from helpers.worker import assert_drained, greedy, make_engine, make_prompt, reference
 
 from kvpool.worker import runner
 

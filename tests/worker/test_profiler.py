@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from worker_factories import BLOCK_BYTES, TINY
+from helpers.worker import BLOCK_BYTES, TINY
 
 from kvpool.worker.block_manager import LocalBlockManager
 from kvpool.worker.config import WorkerConfig

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from worker_factories import make_engine, make_prompt
+from helpers.worker import make_engine, make_prompt
 
 from kvpool.worker.sampler import SampleKey, SamplingParams, sample, sample_rows
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker_factories import greedy, make_engine, make_prompt
+from helpers.worker import greedy, make_engine, make_prompt
 
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step

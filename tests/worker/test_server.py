@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker_factories import make_engine, make_prompt
+from helpers.worker import make_engine, make_prompt
 
 from kvpool.worker.server import WorkerServer, pack
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from worker_factories import make_prompt
+from helpers.worker import make_prompt
 
 from kvpool.worker.client import GenerateClient
 from kvpool.worker.config import PRESETS

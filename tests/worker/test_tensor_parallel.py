@@ -1,4 +1,4 @@
-"""Tensor parallelism in one process: ranks as threads (tp_factories), exact comparisons with the
+"""Tensor parallelism in one process: ranks as threads (helpers.tp), exact comparisons with the
 single-shard worker; the command channel's framing; the registry losing a shard. Real processes
 over gloo and a manager daemon: test_tensor_parallel_procs.py."""
 
@@ -8,11 +8,11 @@ import threading
 
 import pytest
 import torch
-from tp_factories import TPPair, rank_kv_bytes, sharded_models
-from worker_factories import TINY, assert_drained, greedy, make_engine, make_prompt, reference
+from helpers.tp import TPPair, rank_kv_bytes, sharded_models
+from helpers.worker import TINY, assert_drained, greedy, make_engine, make_prompt, reference
 
 from kvpool.manager.registry import Registry
-from kvpool.shared.protocol import ManagerError
+from kvpool.shared.protocol import KVSpec, ManagerError
 from kvpool.worker import tp as tp_module
 from kvpool.worker.config import PRESETS, WorkerConfig
 from kvpool.worker.kv_cache import allocate_kv_caches, kv_spec
@@ -155,7 +155,7 @@ def test_per_rank_kv_memory_halves_for_the_same_num_blocks():
         tp1, tp2 = single.runner.kv_bytes, pair.engine.runner.kv_bytes
         assert pair.engine.num_blocks == single.num_blocks == 64
         assert pair.followers[0].runner.kv_bytes == tp2 == tp1 // 2 == rank_kv_bytes(64, 2)
-        assert pair.engine.spec["num_kv_heads"] == 1 and single.spec["num_kv_heads"] == 2
+        assert pair.engine.spec.num_kv_heads == 1 and single.spec.num_kv_heads == 2
         assert pair.engine.stats()["tp_size"] == 2 and pair.engine.stats()["kv_cache_bytes"] == tp2
         print(f"\nKV bytes per rank for {single.num_blocks} blocks of tiny (fp32): tp 1 {tp1}, tp 2 {tp2} "
               f"({tp2 / tp1:.2f}x)")
@@ -164,8 +164,8 @@ def test_per_rank_kv_memory_halves_for_the_same_num_blocks():
 
 
 def test_kv_spec_reports_the_shards_heads():
-    assert kv_spec(TINY, 16, torch.float32, 2)["num_kv_heads"] == 1
-    assert kv_spec(TINY, 16, torch.float32)["num_kv_heads"] == 2
+    assert kv_spec(TINY, 16, torch.float32, 2).num_kv_heads == 1
+    assert kv_spec(TINY, 16, torch.float32).num_kv_heads == 2
 
 
 # -- the command channel ------------------------------------------------------------------------
@@ -225,8 +225,8 @@ SPEC = {"block_size": 16, "num_layers": 2, "num_kv_heads": 1, "head_size": 16, "
 def test_a_shard_whose_session_ends_takes_the_pool_down_to_a_new_epoch():
     r = Registry("inc", session_timeout_s=10.0)
     s0, s1 = r.open_session("rank0", "worker", True, 1, 0.0), r.open_session("rank1", "worker", True, 1, 0.0)
-    r.register(s0, "p", 0, 2, "a", dict(SPEC), 64 * 4096)
-    entry = r.register(s1, "p", 1, 2, "b", dict(SPEC), 40 * 4096)
+    r.register(s0, "p", 0, 2, "a", KVSpec(**SPEC), 64 * 4096)
+    entry = r.register(s1, "p", 1, 2, "b", KVSpec(**SPEC), 40 * 4096)
     assert (entry.state, entry.epoch, entry.pool.blocks.num_blocks) == ("ready", 1, 40)
     entry.pool.allocate((s0.sid, 1), [b"h" * 32], 17, 17)  # caches its full first block
     assert entry.pool.lookup([b"h" * 32]) == 1
@@ -241,7 +241,7 @@ def test_a_shard_whose_session_ends_takes_the_pool_down_to_a_new_epoch():
     with pytest.raises(ManagerError, match="1 of 2 shards"):
         r.ready_pool("p", 2)
     s1b = r.open_session("rank1", "worker", True, 1, 12.0)
-    entry = r.register(s1b, "p", 1, 2, "b2", dict(SPEC), 40 * 4096)
+    entry = r.register(s1b, "p", 1, 2, "b2", KVSpec(**SPEC), 40 * 4096)
     assert (entry.state, entry.epoch) == ("ready", 3)
     assert entry.pool.requests == {} and entry.pool.lookup([b"h" * 32]) == 0  # no stale cache
     r.check_invariants()
@@ -250,7 +250,7 @@ def test_a_shard_whose_session_ends_takes_the_pool_down_to_a_new_epoch():
 def test_a_single_shard_pool_keeps_its_cache_when_its_session_ends():
     r = Registry("inc", session_timeout_s=10.0)
     s = r.open_session("w", "worker", True, 1, 0.0)
-    entry = r.register(s, "p", 0, 1, "a", dict(SPEC), 16 * 4096)
+    entry = r.register(s, "p", 0, 1, "a", KVSpec(**SPEC), 16 * 4096)
     entry.pool.allocate((s.sid, 1), [b"h" * 32], 17, 17)
     assert r.end_session(s.sid) == 1
     assert (entry.state, entry.epoch, entry.pool.lookup([b"h" * 32])) == ("ready", 1, 1)
@@ -260,12 +260,12 @@ def test_a_session_holding_every_shard_leaves_a_pool_that_re_forms():
     r = Registry("inc", session_timeout_s=10.0)
     s = r.open_session("both", "worker", True, 1, 0.0)
     for rank in (0, 1):
-        entry = r.register(s, "p", rank, 2, f"i{rank}", dict(SPEC), 16 * 4096)
+        entry = r.register(s, "p", rank, 2, f"i{rank}", KVSpec(**SPEC), 16 * 4096)
     assert (entry.state, entry.epoch) == ("ready", 1)
     r.end_session(s.sid)
     assert (entry.state, entry.epoch, entry.spec["block_size"]) == ("pending", 2, 16)  # still listable
     s2 = r.open_session("both", "worker", True, 1, 1.0)
     for rank in (0, 1):  # the same processes (incarnations) come back
-        entry = r.register(s2, "p", rank, 2, f"i{rank}", dict(SPEC), 16 * 4096)
+        entry = r.register(s2, "p", rank, 2, f"i{rank}", KVSpec(**SPEC), 16 * 4096)
     assert (entry.state, entry.epoch) == ("ready", 3)
     r.check_invariants()

@@ -9,8 +9,8 @@ import signal
 import time
 
 import pytest
-from tp_factories import rank_kv_bytes
-from worker_factories import greedy, make_engine, make_prompt
+from helpers.tp import rank_kv_bytes
+from helpers.worker import greedy, make_engine, make_prompt
 
 from kvpool.shared.protocol import SessionExpired, StaleEpoch
 from kvpool.worker.client import GenerateClient

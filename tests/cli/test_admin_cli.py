@@ -8,9 +8,9 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from manager_helpers import SPEC, kv_bytes
+from helpers.manager import SPEC, kv_bytes
 
-from kvpool.cli.admin import EXIT_UNREACHABLE
+from kvpool.cli.common import EXIT_UNREACHABLE
 from kvpool.cli.main import cli
 from kvpool.worker.manager_client import ManagerClient
 

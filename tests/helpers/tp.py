@@ -9,8 +9,8 @@ import threading
 
 import msgpack
 import torch
-from worker_factories import TINY
 
+from helpers.worker import TINY
 from kvpool.worker.block_manager import LocalBlockManager
 from kvpool.worker.engine import Engine
 from kvpool.worker.model import LlamaForCausalLM, ReduceFn, build_model

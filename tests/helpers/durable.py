@@ -164,7 +164,7 @@ class Daemon:
         self.proc = None
 
     def start(self):
-        from manager_helpers import CLI
+        from helpers.manager import CLI
 
         self.proc = self.spawn([*CLI, "manager", "--config", str(self.config)], stdout=None)
         return self.proc

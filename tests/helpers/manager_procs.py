@@ -17,7 +17,7 @@ import time
 import zmq
 
 from kvpool.shared.hashing import hash_blocks
-from kvpool.shared.protocol import block_bytes, pack
+from kvpool.shared.protocol import KVSpec, pack
 from kvpool.worker.manager_client import ManagerClient
 
 SPEC = {"block_size": 4, "num_layers": 2, "num_kv_heads": 2, "head_size": 8, "dtype": "float16"}
@@ -31,7 +31,7 @@ def say(**kw) -> None:
 def stepper(endpoint: str, pool: str, rank: int, count: int, inc: str, blocks: int, steps: int) -> None:
     c = ManagerClient(endpoint, identity=f"stepper-{pool}-{rank}", timeout_s=30)
     reg = c.register(pool, shard_rank=rank, shard_count=count, incarnation=inc, spec=SPEC,
-                     available_kv_bytes=blocks * block_bytes(SPEC))
+                     available_kv_bytes=blocks * KVSpec.from_wire(SPEC).block_bytes)
     say(event="registered", **reg)
     rng = random.Random(rank * 7919 + sum(map(ord, pool)))
     epoch, alive, rid = reg["epoch"], [], 0
@@ -66,7 +66,7 @@ def stepper(endpoint: str, pool: str, rank: int, count: int, inc: str, blocks: i
 def holder(endpoint: str, pool: str) -> None:
     c = ManagerClient(endpoint, identity="holder", timeout_s=30)
     epoch = c.register(pool, shard_rank=0, shard_count=1, incarnation="h", spec=SPEC,
-                       available_kv_bytes=64 * block_bytes(SPEC))["epoch"]
+                       available_kv_bytes=64 * KVSpec.from_wire(SPEC).block_bytes)["epoch"]
     res = c.step(pool, epoch, [{"op": "alloc", "req": i, "hashes": [], "prompt_len": 10, "max_new": 10}
                                for i in range(3)])
     say(event="holding", blocks=sum(len(r["blocks"]) for r in res), requests=len(res))

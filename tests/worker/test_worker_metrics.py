@@ -9,9 +9,9 @@ import socket
 import subprocess
 
 import pytest
-from ops_helpers import (
+from helpers.manager import (
     CLI,
-    ThreadServer,
+    LiveServer,
     free_port,
     sample,
     scrape,
@@ -27,7 +27,7 @@ KV_BLOCKS = 64  # tiny preset, float32, block_size 16: 8 KiB per block over its 
 
 
 def test_worker_metrics_move_with_generation(procs, sock_dir):
-    manager = ThreadServer(endpoint=f"ipc://{sock_dir}/m.sock")
+    manager = LiveServer(endpoint=f"ipc://{sock_dir}/m.sock")
     cfg = f"{sock_dir}/worker.toml"
     with open(cfg, "w") as f:
         f.write(f'[worker]\nmodel = "tiny"\npool = "w0"\ndtype = "float32"\ndevice = "cpu"\nmax_model_len = 256\n'

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import zmq
-from ops_helpers import CLI, SPEC, apply, kv_bytes, shared_prefix_allocs, wait_until
+from helpers.manager import CLI, SPEC, apply, kv_bytes, shared_prefix_allocs, wait_until
 
 from kvpool.manager.events import END_SEQ, decode_batch
 from kvpool.worker.manager_client import ManagerClient, ManagerUnavailable

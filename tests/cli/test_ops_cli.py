@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from ops_helpers import SPEC, ThreadServer, kv_bytes
+from helpers.manager import SPEC, LiveServer, kv_bytes
 
 from kvpool.cli.main import cli
 from kvpool.manager.config import ManagerConfig
@@ -79,7 +79,7 @@ def test_from_file_keeps_the_manager_table_and_ignores_the_environment(tmp_path,
 
 
 def test_status_is_unhealthy_while_a_pool_waits_for_shards_or_a_pool_is_missing(sock_dir):
-    live = ThreadServer(endpoint=f"ipc://{sock_dir}/m.sock")
+    live = LiveServer(endpoint=f"ipc://{sock_dir}/m.sock")
     w = ManagerClient(live.endpoint, identity="w")
     try:
         ep = ["-m", live.endpoint]

@@ -10,7 +10,7 @@ import stat
 import pytest
 import zmq
 from click.testing import CliRunner
-from ops_helpers import SPEC, ThreadServer, kv_bytes, wait_until
+from helpers.manager import SPEC, LiveServer, kv_bytes, wait_until
 
 from kvpool.cli.main import cli
 from kvpool.shared.curve import ClientKeys, read_keypair, read_public_key, write_keypair
@@ -33,7 +33,7 @@ def keys(tmp_path):
 @pytest.fixture
 def secured(keys, sock_dir):
     _, allowed, k = keys
-    live = ThreadServer(endpoint=f"ipc://{sock_dir}/m.sock", curve_secret_key_file=str(k["manager"][1]),
+    live = LiveServer(endpoint=f"ipc://{sock_dir}/m.sock", curve_secret_key_file=str(k["manager"][1]),
                         curve_allowed_keys_dir=str(allowed), admin_key=ADMIN_KEY)
     clients: list[ManagerClient] = []
 
@@ -113,7 +113,7 @@ def test_reloading_the_allowed_keys_admits_a_new_client(secured, keys):
     with pytest.raises(ManagerUnavailable):
         stranger.hello()
     shutil.copy(k["stranger"][0], allowed)
-    live.server.ops.request_reload()  # what SIGHUP does
+    live.server.hooks.request_reload()  # what SIGHUP does
 
     def admitted() -> bool:
         try:
@@ -122,4 +122,4 @@ def test_reloading_the_allowed_keys_admits_a_new_client(secured, keys):
             return False
 
     wait_until(admitted, 10, "the new key to be accepted")
-    assert live.server.ops.curve.num_allowed == 3
+    assert live.server.hooks.curve.num_allowed == 3

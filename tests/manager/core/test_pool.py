@@ -4,6 +4,7 @@ import copy
 
 import pytest
 
+from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvpool.manager.core.pool import Pool, PoolError
 from kvpool.shared.hashing import hash_blocks
 
@@ -132,7 +133,7 @@ def test_reset_refused_while_in_use():
     pool.check_invariants()
     assert pool.blocks.cached == {} and pool.lookup(hash_blocks(list(range(8)), BS)) == 0
     assert pool.blocks.free_queue.num_hashed() == 0
-    assert pool.blocks.events[-1] == ("cleared",)
+    assert pool.take_events()[-1] == AllBlocksCleared()
 
 
 def test_fork_copy_on_write_of_shared_partial_block():
@@ -171,9 +172,9 @@ def test_evict_lru_first_and_events():
     assert pool.evict(3) == 3
     pool.check_invariants()
     assert pool.lookup(hb) == 1 and pool.lookup(ha) == 0
-    ev = pool.blocks.events
-    assert ev[0] == ("stored", ha, None) and ev[1] == ("stored", hb, None)
-    assert ev[2:] == [("removed", [ha[1]]), ("removed", [ha[0]]), ("removed", [hb[1]])]
+    ev = pool.take_events()
+    assert ev[0] == BlockStored(ha, None) and ev[1] == BlockStored(hb, None)
+    assert ev[2:] == [BlockRemoved([ha[1]]), BlockRemoved([ha[0]]), BlockRemoved([hb[1]])]
     # evicted blocks are unhashed now and reused first
     assert pool.blocks.free_queue.order()[:3] == [4, 1, 2]
 

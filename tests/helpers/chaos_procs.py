@@ -16,11 +16,13 @@ import json
 import os
 import random
 import sys
+from pathlib import Path
 
-from durable_helpers import random_step
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: tests/ holds `helpers`
 
-from kvpool.shared.protocol import block_bytes
-from kvpool.worker.manager_client import ManagerClient, ManagerUnavailable
+from helpers.durable import random_step  # noqa: E402
+from kvpool.shared.protocol import KVSpec  # noqa: E402
+from kvpool.worker.manager_client import ManagerClient, ManagerUnavailable  # noqa: E402
 
 SPEC = {"block_size": 4, "num_layers": 2, "num_kv_heads": 2, "head_size": 8, "dtype": "float16"}
 BLOCKS = 400
@@ -62,7 +64,7 @@ def main(endpoints: list[str], pool: str, seed: int, stop_file: str) -> None:
     while True:  # the manager may be down right now: a first hello does not know it is durable
         try:
             epoch = client.register(pool, shard_rank=0, shard_count=1, incarnation="chaos", spec=SPEC,
-                                    available_kv_bytes=BLOCKS * block_bytes(SPEC))["epoch"]
+                                    available_kv_bytes=BLOCKS * KVSpec.from_wire(SPEC).block_bytes)["epoch"]
             break
         except ManagerUnavailable:
             pass

@@ -8,7 +8,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from durable_helpers import (
+from helpers.durable import (
     REDIS_URL,
     call,
     drop_namespace,
@@ -19,7 +19,7 @@ from durable_helpers import (
     settle,
     state_of,
 )
-from manager_helpers import SPEC, kv_bytes, ok
+from helpers.manager import SPEC, kv_bytes, ok
 
 from kvpool.cli.main import cli
 from kvpool.manager.core.snapshot import CorruptState

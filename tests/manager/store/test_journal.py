@@ -5,13 +5,15 @@ from __future__ import annotations
 import random
 
 import pytest
-from durable_helpers import CaptureStore, call, durable_server, random_step, settle, state_of
-from manager_helpers import SPEC, kv_bytes, ok
+from helpers.durable import CaptureStore, call, durable_server, random_step, settle, state_of
+from helpers.manager import SPEC, kv_bytes, ok
 
 from kvpool.manager.core.snapshot import CorruptState
+from kvpool.manager.mutations import DrainingSet
 from kvpool.manager.registry import Registry
-from kvpool.manager.store.journal import decode_batch, encode_batch, recover, replay
+from kvpool.manager.store.journal import decode_batch, encode_batch, encode_lists, recover, replay
 from kvpool.manager.store.state_file import decode_state, dump_registry, encode_state
+from kvpool.shared.protocol import KVSpec
 
 
 def register(srv, sid, pool="p", rank=0, count=1, inc="i0", blocks=48):
@@ -147,7 +149,7 @@ def test_corrupt_or_partial_state_is_refused_never_half_loaded():
 def test_a_snapshot_that_breaks_an_invariant_is_refused():
     reg = Registry("x", session_timeout_s=1.0)
     s = reg.open_session("w", "worker", True, 1, 0.0)
-    reg.register(s, "p", 0, 1, "i", dict(SPEC), kv_bytes(16))
+    reg.register(s, "p", 0, 1, "i", KVSpec(**SPEC), kv_bytes(16))
     reg.pools["p"].pool.allocate((s.sid, 1), [], 8, 8)
     d = dump_registry(reg, 0)
     d["sessions"] = []  # a request whose session is not in the state
@@ -157,11 +159,11 @@ def test_a_snapshot_that_breaks_an_invariant_is_refused():
 
 
 def test_batches_round_trip_and_replay_checks_their_order():
-    blob = encode_batch(4, [["drain", True]])
+    blob = encode_batch(4, [DrainingSet(True)])
     assert decode_batch(blob) == (4, [["drain", True]])
     reg = Registry("x", session_timeout_s=1.0)
     assert replay(reg, [blob], 3, 0.0) == 4 and reg.draining
     with pytest.raises(CorruptState, match="does not follow"):
         replay(Registry("x", session_timeout_s=1.0), [blob], 0, 0.0)
     with pytest.raises(CorruptState, match="unknown kind"):
-        replay(Registry("x", session_timeout_s=1.0), [encode_batch(1, [["bogus"]])], 0, 0.0)
+        replay(Registry("x", session_timeout_s=1.0), [encode_lists(1, [["bogus"]])], 0, 0.0)

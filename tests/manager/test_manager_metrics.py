@@ -6,9 +6,9 @@ import random
 
 import pytest
 import zmq
-from ops_helpers import (
+from helpers.manager import (
     SPEC,
-    ThreadServer,
+    LiveServer,
     free_port,
     kv_bytes,
     sample,
@@ -27,7 +27,7 @@ from kvpool.worker.manager_client import ManagerClient
 @pytest.fixture
 def metered(sock_dir):
     port = free_port()
-    live = ThreadServer(endpoint=f"ipc://{sock_dir}/m.sock", metrics_port=port)
+    live = LiveServer(endpoint=f"ipc://{sock_dir}/m.sock", metrics_port=port)
     clients = []
 
     def client(identity: str) -> ManagerClient:
@@ -90,11 +90,11 @@ def test_metrics_follow_steps_hits_no_space_and_evictions(metered):
 def test_metrics_are_off_by_default_and_a_taken_port_is_a_clear_error(sock_dir):
     srv = Server(ManagerConfig(endpoint=f"ipc://{sock_dir}/m.sock"))
     srv.bind()
-    assert srv.ops.metrics is None
+    assert srv.hooks.metrics is None
     srv.close()
-    live = ThreadServer(endpoint=f"ipc://{sock_dir}/a.sock", metrics_port=free_port())
+    live = LiveServer(endpoint=f"ipc://{sock_dir}/a.sock", metrics_port=free_port())
     try:
-        clash = Server(ManagerConfig(endpoint=f"ipc://{sock_dir}/b.sock", metrics_port=live.server.ops.metrics.port))
+        clash = Server(ManagerConfig(endpoint=f"ipc://{sock_dir}/b.sock", metrics_port=live.server.hooks.metrics.port))
         with pytest.raises(RuntimeError, match="cannot serve metrics on 127.0.0.1:.*change metrics_port"):
             clash.bind()
         clash.close()

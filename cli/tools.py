@@ -1,4 +1,4 @@
-"""Operator commands: `kvpool config show`, `kvpool events`, `kvpool keygen`."""
+"""Operator tools: `kvpool config show`, `kvpool events`, `kvpool keygen`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import click
 
-from kvpool.cli.admin import emit, table
+from kvpool.cli.common import emit, table
 from kvpool.cli.layered import load_service, rows
 
 
@@ -61,39 +61,12 @@ def _summary(events: list) -> str:
     return ", ".join(parts)
 
 
-def _print_batch(topic: bytes, seq: int, payload: bytes, as_json: bool) -> None:
-    from kvpool.manager.events import decode_batch
-
-    ts, events = decode_batch(payload)
+def _print_batch(batch, as_json: bool) -> None:
     if as_json:
-        click.echo(json.dumps({"pool": topic.decode(errors="replace"), "seq": seq, "ts": ts, "events": _hex(events)}))
+        click.echo(json.dumps({"pool": batch.topic, "seq": batch.seq, "ts": batch.ts, "events": _hex(batch.events)}))
     else:
-        stamp = time.strftime("%H:%M:%S", time.localtime(ts))
-        click.echo(f"{stamp} #{seq} {topic.decode(errors='replace')}: {_summary(events)}")
-
-
-def _replay(ctx, endpoint: str, start: int, timeout_s: float) -> list[tuple[int, bytes]]:
-    """Batches from ``start`` on, from the replay socket (manager/events.py)."""
-    import zmq
-
-    from kvpool.manager.events import END_SEQ
-
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    sock.send_multipart([b"", start.to_bytes(8, "big")])
-    out = []
-    try:
-        while True:
-            if not sock.poll(timeout_s * 1000):
-                raise click.ClickException(f"no answer from the replay socket {endpoint} within {timeout_s}s")
-            frames = sock.recv_multipart()
-            seq = int.from_bytes(frames[-2], "big")
-            if seq == END_SEQ:
-                return out
-            out.append((seq, frames[-1]))
-    finally:
-        sock.close()
+        stamp = time.strftime("%H:%M:%S", time.localtime(batch.ts))
+        click.echo(f"{stamp} #{batch.seq} {batch.topic}: {_summary(batch.events)}")
 
 
 @click.command("events")
@@ -109,37 +82,33 @@ def _replay(ctx, endpoint: str, start: int, timeout_s: float) -> list[tuple[int,
 def events(endpoint: str, replay_endpoint: str | None, replay_from: int | None, pools: tuple[str, ...],
            count: int | None, timeout_s: float, as_json: bool) -> None:
     """Tail the manager's KV events (BlockStored / BlockRemoved / AllBlocksCleared batches)."""
-    import zmq
+    from kvpool.manager.event_client import EventTail
 
     if replay_from is not None and not replay_endpoint:
         raise click.UsageError("--replay-from needs --replay-endpoint")
-    zctx = zmq.Context()
-    sub = zctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    for topic in pools or ("",):
-        sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-    sub.connect(endpoint)  # subscribe before the replay, so no batch falls between the two
+    tail = EventTail(endpoint, pools)  # subscribed before the replay, so no batch falls between the two
     printed, last = 0, -1
     try:
         if replay_from is not None:
-            time.sleep(0.2)  # the subscription reaches the publisher
-            for seq, payload in _replay(zctx, replay_endpoint, replay_from, timeout_s):  # type: ignore[arg-type]
-                _print_batch(b"(replay)", seq, payload, as_json)
-                printed, last = printed + 1, seq
+            try:
+                replayed = tail.replay(replay_endpoint, replay_from, timeout_s)  # type: ignore[arg-type]
+            except TimeoutError as e:
+                raise click.ClickException(str(e)) from None
+            for batch in replayed:
+                _print_batch(batch, as_json)
+                printed, last = printed + 1, batch.seq
                 if count is not None and printed >= count:
                     return
         while count is None or printed < count:
-            topic, seq_b, payload = sub.recv_multipart()
-            seq = int.from_bytes(seq_b, "big")
-            if seq <= last:
+            batch = tail.next()
+            if batch.seq <= last:
                 continue  # already printed from the replay
-            _print_batch(topic, seq, payload, as_json)
-            printed, last = printed + 1, seq
+            _print_batch(batch, as_json)
+            printed, last = printed + 1, batch.seq
     except KeyboardInterrupt:
         pass
     finally:
-        sub.close()
-        zctx.term()
+        tail.close()
 
 
 # -- CURVE keys ----------------------------------------------------------------------------

@@ -2,8 +2,9 @@ import time
 
 import msgpack
 import zmq
-from ops_helpers import apply
+from helpers.manager import apply
 
+from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.events import END_SEQ, EventPublisher, decode_batch, encode_events
 from kvpool.shared.hashing import hash_blocks
@@ -11,7 +12,7 @@ from kvpool.shared.hashing import hash_blocks
 
 def test_encoding_is_vllm_array_like_tagged():
     h = hash_blocks(list(range(8)), 4)
-    enc = encode_events([("stored", h, None), ("removed", [h[1]]), ("cleared",)], 4)
+    enc = encode_events([BlockStored(h, None), BlockRemoved([h[1]]), AllBlocksCleared()], 4)
     assert enc == [["BlockStored", h, None, [], 4, None, "GPU"], ["BlockRemoved", [h[1]], "GPU"], ["AllBlocksCleared"]]
 
 
@@ -32,10 +33,9 @@ def test_subscriber_rebuilds_cached_set_and_replay(tmp_path):
             pool.free(i)
         if i == 6:
             pool.reset_prefix_cache() or None
-        publisher.publish("pool-a", pool.blocks.events, 4)
-        pool.blocks.events.clear()
+        publisher.publish("pool-a", pool.take_events(), 4)
     pool.evict(100)
-    publisher.publish("pool-a", pool.blocks.events, 4)
+    publisher.publish("pool-a", pool.take_events(), 4)
     seen, cached, last = [], set(), -1
     while sub.poll(2000):
         topic, seq, payload = sub.recv_multipart()

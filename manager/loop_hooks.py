@@ -1,4 +1,4 @@
-"""The manager loop's operational side: CURVE, KV-event sockets, metrics, systemd notify.
+"""What hangs off the manager loop besides the store: CURVE, KV-event sockets, metrics, systemd notify.
 
 Everything here is optional (docs/operating.md) and driven by the loop's thread, which calls:
 
@@ -24,15 +24,14 @@ from kvpool.manager.events import EventPublisher, LoopPublisher
 from kvpool.manager.metrics import ManagerMetrics
 from kvpool.manager.registry import Registry
 from kvpool.manager.stats import ServerStats
-from kvpool.manager.store.base import EventPublisher as PublisherHook
-from kvpool.manager.store.base import NullPublisher
+from kvpool.manager.store.base import EventSink, NullSink
 from kvpool.shared.notify import Notifier
 
 logger = logging.getLogger(__name__)
 STATUS_EVERY_S = 5.0  # systemd STATUS= refresh
 
 
-class Operations:
+class LoopHooks:
     def __init__(self, cfg: ManagerConfig, registry: Registry, stats: ServerStats) -> None:
         self.cfg, self.reg, self.stats = cfg, registry, stats
         self.notifier = Notifier()
@@ -49,10 +48,10 @@ class Operations:
             self.curve = CurveServer(ctx, cfg.curve_secret_key_file, cfg.curve_allowed_keys_dir)
             self.curve.apply(sock)
 
-    def start(self, ctx: zmq.Context, sock: zmq.Socket, publisher: PublisherHook) -> PublisherHook:
+    def start(self, ctx: zmq.Context, sock: zmq.Socket, publisher: EventSink) -> EventSink:
         """Binds the configured extras; returns the publisher the loop should use."""
         cfg = self.cfg
-        if cfg.events_endpoint and isinstance(publisher, NullPublisher):
+        if cfg.events_endpoint and isinstance(publisher, NullSink):
             try:
                 pub = EventPublisher(ctx, cfg.events_endpoint, cfg.events_replay_endpoint, cfg.events_buffer)
             except zmq.ZMQError as e:

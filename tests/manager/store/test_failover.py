@@ -10,17 +10,16 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from durable_helpers import Daemon, redis_or_skip
-from manager_helpers import CLI, SPEC, kv_bytes, wait_until
+from helpers.durable import Daemon, redis_or_skip
+from helpers.manager import CLI, HELPERS, SPEC, kv_bytes, wait_until
 
 from kvpool.shared.protocol import encode_request, unpack
 from kvpool.worker.manager_client import ManagerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
-PROC = [sys.executable, str(Path(__file__).with_name("manager_procs.py"))]
+PROC = [sys.executable, str(HELPERS / "manager_procs.py")]
 ALLOC = [{"op": "alloc", "req": 1, "hashes": [], "prompt_len": 10, "max_new": 10}]
 
 

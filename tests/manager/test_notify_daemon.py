@@ -11,7 +11,7 @@ import subprocess
 import time
 
 import pytest
-from ops_helpers import CLI, free_port, scrape, value
+from helpers.manager import CLI, free_port, scrape, value
 
 from kvpool.worker.manager_client import ManagerClient
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 # the scripts are not a package: put their folder on the path, as running one does
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 ms = importlib.import_module("memsim")
 bench_memory = importlib.import_module("bench_memory")
 

@@ -1,0 +1,64 @@
+"""A client of the manager's KV-event sockets (manager/events.py): subscribe, and replay first.
+
+``kvpool events`` prints what this reads; a KV-aware router would apply it. The subscription is
+made before any replay, so no batch falls between the buffered ones and the live ones: a
+caller skips live batches whose ``seq`` it already got from the replay.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from kvpool.manager.events import END_SEQ, decode_batch
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    topic: str  # the pool's name; "(replay)" for a replayed batch (the replay socket sends no topic)
+    seq: int
+    ts: float
+    events: list  # vLLM event arrays: ["BlockStored", ...], ["BlockRemoved", ...], ["AllBlocksCleared"]
+
+
+class EventTail:
+    """Subscribes to ``endpoint`` (only ``pools``' topics when given) and reads batches in order."""
+
+    def __init__(self, endpoint: str, pools: tuple[str, ...] = ()) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        for topic in pools or ("",):
+            self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self.sub.connect(endpoint)
+
+    def replay(self, endpoint: str, start: int, timeout_s: float) -> list[EventBatch]:
+        """The publisher's buffered batches from ``start`` on; TimeoutError when it does not answer."""
+        time.sleep(0.2)  # the subscription reaches the publisher first
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        sock.send_multipart([b"", start.to_bytes(8, "big")])
+        out = []
+        try:
+            while True:
+                if not sock.poll(timeout_s * 1000):
+                    raise TimeoutError(f"no answer from the replay socket {endpoint} within {timeout_s}s")
+                frames = sock.recv_multipart()
+                seq = int.from_bytes(frames[-2], "big")
+                if seq == END_SEQ:
+                    return out
+                out.append(EventBatch("(replay)", seq, *decode_batch(frames[-1])))
+        finally:
+            sock.close()
+
+    def next(self) -> EventBatch:
+        """The next live batch (blocks until one arrives)."""
+        topic, seq, payload = self.sub.recv_multipart()
+        return EventBatch(topic.decode(errors="replace"), int.from_bytes(seq, "big"), *decode_batch(payload))
+
+    def close(self) -> None:
+        self.sub.close()
+        self.ctx.term()

@@ -1,0 +1,118 @@
+"""The registry's mutations as typed records: what the journal stores and replays.
+
+Every change of the registry's state goes through ``Registry.apply(record, now)``: the live
+path (the handlers, through the registry's named methods) and the journal's replay
+(manager/store/journal.py) alike, so a replay runs the very code that ran live. Each record
+carries every nondeterministic value already resolved (a new session's sid, the limits a
+registration was checked against).
+
+On the wire (inside journal batches) a record is a msgpack list, its kind first::
+
+    ["open", sid, identity, role, admin, version]           SessionOpened (hello)
+    ["end", sid]                                            SessionEnded (deregister or expiry)
+    ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools]
+                                                            (+ serve, only when the worker announced one)
+    ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
+    ["reset", pool]   ["evict", pool, n]   ["drain", enable]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from kvpool.shared.protocol import KVSpec, ManagerError
+
+
+@dataclass(frozen=True)
+class SessionOpened:
+    sid: str
+    identity: str
+    role: str
+    admin: bool
+    version: int
+
+
+@dataclass(frozen=True)
+class SessionEnded:
+    sid: str
+
+
+@dataclass(frozen=True)
+class ShardRegistered:
+    """Journaled before anything can fail, with the limits in force: a replay fails or succeeds
+    exactly as the live call did, whatever the restarted manager is configured with."""
+
+    sid: str
+    pool: str
+    rank: int
+    count: int
+    incarnation: str
+    spec: KVSpec  # on the wire: its map (shared/protocol.py)
+    available_kv_bytes: int
+    max_blocks: int
+    max_pools: int
+    serve: dict | None = None  # {endpoint, model, max_model_len}: where rank 0 takes generate requests
+
+
+@dataclass(frozen=True)
+class StepRan:
+    sid: str
+    msg_id: int
+    pool: str
+    ops: list
+
+
+@dataclass(frozen=True)
+class CacheReset:
+    pool: str
+
+
+@dataclass(frozen=True)
+class BlocksEvicted:
+    pool: str
+    n: int
+
+
+@dataclass(frozen=True)
+class DrainingSet:
+    enable: bool
+
+
+Mutation = SessionOpened | SessionEnded | ShardRegistered | StepRan | CacheReset | BlocksEvicted | DrainingSet
+
+KINDS: dict[str, type] = {
+    "open": SessionOpened,
+    "end": SessionEnded,
+    "register": ShardRegistered,
+    "step": StepRan,
+    "reset": CacheReset,
+    "evict": BlocksEvicted,
+    "drain": DrainingSet,
+}
+_LAYOUT = {cls: (kind, tuple(f.name for f in fields(cls))) for kind, cls in KINDS.items()}
+
+
+def to_wire(rec: Mutation) -> list:
+    """The record as the journal's msgpack list (the layout in the module docstring)."""
+    kind, names = _LAYOUT[type(rec)]
+    wire = [kind, *(getattr(rec, name) for name in names)]
+    if type(rec) is ShardRegistered:
+        wire[6] = rec.spec.to_wire()
+        if rec.serve is None:
+            wire.pop()  # records without serve keep their original layout
+    return wire
+
+
+def from_wire(raw: object) -> Mutation:
+    """A journal list back into its record; ValueError or TypeError when it is not one."""
+    if type(raw) is not list or not raw:
+        raise TypeError(f"a journal record is a non-empty list, got {type(raw).__name__}")
+    cls = KINDS.get(raw[0]) if type(raw[0]) is str else None
+    if cls is None:
+        raise ValueError(f"journal record of unknown kind {raw[0]!r:.40}")
+    if cls is ShardRegistered and len(raw) > 6:
+        try:
+            raw = [*raw[:6], KVSpec.from_wire(raw[6]), *raw[7:]]
+        except ManagerError as e:
+            raise ValueError(f"register record: {e}") from None
+    return cls(*raw[1:])

@@ -1,0 +1,9 @@
+"""The tests' one helper package (importable as ``helpers``: tests/ is on sys.path through the
+root conftest.py). Fixtures live in tests/conftest.py; these are plain functions and classes.
+
+- ``helpers.manager``: the base KV spec, one request through a Server, ``LiveServer`` (a Server
+  looping in a thread), metrics scraping, KV-event applying, ``stop_process``.
+- ``helpers.durable``: Redis namespaces, a journaling in-memory store, ``Daemon`` processes.
+- ``helpers.worker`` / ``helpers.tp``: tiny engines and tensor-parallel pairs.
+- ``manager_procs.py`` / ``chaos_procs.py``: scripts the multi-process tests run (``HELPERS``).
+"""

@@ -1,0 +1,225 @@
+"""The package layout's rules, read from the source: no import circles, and what may import what.
+
+Every ``import`` statement counts, wherever it is (module level, inside a function, under
+``TYPE_CHECKING``): a circle hidden in a function is still a circle a reader must untangle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("cli", "shared", "manager", "worker", "kernels", "frontend")  # folder name == kvpool.<name>
+
+# What the CLI may import from the manager besides kvpool.manager.core: its public entry points.
+# (README "How it fits together" lists the same.)
+CLI_ENTRY_POINTS = {
+    "kvpool.manager.server": {"serve"},
+    "kvpool.manager.config": {"ManagerConfig"},
+    "kvpool.manager.store.snapshots": {"CorruptState", "StateIOError", "load_file", "load_namespace",
+                                       "restore_namespace", "save_file", "summary"},
+    "kvpool.manager.event_client": {"EventTail"},
+}
+
+
+def module_files() -> dict[str, Path]:
+    """kvpool module name -> file, for every module of the project's packages."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(["kvpool", *parts])] = path
+    return out
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, str | None]]:
+    """(imported project module, imported name or None) for every import statement in ``path``."""
+    is_pkg = path.name == "__init__.py"
+    here = name if is_pkg else name.rpartition(".")[0]
+    found: list[tuple[str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((sub, None) if sub in modules else (base, alias.name))
+    return [(m, n) for m, n in found if m.startswith("kvpool.")]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> project modules it imports (a module also imports the packages above it)."""
+    modules = module_files()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for target, _ in imports_of(name, path, modules):
+            parts = target.split(".")
+            for i in range(2, len(parts) + 1):
+                dep = ".".join(parts[:i])
+                if dep in modules and dep != name and not name.startswith(dep + "."):
+                    graph[name].add(dep)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle (its modules, the first repeated at the end), or None."""
+    color: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        color[m] = 1
+        path.append(m)
+        for dep in sorted(graph[m]):
+            if color.get(dep) == 1:
+                return [*path[path.index(dep):], dep]
+            if dep not in color and (cycle := visit(dep)):
+                return cycle
+        color[m] = 2
+        path.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in color and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_sees_a_circle_through_a_function_level_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_graph_has_every_kind_of_import(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvpool.x import Y\n"
+                   "def f():\n    import kvpool.z\n    from . import w\n")
+    modules = {"kvpool.pkg.w": src}
+    got = imports_of("kvpool.pkg.m", src, modules)
+    assert got == [("kvpool.x", "Y"), ("kvpool.z", None), ("kvpool.pkg.w", None)]
+
+
+def test_no_import_circles_between_project_modules():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_the_worker_imports_only_the_pool_core_from_the_manager():
+    modules = module_files()
+    bad = [
+        f"{name} imports {target}"
+        for name, path in modules.items() if name.startswith("kvpool.worker")
+        for target, _ in imports_of(name, path, modules)
+        if target.startswith("kvpool.manager") and not target.startswith("kvpool.manager.core")
+    ]
+    assert bad == [], "the worker may import only kvpool.manager.core from the manager"
+
+
+def private_writes(tree: ast.AST) -> list[str]:
+    """Assignments to another object's ``_private`` attribute (``self``/``cls`` are the owner's
+    own; a classmethod of the owning class may fill the object it builds)."""
+    allowed: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and any(
+                isinstance(d, ast.Name) and d.id == "classmethod" for d in node.decorator_list):
+            allowed |= {id(sub) for sub in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else [])
+        for target in targets:
+            for sub in ast.walk(target):
+                if (isinstance(sub, ast.Attribute) and sub.attr.startswith("_") and not sub.attr.startswith("__")
+                        and not (isinstance(sub.value, ast.Name) and sub.value.id in ("self", "cls"))
+                        and id(sub) not in allowed):
+                    found.append(f"line {node.lineno}: {ast.unparse(sub)}")
+    return found
+
+
+def test_the_private_write_finder_sees_a_write_from_outside():
+    tree = ast.parse("pool.blocks._dups = {}\nself._x = 1\n"
+                     "class A:\n    @classmethod\n    def make(cls):\n        a = cls()\n        a._y = 2\n")
+    assert private_writes(tree) == ["line 1: pool.blocks._dups"]
+
+
+def test_no_module_writes_private_fields_of_another_object():
+    bad = [f"{name} {hit}" for name, path in module_files().items()
+           for hit in private_writes(ast.parse(path.read_text()))]
+    assert bad == [], "state has one owner: add a method to the owning class instead"
+
+
+def test_class_names_are_distinct_across_the_project():
+    where: dict[str, list[str]] = {}
+    for name, path in module_files().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(name)
+    assert {c: ms for c, ms in where.items() if len(ms) > 1} == {}
+
+
+def test_no_module_swaps_its_class():
+    """A module stays a plain module (kernels/ is out of this test's reach: its owner removes its swap)."""
+    bad = [
+        f"{name} line {node.lineno}"
+        for name, path in module_files().items() if not name.startswith("kvpool.kernels")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "__class__"
+                                                for t in node.targets)
+    ]
+    assert bad == []
+
+
+def test_the_cli_uses_only_the_managers_public_entry_points():
+    modules = module_files()
+    bad = []
+    for name, path in modules.items():
+        if not name.startswith("kvpool.cli"):
+            continue
+        for target, imported in imports_of(name, path, modules):
+            if not target.startswith("kvpool.manager") or target.startswith("kvpool.manager.core"):
+                continue
+            if imported is None or imported not in CLI_ENTRY_POINTS.get(target, set()):
+                bad.append(f"{name} imports {target}{'.' + imported if imported else ''}")
+    assert bad == [], "the CLI may use kvpool.manager.core and the entry points in CLI_ENTRY_POINTS"
+
+
+def part_of(module: str) -> str:
+    """The README table's row of a module: shared, kernels, manager.core, manager.store, manager, ..."""
+    parts = module.split(".")[1:]
+    if parts[0] == "manager" and len(parts) > 1 and parts[1] in ("core", "store"):
+        return f"manager.{parts[1]}"
+    return parts[0]
+
+
+# README "How it fits together", last column: what each part may import from the others.
+MAY_IMPORT = {
+    "shared": set(),
+    "kernels": set(),
+    "manager.core": {"shared"},
+    "manager.store": {"shared", "manager.core", "kvpool.manager.registry", "kvpool.manager.mutations",
+                      "kvpool.manager.config"},
+    "manager": {"shared", "manager.core", "manager.store"},
+    "worker": {"shared", "kernels", "manager.core"},
+    "frontend": {"shared", "worker", "manager.core"},
+    "cli": {"shared", "worker", "manager.core", "frontend", *CLI_ENTRY_POINTS},
+}
+
+
+def test_each_part_imports_only_what_the_readme_table_allows():
+    graph = import_graph()
+    bad = []
+    for module, deps in graph.items():
+        mine = part_of(module)
+        for dep in deps:
+            theirs = part_of(dep)
+            if theirs != mine and theirs not in MAY_IMPORT[mine] and dep not in MAY_IMPORT[mine] \
+                    and dep != "kvpool.manager" and dep != "kvpool.manager.store":
+                bad.append(f"{module} ({mine}) imports {dep} ({theirs})")
+    assert bad == []
