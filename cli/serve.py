@@ -67,6 +67,8 @@ def worker_service_options(f):
 @click.option("--cpu-memory-budget", default="2GiB", show_default=True, callback=_bytes,
               help="Host memory treated as the device on CPU.")
 @click.option("--no-prefix-caching", is_flag=True, help="Send no block hashes (no prefix reuse).")
+@click.option("--no-overlap", is_flag=True, help="Wait for the manager before each forward pass "
+              "(default: send step N+1 while step N computes).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=0, help="torch CPU threads (0: torch's default).")
 @click.option("--tp-size", default=1, show_default=True,
@@ -82,14 +84,14 @@ def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: s
            endpoint: str | None, dtype: str, device: str,
            block_size: int, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
            memory_utilization: float, kv_cache_memory: int | None, cpu_memory_budget: int,
-           no_prefix_caching: bool, seed: int, threads: int, tp_size: int, tp_rank: int | None,
+           no_prefix_caching: bool, no_overlap: bool, seed: int, threads: int, tp_size: int, tp_rank: int | None,
            tp_master: str, tp_timeout: float, **_: object) -> None:
     """Serve generate requests from paged KV memory whose blocks the manager hands out.
 
     With --tp-size N the pool is one model over N ranks (one process, one GPU each), each holding
     its slice of the KV heads; rank 0 serves requests, every rank registers as a shard.
     """
-    cfg, source = _worker_config(ctx, config_path, no_prefix_caching)
+    cfg, source = _worker_config(ctx, config_path, no_prefix_caching, no_overlap)
     export_curve_env(ctx)  # every ManagerClient of this process and of its tensor-parallel ranks
     if cfg.tp_size > 1 and tp_rank is None:
         from kvpool.worker.launch import launch
@@ -107,13 +109,15 @@ def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: s
     _serve_rank(cfg, cfg.manager.split(","), cfg.endpoint or default_worker_endpoint(cfg.pool), tp_master, tp_timeout)
 
 
-def _worker_config(ctx: click.Context, config_path: str | None, no_prefix_caching: bool):
+def _worker_config(ctx: click.Context, config_path: str | None, no_prefix_caching: bool, no_overlap: bool):
     """Defaults < config file < KVPOOL_WORKER_* < options given (cli/layered.py)."""
     from kvpool.cli.layered import explicit_flags, load_service
 
     flags, labels = explicit_flags(ctx, "worker", {"manager_ep": "manager"})
     if no_prefix_caching:
         flags["enable_prefix_caching"], labels["enable_prefix_caching"] = False, "flag"
+    if no_overlap:
+        flags["overlap"], labels["overlap"] = False, "flag"
     return load_service("worker", config_path, flags, labels)
 
 

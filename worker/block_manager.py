@@ -1,7 +1,8 @@
 """Where the scheduler's block decisions are made: the manager, local or remote.
 
 The scheduler only needs ``step(ops) -> results`` (one round trip per scheduler step, schemas as
-in ``kvpool.manager.core.step``) plus registration around it. ``LocalBlockManager`` embeds a real
+in ``kvpool.manager.core.step``) plus registration around it; ``send_step``/``recv_step`` split
+that round trip so the worker computes while the manager answers. ``LocalBlockManager`` embeds a real
 ``Pool`` and runs steps through ``run_step`` (tests, benchmarks); ``RemoteBlockManager`` talks to
 the manager daemon through ``ManagerClient``. Both raise ``ManagerReset`` when the manager no
 longer holds this worker's requests: the engine then re-registers and recomputes.
@@ -9,8 +10,10 @@ longer holds this worker's requests: the engine then re-registers and recomputes
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
+from collections.abc import Iterator
 from typing import Protocol
 
 from kvpool.manager.core.pool import Pool
@@ -36,6 +39,10 @@ class BlockManager(Protocol):
     def register(self, spec: KVSpec, available_kv_bytes: int) -> dict: ...
 
     def step(self, ops: list[dict]) -> list[dict]: ...
+
+    def send_step(self, ops: list[dict]) -> object: ...
+
+    def recv_step(self, ticket: object) -> list[dict]: ...
 
     def heartbeat(self) -> None: ...
 
@@ -68,6 +75,13 @@ class LocalBlockManager:
         if self._pool is None:
             raise ManagerReset(f"pool {self.pool!r} is not registered (manager restarted)")
         return run_step(self._pool, "local", ops)
+
+    def send_step(self, ops: list[dict]) -> object:
+        """In process the answer is ready at once (the caller's overlap then costs nothing)."""
+        return self.step(ops)
+
+    def recv_step(self, ticket: object) -> list[dict]:
+        return ticket  # type: ignore[return-value]
 
     def simulate_restart(self) -> None:
         """Forget everything, as a manager restarted without persistence would."""
@@ -128,8 +142,20 @@ class RemoteBlockManager:
         return info
 
     def step(self, ops: list[dict]) -> list[dict]:
+        return self.recv_step(self.send_step(ops))
+
+    def send_step(self, ops: list[dict]) -> object:
+        with self._resets():
+            return self.client.begin_step(self.pool, self.epoch, ops)
+
+    def recv_step(self, ticket: object) -> list[dict]:
+        with self._resets():
+            return self.client.end_step(ticket)  # type: ignore[arg-type]
+
+    @contextlib.contextmanager
+    def _resets(self) -> Iterator[None]:
         try:
-            return self.client.step(self.pool, self.epoch, ops)
+            yield
         except (ManagerRestarted, StaleEpoch) as e:
             raise ManagerReset(str(e)) from e
         except ManagerUnavailable as e:

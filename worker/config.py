@@ -119,6 +119,7 @@ class WorkerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     static_prealloc: bool = False  # baseline: reserve max_model_len slots per request
+    overlap: bool = True  # send step N+1's message while step N computes (False: --no-overlap)
     tp_size: int = 1  # tensor-parallel shards of the pool (one process each)
     tp_rank: int = 0  # this process's shard; rank 0 runs the scheduler
     # -- the service (`kvpool worker`; docs/operating.md) --

@@ -5,6 +5,10 @@
     while engine.has_work():
         for ev in engine.step(): ...                                          # TokenEvent
 
+With ``overlap`` (the default) step N+1's message goes to the manager before step N's forward
+pass and is collected after it, so the round trip hides behind the compute (``manager_wait_s``
+counts the time a step still waited).
+
 The engine owns the KV tensors (allocated once from the num_blocks the manager returned at
 registration) and re-registers when the manager forgot its requests (``ManagerReset``): every
 request is then recomputed from its tokens, the sampled ones included.
@@ -18,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +33,8 @@ from kvpool.worker.model import LlamaForCausalLM
 from kvpool.worker.profiler import check_fits
 from kvpool.worker.request import Request
 from kvpool.worker.runner import ModelRunner, allocate_runner
-from kvpool.worker.sampler import Sampled, SampleKey, SamplingParams, sample_rows
-from kvpool.worker.scheduler import Scheduler
+from kvpool.worker.sampler import SampleKey, SamplingParams, sample_rows
+from kvpool.worker.scheduler import Batch, Output, Scheduler, StepPlan
 from kvpool.worker.tp import TPLeader
 
 logger = logging.getLogger(__name__)
@@ -48,7 +53,8 @@ class TokenEvent:
 
 class Engine:
     def __init__(self, model: LlamaForCausalLM, block_manager: BlockManager, scheduler: Scheduler,
-                 available_kv_bytes: int, *, seed: int = 0, tp: TPLeader | None = None) -> None:
+                 available_kv_bytes: int, *, seed: int = 0, tp: TPLeader | None = None,
+                 overlap: bool = True) -> None:
         self.model = model
         self.bm = block_manager
         self.scheduler = scheduler
@@ -56,6 +62,7 @@ class Engine:
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.block_size = scheduler.block_size
+        scheduler.eos_token_id = model.config.eos_token_id  # the model's, whoever built the scheduler
         self.tp = tp
         self.spec = kv_spec(model.config, self.block_size, self.dtype, model.tp_size)
         self.num_blocks = 0
@@ -63,6 +70,9 @@ class Engine:
         self.registrations = 0
         self.resets = 0
         self._lost = False
+        self.overlap = overlap
+        self.manager_wait_s = 0.0  # time a step spent blocked on the manager's answer
+        self._ready: tuple[StepPlan, list[dict], Batch] | None = None  # overlap: answered, not run
         self._rng = random.Random(seed)
         self._rids = itertools.count()
         self._requests: dict[str, list[Request]] = {}  # client id -> its live samples
@@ -122,7 +132,7 @@ class Engine:
         return [TokenEvent(req.client_id, i, None, True, reason) for i in indices]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._lost
+        return self.scheduler.has_work() or self._lost or self._ready is not None
 
     # -- one step --------------------------------------------------------------------------
 
@@ -132,25 +142,62 @@ class Engine:
         if self._lost:
             self.register()
             self._lost = False
+        if self.overlap:
+            return self._step_overlapped()
         sched = self.scheduler
-        ops = sched.schedule()
-        if not ops:
+        plan = sched.schedule()
+        if not plan.ops and not plan.seqs:
             return []
         try:
-            results = self.bm.step(ops)
+            results = self._wait(self.bm.send_step(plan.ops)) if plan.ops else []
         except ManagerReset as e:
             self._reset(e)
             return []
-        plan = sched.commit(results)
-        events = self._collect_errors()
-        if plan.seqs:
-            if self.tp is not None:
-                self.tp.run(plan)
-            logits = self.runner.execute(plan)
-            sched.advance()
-            events += self._sample(logits)
-        sched.end_step()
+        batch = plan.batch(results)
+        outputs = self._run(batch)
+        errored = sched.update(plan, results, outputs)
+        return self._end_with_error(errored) + self._token_events(outputs)
+
+    def _step_overlapped(self) -> list[TokenEvent]:
+        """Step N's batch runs while the manager answers step N+1's message, which was composed
+        assuming every sequence of step N yields a token (``update`` reconciles: a request that
+        finished frees its extra slot, one refused for space is preempted before it runs)."""
+        sched = self.scheduler
+        ready, self._ready = self._ready, None
+        if ready is None:  # nothing in flight: ask for step N and wait
+            plan = sched.schedule()
+            if not plan.ops and not plan.seqs:
+                return []
+            try:
+                results = self._wait(self.bm.send_step(plan.ops)) if plan.ops else []
+            except ManagerReset as e:
+                self._reset(e)
+                return []
+            ready = (plan, results, plan.batch(results))
+        plan, results, batch = ready
+        following = sched.schedule()  # step N+1
+        try:
+            ticket = self.bm.send_step(following.ops) if following.ops else None
+        except ManagerReset as e:
+            self._reset(e)
+            return []
+        outputs = self._run(batch)
+        events = self._end_with_error(sched.update(plan, results, outputs)) + self._token_events(outputs)
+        try:
+            answers = self._wait(ticket) if ticket is not None else []
+        except ManagerReset as e:
+            self._reset(e)
+            return events
+        if following.ops or following.seqs:
+            self._ready = (following, answers, following.batch(answers))
         return events
+
+    def _wait(self, ticket: object) -> list[dict]:
+        start = time.perf_counter()
+        try:
+            return self.bm.recv_step(ticket)
+        finally:
+            self.manager_wait_s += time.perf_counter() - start
 
     def heartbeat(self) -> None:
         """Keeps the manager session (and the other tensor-parallel ranks) alive while idle;
@@ -164,20 +211,29 @@ class Engine:
 
     def _reset(self, err: Exception) -> None:
         logger.warning("manager lost our requests (%s): re-registering, recomputing", err)
+        self._ready = None
         self.scheduler.reset()
         self.resets += 1
         self._lost = True
 
-    def _collect_errors(self) -> list[TokenEvent]:
-        errored, self.scheduler.errored = self.scheduler.errored, []
+    def _end_with_error(self, errored: list[Request]) -> list[TokenEvent]:
         for req in errored:
             self._forget(req)
         return [ev for r in errored for ev in self._end_events(r, r.finish_reason or "error")]
 
-    def _sample(self, logits: torch.Tensor) -> list[TokenEvent]:
-        sampling = [req for req, _ in self.scheduler.scheduled if req.num_computed == len(req.tokens)]
+    def _run(self, batch: Batch) -> list[Output]:
+        """The forward pass over ``batch`` and its sampled tokens (a new parallel sample of an
+        n > 1 request comes with its parent)."""
+        if not batch.seqs:
+            return []
+        if self.tp is not None:
+            self.tp.run(batch)
+        logits = self.runner.execute(batch)
+        sampling = [req for req, seq in zip(batch.reqs, batch.seqs) if seq.sample]
         keys, owners = [], []
         for row, req in enumerate(sampling):
+            if req.finish_reason is not None:
+                continue  # aborted after its batch was made (overlap): nothing to sample
             count = 1 if req.forked else req.params.n
             for i in range(count):
                 index = req.index if req.forked else i
@@ -185,16 +241,17 @@ class Engine:
                 owners.append((row, req, i))
         if not owners:
             return []
-        if len(owners) > len(sampling):  # an unforked n > 1 request draws n rows from its logits
-            logits = logits[torch.tensor([row for row, _, _ in owners], dtype=torch.long, device=logits.device)]
+        rows = [row for row, _, _ in owners]
+        if rows != list(range(len(sampling))):  # an unforked n > 1 request draws n rows; aborted ones none
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         drawn = sample_rows(logits, keys)
-        events = []
+        outputs = []
         for (_, req, i), got in zip(owners, drawn):
-            target = req if i == 0 else self._child(req, i, got.token)
-            events.append(self._accept(target, got))
+            target, parent = (req, None) if i == 0 else (self._child(req, i), req)
+            outputs.append(Output(target, got.token, parent, got.logprob, got.top_logprobs))
             if i == 0:
-                target.forked = True
-        return events
+                req.forked = True
+        return outputs
 
     def _key(self, req: Request, index: int) -> SampleKey:
         p = req.params
@@ -205,29 +262,24 @@ class Engine:
             banned = p.stop_token_ids + ((eos,) if eos is not None else ())
         return SampleKey(p, req.seed, index, req.num_output, output, banned)
 
-    def _child(self, parent: Request, index: int, token: int) -> Request:
+    def _child(self, parent: Request, index: int) -> Request:
         child = Request(next(self._rids), parent.client_id, index, parent.tokens[: parent.num_prompt],
                         parent.num_prompt, parent.params, parent.seed, self.block_size, parent.hasher.cache_salt)
         child.forked = True
         self._requests.setdefault(parent.client_id, []).append(child)  # the parent may have ended
-        self.scheduler.spawn(parent, child)
         return child
 
-    def _accept(self, req: Request, got: Sampled) -> TokenEvent:
-        token = got.token
-        req.append(token)
-        reason = None
-        if token == self.model.config.eos_token_id and not req.params.ignore_eos:
-            reason = "stop"
-        elif token in req.params.stop_token_ids:
-            reason = "stop"
-        elif req.num_output >= req.params.max_tokens or len(req.tokens) >= self.scheduler.max_model_len:
-            reason = "length"
-        if reason is not None:
-            self.scheduler.finish(req, reason)
-            self._forget(req)
-        return TokenEvent(req.client_id, req.index, token, reason is not None, reason, got.logprob,
-                          got.top_logprobs)
+    def _token_events(self, outputs: list[Output]) -> list[TokenEvent]:
+        events = []
+        for out in outputs:
+            req = out.req
+            if req.finish_reason == "abort":
+                continue  # aborted while its step ran: its final event was sent by abort
+            if req.finish_reason is not None:
+                self._forget(req)
+            events.append(TokenEvent(req.client_id, req.index, out.token, req.finish_reason is not None,
+                                     req.finish_reason, out.logprob, out.top_logprobs))
+        return events
 
     def _forget(self, req: Request) -> None:
         reqs = self._requests.get(req.client_id, [])
@@ -272,6 +324,7 @@ class Engine:
             "steps": s.steps, "preemptions": s.preemptions, "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens, "computed_tokens": s.computed_tokens,
             "peak_blocks": s.peak_blocks, "peak_running": s.peak_running,
-            "registrations": self.registrations, "resets": self.resets,
+            "registrations": self.registrations, "resets": self.resets, "overlap": self.overlap,
+            "manager_wait_s": self.manager_wait_s,
             "tp_size": self.model.tp_size, "kv_cache_bytes": self.runner.kv_bytes if self.runner else 0,
         }

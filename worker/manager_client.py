@@ -1,7 +1,9 @@
 """The worker's side of the manager protocol (shared/protocol.py, PROTOCOL.md).
 
 One DEALER socket, one request in flight, one round trip per call: a scheduler step's sub-ops
-travel in a single ``step`` message. Not thread-safe; use one client per thread.
+travel in a single ``step`` message. ``begin_step`` sends a step without waiting and
+``end_step`` collects its answer, so a worker computes while the manager works (nothing else
+may be called in between). Not thread-safe; use one client per thread.
 
 Failures, as exceptions (all ``ManagerError``):
 - ``ManagerUnavailable``: no reply within ``timeout_s``. The socket is replaced (so a late reply
@@ -26,6 +28,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -43,9 +46,20 @@ from kvpool.shared.protocol import (
     unpack,
 )
 
-__all__ = ["ManagerClient", "ManagerError", "ManagerRestarted", "ManagerUnavailable", "SessionExpired", "StaleEpoch"]
+__all__ = ["ManagerClient", "PendingCall", "ManagerError", "ManagerRestarted", "ManagerUnavailable", "SessionExpired", "StaleEpoch"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingCall:
+    """A call sent by ``begin_step`` whose reply ``end_step`` collects."""
+
+    op: str
+    args: dict
+    sid: str | None
+    msg_id: int
+    sent: bool = False
 
 
 class ManagerClient:
@@ -141,6 +155,24 @@ class ManagerClient:
         """Runs one scheduler step's sub-ops (manager/core/step.py schemas) in one round trip."""
         return self.call("step", pool=pool, epoch=epoch, ops=ops)["results"]
 
+    def begin_step(self, pool: str, epoch: int, ops: list[dict]) -> PendingCall:
+        """Sends a step and returns at once; ``end_step`` waits for its results."""
+        if self.sid is None:
+            self.hello()
+        pending = PendingCall("step", {"pool": pool, "epoch": epoch, "ops": ops}, self.sid, self._next_id)
+        self._next_id += 1
+        try:
+            self._send(pending.op, pending.args, pending.sid, pending.msg_id)
+            pending.sent = True
+        except ManagerUnavailable:
+            pass  # end_step sends it again (or gives up) the way a call would
+        return pending
+
+    def end_step(self, pending: PendingCall) -> list[dict]:
+        reply = self._roundtrip(pending.op, pending.args, pending.sid, retry=False, msg_id=pending.msg_id,
+                                sent=pending.sent)
+        return self._check(reply)["results"]
+
     def lookup(self, pool: str, hashes: list[bytes]) -> int:
         return self.call("lookup", retry=True, pool=pool, hashes=hashes)["blocks"]
 
@@ -195,7 +227,10 @@ class ManagerClient:
         """Any op by name (admin ops included); returns the reply body or raises."""
         if self.sid is None:
             self.hello()
-        reply = self._roundtrip(op, args, self.sid, retry=retry)
+        return self._check(self._roundtrip(op, args, self.sid, retry=retry))
+
+    def _check(self, reply: dict) -> dict:
+        """The reply's body; raises when the session or the manager's state is gone."""
         inc = reply.get("inc")
         state = reply.get("state", inc)
         if isinstance(inc, str):
@@ -216,16 +251,23 @@ class ManagerClient:
         if self.on_restart is not None:
             self.on_restart(old, new)
 
-    def _roundtrip(self, op: str, args: dict, sid: str | None, *, retry: bool) -> dict:
-        """One request, resent with the same id while that is safe (see the module docstring)."""
-        msg_id = self._next_id
-        self._next_id += 1
+    def _roundtrip(self, op: str, args: dict, sid: str | None, *, retry: bool, msg_id: int | None = None,
+                   sent: bool = False) -> dict:
+        """One request, resent with the same id while that is safe (see the module docstring).
+        ``sent``: its first copy already went out (``begin_step``): wait for that one first."""
+        if msg_id is None:
+            msg_id = self._next_id
+            self._next_id += 1
         deadline = time.monotonic() + self.failover_s
         attempts, pause = 0, 0.02
         while True:
             attempts += 1
             try:
-                reply = self._exchange(op, args, sid, msg_id)
+                if sent:
+                    sent = False
+                    reply = self._receive(op, msg_id)
+                else:
+                    reply = self._exchange(op, args, sid, msg_id)
             except ManagerUnavailable:
                 if (self.durable and time.monotonic() < deadline) or (retry and attempts < len(self.endpoints)):
                     continue
@@ -246,22 +288,35 @@ class ManagerClient:
         self._ep = (self._ep + 1) % len(self.endpoints)
 
     def _exchange(self, op: str, args: dict, sid: str | None, msg_id: int) -> dict:
+        self._send(op, args, sid, msg_id)
+        return self._receive(op, msg_id)
+
+    def _send(self, op: str, args: dict, sid: str | None, msg_id: int) -> None:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
             if self.curve is not None:
                 self.curve.apply(self._sock)
             self._sock.connect(self.endpoint)
-        sock = self._sock
         self._last_call = time.monotonic()
         try:
-            sock.send(encode_request(msg_id, op, sid, args), zmq.NOBLOCK)
+            self._sock.send(encode_request(msg_id, op, sid, args), zmq.NOBLOCK)
         except zmq.Again:
             self._give_up(op)
+
+    def _receive(self, op: str, msg_id: int) -> dict:
+        """The reply to ``msg_id``, within timeout_s of its sending."""
+        sock = self._sock
         deadline = self._last_call + self.timeout_s
-        while (left := deadline - time.monotonic()) > 0 and sock.poll(left * 1000, zmq.POLLIN):
+        while sock is not None:
             try:
-                reply = unpack(sock.recv())
+                raw = sock.recv(zmq.NOBLOCK)  # a reply that came during the caller's work: no poll
+            except zmq.Again:
+                if (left := deadline - time.monotonic()) <= 0 or not sock.poll(left * 1000, zmq.POLLIN):
+                    break
+                continue
+            try:
+                reply = unpack(raw)
             except Exception:  # not msgpack: not from a manager; keep waiting
                 continue
             if type(reply) is dict and reply.get("id") == msg_id:

@@ -11,11 +11,18 @@ class Request:
 
     ``tokens[:num_computed]`` have their K/V in the cache; the rest (the prompt tail, the last
     sampled token) are computed by later steps. ``rid`` is the manager's request id.
+
+    What the scheduler has asked for but not yet seen answered (a step in flight): ``num_scheduled``
+    tokens, ``num_pending_samples`` tokens still to be sampled, ``admitting`` (an alloc). The
+    manager's view: ``synced_tokens`` (its num_tokens), ``num_slots`` (slots of the blocks it gave),
+    ``num_hashes_sent``. ``generation`` moves on whenever the request leaves the running set or
+    loses its KV, so that plan entries made before no longer count.
     """
 
     __slots__ = ("rid", "client_id", "index", "tokens", "num_prompt", "num_computed", "block_table",
                  "hasher", "num_hashes_sent", "params", "seed", "finish_reason", "forked",
-                 "num_preemptions")
+                 "num_preemptions", "generation", "num_scheduled", "num_pending_samples", "admitting",
+                 "synced_tokens", "num_slots", "must_sync")
 
     def __init__(self, rid: int, client_id: str, index: int, tokens: list[int], num_prompt: int,
                  params: SamplingParams, seed: int, block_size: int, cache_salt: str | None = None) -> None:
@@ -34,6 +41,13 @@ class Request:
         self.finish_reason: str | None = None
         self.forked = params.n == 1  # n > 1: children are spawned at the first sample
         self.num_preemptions = 0
+        self.generation = 0
+        self.num_scheduled = 0
+        self.num_pending_samples = 0
+        self.admitting = False
+        self.synced_tokens = 0
+        self.num_slots = 0
+        self.must_sync = False  # forked: the next write must reach the manager (copy-on-write)
 
     @property
     def num_output(self) -> int:
@@ -41,8 +55,8 @@ class Request:
 
     @property
     def num_remaining(self) -> int:
-        """Tokens known but not yet computed."""
-        return len(self.tokens) - self.num_computed
+        """Tokens known (or being sampled) but not yet computed or scheduled."""
+        return len(self.tokens) + self.num_pending_samples - self.num_computed - self.num_scheduled
 
     def append(self, token: int) -> None:
         self.tokens.append(token)
@@ -53,6 +67,9 @@ class Request:
         self.num_computed = 0
         self.block_table = []
         self.num_hashes_sent = 0
+        self.num_scheduled = self.num_pending_samples = self.synced_tokens = self.num_slots = 0
+        self.admitting = self.must_sync = False
+        self.generation += 1
 
     def __repr__(self) -> str:
         return (f"Request(rid={self.rid}, client={self.client_id!r}#{self.index}, "

@@ -1,4 +1,4 @@
-"""Runs a step plan: copy-on-write copies, batch metadata, the forward pass over the paged cache.
+"""Runs a batch: copy-on-write copies, batch metadata, the forward pass over the paged cache.
 
 Metadata (DESIGN.md, "Kernels"): ``query_start_loc`` int32 prefix sums of the query lengths,
 ``seq_lens`` int32 context including the new tokens, ``block_table`` int32 padded with the null
@@ -14,7 +14,7 @@ import torch
 from kvpool.kernels import copy_blocks, paged_attention, reshape_and_cache
 from kvpool.worker.kv_cache import allocate_kv_caches
 from kvpool.worker.model import LlamaForCausalLM
-from kvpool.worker.scheduler import StepPlan
+from kvpool.worker.step_plan import Batch
 
 
 @dataclass
@@ -28,7 +28,7 @@ class BatchMetadata:
     logits_indices: torch.Tensor  # [R] int64: the last token of each sampling sequence
 
 
-def build_metadata(plan: StepPlan, block_size: int, device: torch.device | str) -> BatchMetadata:
+def build_metadata(plan: Batch, block_size: int, device: torch.device | str) -> BatchMetadata:
     seqs = plan.seqs
     q_lens = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int64)
     starts = torch.tensor([s.start for s in seqs], dtype=torch.int64)
@@ -70,7 +70,7 @@ class ModelRunner:
         return sum(c.numel() * c.element_size() for c in self.kv_caches)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, *, sample: bool = True) -> torch.Tensor | None:
+    def execute(self, plan: Batch, *, sample: bool = True) -> torch.Tensor | None:
         """fp32 logits [R, vocab] for the plan's sampling sequences, in plan order; None without
         ``sample`` (a tensor-parallel follower only writes its KV slice and joins the all-reduces)."""
         if plan.copies:  # copy-on-write orders from the manager, before any write of this step

@@ -1,52 +1,62 @@
 """Continuous batching whose every block decision is made by the manager, one message per step.
 
-A step is: ``schedule()`` composes the step's sub-ops (forks, frees, then one extend per running
-request oldest first, then allocs for waiting requests FCFS, all within the token budget);
-the engine sends them in ONE step message; ``commit(results)`` turns the answers into a
-``StepPlan`` for the runner; after the forward pass ``advance()`` marks the tokens computed, the
-engine samples and calls ``finish``/``spawn``, and ``end_step()`` preempts this step's victims.
-Frees and forks decided during a step travel at the head of the next message.
+Two calls per step (the shape of nano-vllm's and vLLM v1's schedulers)::
+
+    plan = scheduler.schedule()                 # StepPlan: sub-ops, what each is for, the batch
+    results = block_manager.step(plan.ops)      # one round trip
+    batch = plan.batch(results)                 # what runs: refused sequences left out
+    outputs = sample(runner.execute(batch))     # [(request, token, parent or None)]
+    errored = scheduler.update(plan, results, outputs)
+
+``schedule`` composes the message: forks, frees, then the running requests oldest first, then
+allocs for waiting requests FCFS, all within the token budget. A running request gets an extend
+only when its tokens need a block it does not hold, or after a fork (sparse steps, PROTOCOL.md
+section 6); otherwise it runs in blocks it holds without a sub-op. ``update`` applies the
+manager's answers (block tables, admissions, refusals), marks the tokens computed, appends the
+sampled tokens, finishes and spawns requests, and preempts. Frees and forks decided in ``update``
+travel at the head of the next message.
+
+Overlap (the engine's default): ``schedule`` may run again before the previous plan's ``update``,
+assuming each sequence of that plan yields a token (the requests' in-flight counters say what is
+assumed). A request whose alloc or first sample of n > 1 is in flight sits that step out; an
+extend built on a step in flight carries ``base``, so it is refused when that step was. ``update``
+reconciles: entries of requests that finished, were aborted or preempted since no longer count,
+and a request refused for space with its next step already sent is rewound (or preempted).
 
 Preemption by recompute: when the manager answers no_space to running requests' extends, the
 newest running requests are preempted (the refused ones included) until the blocks they hold
-cover the shortfall. A victim whose own sub-op
-succeeded still runs this step, because its new blocks were entered into the prefix cache and
-must be computed; it is freed at the head of the next message and re-queued at the front of the
-waiting queue, where its computed full blocks are likely still cached. Admissions pause for one
-step after a preemption, a waiting request refused for space blocks the ones behind it, and
-admissions stop while the blocks our requests hold leave no block of growth per running request
-(a policy on our own holdings; which blocks, and whether they fit, the manager decides).
+cover the shortfall. A victim whose own sub-op succeeded still runs this step, because its new
+blocks were entered into the prefix cache and must be computed; it is freed at the head of the
+next message and re-queued at the front of the waiting queue, where its computed full blocks are
+likely still cached. Admissions pause for one step after a preemption, a waiting request refused
+for space blocks the ones behind it, and admissions stop while the blocks our requests hold leave
+no block of growth per running request (a policy on our own holdings; which blocks, and whether
+they fit, the manager decides). Those two flags are the only state one step leaves the next.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvpool.worker.request import Request
+from kvpool.worker.step_plan import Batch, BatchSeq, ScheduledSeq, StepPlan, SubOp
+
+__all__ = ["Batch", "BatchSeq", "Output", "Scheduler", "SchedulerStats", "StepPlan"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class SeqPlan:
-    """One sequence's share of a step: plain data, so a step plan can be broadcast to TP ranks."""
+@dataclass(frozen=True)
+class Output:
+    """A sampled token; ``parent``: the request a new parallel sample ``req`` forks from."""
 
-    token_ids: list[int]  # the tokens computed this step
-    start: int  # position of token_ids[0] (tokens before it are in the cache)
-    block_table: list[int]
-    sample: bool  # the step reaches the sequence's last known token: sample the next one
-
-
-@dataclass
-class StepPlan:
-    seqs: list[SeqPlan] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
+    req: Request
+    token: int
+    parent: Request | None = None
+    logprob: float | None = None  # when the request asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -60,10 +70,15 @@ class SchedulerStats:
     peak_running: int = 0
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 class Scheduler:
     def __init__(self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, *, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, static_prealloc: bool = False) -> None:
+                 enable_chunked_prefill: bool = True, static_prealloc: bool = False,
+                 eos_token_id: int | None = None) -> None:
         self.block_size = block_size
         self.token_budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -71,18 +86,15 @@ class Scheduler:
         self.caching = enable_prefix_caching and not static_prealloc
         self.chunked = enable_chunked_prefill
         self.static = static_prealloc
+        self.eos_token_id = eos_token_id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: newest last
         self.pending_frees: list[int] = []
         self.pending_forks: list[tuple[Request, Request]] = []  # (parent, child)
         self.stats = SchedulerStats()
         self.num_blocks: int | None = None  # the pool's size, set at registration (admission room)
-        self.errored: list[Request] = []  # refused by the manager for bad input; engine reports
-        self._actions: list[tuple[str, Request | None, int]] = []
-        self._scheduled: list[tuple[Request, int]] = []
-        self._victims: list[Request] = []
-        self._hold_admissions = False
-        self._head_blocked = False
+        self.hold_admissions = False  # a preemption happened: admit nobody next step
+        self.head_blocked = False  # the head of the waiting queue was refused for space
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -96,58 +108,98 @@ class Scheduler:
         return max(0, self.max_model_len - num_tokens) if self.static else 0
 
     def _new_hashes(self, req: Request, num_tokens: int) -> list[bytes]:
+        """Hashes of the blocks full once ``num_tokens`` are computed that the manager lacks."""
         if not self.caching:
             return []
         return req.hasher.hashes[req.num_hashes_sent : num_tokens // self.block_size]
 
-    def schedule(self) -> list[dict]:
-        """The sub-ops of the next step message (remembered for ``commit``)."""
-        ops: list[dict] = []
-        acts = self._actions = []
+    def schedule(self) -> StepPlan:
+        """The next step: its sub-ops and the sequences it runs (nothing changes but the
+        requests' in-flight counters and the queues of frees and forks it sends)."""
+        plan = StepPlan()
         for parent, child in self.pending_forks:
-            ops.append({"op": "fork", "req": parent.rid, "child": child.rid})
-            acts.append(("fork", child, 0))
+            self._fork(plan, parent, child)
         for rid in self.pending_frees:
-            ops.append({"op": "free", "req": rid})
-            acts.append(("free", None, 0))
+            plan.add({"op": "free", "req": rid}, SubOp("free", None))
         self.pending_forks, self.pending_frees = [], []
         budget = self.token_budget
         for req in self.running:
             n = min(req.num_remaining, budget)
-            if n == 0:
-                continue
-            num_tokens = req.num_computed + n
-            ops.append({"op": "extend", "req": req.rid, "num_tokens": num_tokens,
-                        "hashes": self._new_hashes(req, num_tokens),
-                        "lookahead": self._lookahead(num_tokens)})
-            acts.append(("extend", req, n))
+            if n == 0 or req.admitting or (req.num_pending_samples and not req.forked):
+                continue  # its next step depends on answers still in flight (cached count, forks)
+            self._schedule_running(plan, req, n)
             budget -= n
-        if not self._hold_admissions:
-            self._admit(ops, budget)
-        self._hold_admissions = False
-        return ops
+        if not self.hold_admissions:
+            self._admit(plan, budget)
+        self.hold_admissions = False
+        return plan
 
-    def _admit(self, ops: list[dict], budget: int) -> None:
+    def _schedule_running(self, plan: StepPlan, req: Request, n: int) -> None:
+        """Schedules ``n`` more tokens of ``req``; an extend only when they need a block it does
+        not hold (lookahead included) or a fork left it sharing a partial block. The hashes of
+        blocks that became full ride along with that extend (PROTOCOL.md, "Sparse steps")."""
+        start = req.num_computed + req.num_scheduled
+        num_tokens = start + n
+        lookahead = self._lookahead(num_tokens)
+        op = -1
+        if req.must_sync or num_tokens + lookahead > req.num_slots:
+            op = self._extend(plan, req, num_tokens, lookahead, n)
+        sample = num_tokens == len(req.tokens) + req.num_pending_samples
+        plan.seqs.append(ScheduledSeq(req, req.generation, n, start, op, sample))
+        req.num_scheduled += n
+        req.num_pending_samples += sample
+
+    def _extend(self, plan: StepPlan, req: Request, num_tokens: int, lookahead: int, n: int) -> int:
+        hashes = self._new_hashes(req, num_tokens)
+        undo = (req.num_hashes_sent, req.synced_tokens, req.num_slots)
+        op = {"op": "extend", "req": req.rid, "num_tokens": num_tokens, "hashes": hashes, "lookahead": lookahead}
+        if req.num_scheduled:  # built on a step still in flight: valid only if that one succeeded
+            op["base"] = req.synced_tokens
+        index = plan.add(op, SubOp("extend" if n else "sync", req, req.generation, n, undo))
+        req.num_hashes_sent += len(hashes)
+        req.synced_tokens = num_tokens
+        req.num_slots = max(req.num_slots, _cdiv(num_tokens + lookahead, self.block_size) * self.block_size)
+        return index
+
+    def _fork(self, plan: StepPlan, parent: Request, child: Request) -> None:
+        """The child shares the blocks of the parent's computed tokens: the manager's view of the
+        parent is brought up to them first, and both must write through the manager next."""
+        tokens = parent.num_computed
+        if parent.synced_tokens != tokens:
+            self._extend(plan, parent, tokens, self._lookahead(tokens), 0)
+        plan.add({"op": "fork", "req": parent.rid, "child": child.rid}, SubOp("fork", child, child.generation))
+        child.synced_tokens = tokens
+        child.num_slots = _cdiv(tokens, self.block_size) * self.block_size
+        child.num_hashes_sent = min(parent.num_hashes_sent, tokens // self.block_size)
+        parent.must_sync = child.must_sync = True
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
         if not self.waiting:
             return  # spares _room's walk over every running block table on a decode step
         slots = self.max_num_seqs - len(self.running)
-        room, admitted = self._room(), 0
+        room, admitted = self._room(), []
         for req in self.waiting:
             n = min(len(req.tokens), budget)
             if slots <= 0 or n == 0 or (not self.chunked and n < len(req.tokens)):
                 break
-            room -= -(-(n + self._lookahead(n)) // self.block_size)
+            blocks = _cdiv(n + self._lookahead(n), self.block_size)
+            room -= blocks
             if room < 0 and (self.running or admitted):
                 break  # an idle pool still tries its head: the manager has the last word
             hashes = list(req.hasher.hashes) if self.caching else []
-            ops.append({"op": "alloc", "req": req.rid, "hashes": hashes, "prompt_len": len(req.tokens),
-                        "max_new": n, "lookahead": self._lookahead(n)})
-            self._actions.append(("alloc", req, n))
+            op = plan.add({"op": "alloc", "req": req.rid, "hashes": hashes, "prompt_len": len(req.tokens),
+                           "max_new": n, "lookahead": self._lookahead(n)}, SubOp("alloc", req, req.generation, n))
+            plan.seqs.append(ScheduledSeq(req, req.generation, n, 0, op))
+            req.num_slots = blocks * self.block_size  # an estimate until the answer comes
+            admitted.append(req)
             budget -= n
             slots -= 1
-            admitted += 1
-            if self._head_blocked:
+            if self.head_blocked:
                 break  # the head was refused for space: no one overtakes it
+        for req in admitted:  # running from now on; a refusal puts it back in front
+            self.waiting.popleft()
+            req.admitting = True
+            self.running.append(req)
 
     def _room(self) -> int:
         """Blocks an admission may take and still leave every running request one block to
@@ -157,88 +209,155 @@ class Scheduler:
         if self.num_blocks is None:
             return 1 << 62
         held = len({b for r in self.running for b in r.block_table})
+        held += sum(r.num_slots // self.block_size for r in self.running if r.admitting)  # answers in flight
         growth = 0 if self.static else len(self.running)
         return self.num_blocks - 1 - held - growth
 
-    # -- applying the manager's answers ----------------------------------------------------
+    # -- applying the outcome --------------------------------------------------------------
 
-    def commit(self, results: list[dict]) -> StepPlan:
-        if len(results) != len(self._actions):
-            raise RuntimeError(f"manager answered {len(results)} results for {len(self._actions)} sub-ops")
-        plan, failed = StepPlan(), []  # failed: (request, tokens) refused for space
-        self._scheduled, self._victims = [], []
-        self._head_blocked = False
-        for (kind, req, n), res in zip(self._actions, results):
-            if kind == "free":
+    def update(self, plan: StepPlan, results: list[dict], outputs: list[Output]) -> list[Request]:
+        """Applies the manager's ``results`` for ``plan`` and the tokens sampled from its batch;
+        returns the requests refused as bad input (they end with an error)."""
+        if len(results) != len(plan.ops):
+            raise RuntimeError(f"manager answered {len(results)} results for {len(plan.ops)} sub-ops")
+        errored: list[Request] = []
+        failed: list[tuple[Request, int]] = []  # (request, tokens) refused for space
+        refused_admissions: list[Request] = []
+        self.head_blocked = False
+        head = next((sub.req for sub in plan.subops if sub.kind == "alloc"), None)  # the queue's head
+        for sub, res in zip(plan.subops, results):
+            req = sub.req
+            if req is not None and req.generation != sub.generation:
+                continue  # it moved on (finished, aborted, lost) after the plan was made
+            if sub.kind == "free":
                 if not res.get("ok") and res.get("code") != "unknown_request":
                     logger.warning("free refused: %s", res)
-            elif kind == "fork":
-                if res.get("ok"):
-                    req.block_table = list(res["blocks"])
-                else:
-                    logger.warning("fork of %r refused (%s): recomputing it", req, res.get("msg"))
-                    self._lose(req)
-            elif kind == "extend":
-                self._commit_extend(req, n, res, plan, failed)
-            else:
-                self._commit_alloc(req, n, res)
-        self._actions = []
-        if failed:
-            self._choose_victims(failed)
-        for req, n in self._scheduled:
-            end = req.num_computed + n
-            plan.seqs.append(SeqPlan(req.tokens[req.num_computed : end], req.num_computed,
-                                     list(req.block_table), end == len(req.tokens)))
+            elif sub.kind == "fork":
+                self._apply_fork(req, res)
+            elif sub.kind in ("extend", "sync"):
+                self._apply_extend(sub, res, failed)
+            elif not self._apply_alloc(sub, res, refused_admissions):
+                errored.append(req)
+            elif res.get("code") == "no_space" and req is head:
+                self.head_blocked = True
+        for req in reversed(refused_admissions):
+            self.waiting.appendleft(req)
+        ran = [(s.req, start, n) for s, start, n, _ in plan.runnable(results)]
+        victims = self._choose_victims(failed) if failed else []
+        self._settle(plan, ran)
+        for out in outputs:
+            self._accept(out)
+        for req in victims:  # the ones that ran this step: their blocks go back at the next
+            if req in self.running:
+                self._preempt(req)
         self._track_usage()
-        return plan
+        return errored
 
-    def _commit_extend(self, req, n, res, plan: StepPlan, failed: list) -> None:
+    def _apply_fork(self, child: Request, res: dict) -> None:
+        if res.get("ok"):
+            child.block_table = list(res["blocks"])
+            child.num_slots = len(child.block_table) * self.block_size
+        else:
+            logger.warning("fork of %r refused (%s): recomputing it", child, res.get("msg"))
+            self._lose(child)
+
+    def _apply_extend(self, sub: SubOp, res: dict, failed: list) -> None:
+        req = sub.req
         if res.get("ok"):
             req.block_table.extend(res["blocks"])
-            for index, src, dst in res["copies"]:
+            for index, _, dst in res["copies"]:
                 req.block_table[index] = dst
-                plan.copies.append((src, dst))
-            req.num_hashes_sent += len(self._new_hashes(req, req.num_computed + n))
-            self._scheduled.append((req, n))
-        elif res.get("code") == "no_space":
-            failed.append((req, n))
+            req.num_slots = max(req.num_slots, len(req.block_table) * self.block_size)
+            req.must_sync = req.must_sync and sub.kind == "sync"  # a write went through: copied
+            return
+        req.num_hashes_sent, req.synced_tokens, req.num_slots = sub.undo
+        if res.get("code") == "no_space":
+            failed.append((req, sub.num_tokens))
         else:
             logger.warning("extend of %r refused (%s): recomputing it", req, res.get("msg"))
             self._lose(req)
 
-    def _commit_alloc(self, req, n, res) -> None:
+    def _apply_alloc(self, sub: SubOp, res: dict, refused: list[Request]) -> bool:
+        """False: refused as bad input."""
+        req = sub.req
+        req.admitting = False
         if res.get("ok"):
             cached = res["cached"]
             req.num_computed, req.block_table = cached, list(res["blocks"])
+            req.num_slots = len(req.block_table) * self.block_size
+            req.synced_tokens = cached + min(len(req.tokens) - cached, sub.num_tokens)
             req.num_hashes_sent = len(req.hasher.hashes) if self.caching else 0
-            self.waiting.remove(req)
-            self.running.append(req)
-            self._scheduled.append((req, min(n, len(req.tokens) - cached)))
             self.stats.prompt_tokens += len(req.tokens)
             self.stats.cached_tokens += cached
-        elif res.get("code") == "no_space":
-            self._head_blocked = self._head_blocked or req is self.waiting[0]
-        elif res.get("code") != "draining":
-            req.finish_reason = f"error: {res.get('msg', res.get('code'))}"
-            self.waiting.remove(req)
-            self.errored.append(req)
+            return True
+        self.running.remove(req)
+        req.num_slots = 0
+        if res.get("code") in ("no_space", "draining"):
+            refused.append(req)
+            return True
+        req.finish_reason = f"error: {res.get('msg', res.get('code'))}"
+        req.generation += 1
+        return False
 
     def _blocks_short(self, req: Request, n: int) -> int:
-        return max(0, -(-(req.num_computed + n) // self.block_size) - len(req.block_table))
+        return max(0, _cdiv(req.num_computed + n, self.block_size) - len(req.block_table))
 
-    def _choose_victims(self, failed: list[tuple[Request, int]]) -> None:
+    def _choose_victims(self, failed: list[tuple[Request, int]]) -> list[Request]:
         """Preempts newest-first until the blocks they hold cover what the refused requests
-        lacked (an estimate: the manager stays the judge, a shortfall fails again next step)."""
+        lacked (an estimate: the manager stays the judge, a shortfall fails again next step).
+        Returns the victims that run this step (preempted after it)."""
         short = {req: self._blocks_short(req, n) for req, n in failed}
         need = sum(short.values())
+        victims = []
         for victim in reversed(list(self.running)):
             if need <= 0:
                 break
-            self._victims.append(victim)
+            victims.append(victim)
             need -= len(victim.block_table) + short.get(victim, 0)
-            if victim in short:  # it did not run this step: preempt it now
-                self._preempt(victim)
-        self._hold_admissions = True
+        for req, n in failed:
+            if req not in self.running:
+                continue
+            if req in victims:
+                self._preempt(req)  # it did not run this step: preempt it now
+            elif req.num_scheduled > n:
+                self._rewind(req)
+        self.hold_admissions = True
+        return victims
+
+    def _rewind(self, req: Request) -> None:
+        """``req`` was refused while its next step was already sent (overlap): that one carries
+        a ``base`` the manager no longer matches, so it is refused too and changes nothing; the
+        request keeps its blocks and retries from its computed tokens."""
+        req.num_scheduled = req.num_pending_samples = 0
+        req.generation += 1  # the in-flight step's entries no longer count
+
+    def _settle(self, plan: StepPlan, ran: list[tuple[Request, int, int]]) -> None:
+        """The plan's sequences are no longer in flight; the ones that ran are computed."""
+        for s in plan.seqs:
+            req = s.req
+            if req.generation == s.generation and (s.op < 0 or plan.subops[s.op].kind != "alloc"):
+                req.num_scheduled -= s.num_tokens
+                req.num_pending_samples -= s.sample
+        for req, start, n in ran:
+            req.num_computed = start + n
+            self.stats.computed_tokens += n
+
+    def _accept(self, out: Output) -> None:
+        req = out.req
+        if out.parent is not None:
+            self.spawn(out.parent, req)
+        elif req.finish_reason is not None:
+            return  # aborted while its step ran
+        req.append(out.token)
+        reason = None
+        if out.token == self.eos_token_id and not req.params.ignore_eos:
+            reason = "stop"
+        elif out.token in req.params.stop_token_ids:
+            reason = "stop"
+        elif req.num_output >= req.params.max_tokens or len(req.tokens) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.finish(req, reason)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -250,44 +369,39 @@ class Scheduler:
         logger.info("preempted %r", req)
 
     def _lose(self, req: Request) -> None:
-        """The manager holds nothing for ``req``: recompute it from scratch, nothing to free."""
+        """The manager refused ``req`` for bad input: recompute it from scratch. Its free tells
+        the manager to drop whatever it may still hold (unknown_request when nothing)."""
         if req not in self.running:
             return  # already lost (a refused fork, then its refused extend)
         self.running.remove(req)
+        self.pending_frees.append(req.rid)
         req.reset_kv()
         self.waiting.appendleft(req)
 
     def _track_usage(self) -> None:
         s = self.stats
         s.steps += 1
-        s.peak_running = max(s.peak_running, len(self.running))
+        s.peak_running = max(s.peak_running, sum(not r.admitting for r in self.running))
         blocks = {b for r in self.running for b in r.block_table}
         s.peak_blocks = max(s.peak_blocks, len(blocks))
 
-    # -- after the forward pass ------------------------------------------------------------
-
-    @property
-    def scheduled(self) -> list[tuple[Request, int]]:
-        return self._scheduled
-
-    def advance(self) -> None:
-        """Marks the scheduled tokens computed (the forward pass wrote their K/V)."""
-        for req, n in self._scheduled:
-            req.num_computed += n
-            self.stats.computed_tokens += n
+    # -- state changes the next message carries --------------------------------------------
 
     def finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
+        req.generation += 1
         self.running.remove(req)
         self.pending_frees.append(req.rid)
 
     def drop(self, req: Request) -> None:
         """Aborts ``req`` wherever it is; its blocks go back at the next step."""
+        req.generation += 1
         if req in self.waiting:
             self.waiting.remove(req)  # a preempted one's free is already pending
             return
         if req not in self.running:
             return
+        req.finish_reason = req.finish_reason or "abort"
         self.running.remove(req)
         forks = [(p, c) for p, c in self.pending_forks if c is not req]
         if len(forks) < len(self.pending_forks):
@@ -302,17 +416,10 @@ class Scheduler:
         self.running.append(child)
         self.pending_forks.append((parent, child))
 
-    def end_step(self) -> None:
-        """Preempts this step's victims that ran (their blocks go back at the next step)."""
-        for req in self._victims:
-            if req in self.running:
-                self._preempt(req)
-        self._victims = []
-
     def reset(self) -> list[Request]:
         """The manager lost every request: all recompute; returns them (running first)."""
         lost = list(self.running)
         for req in reversed(lost):
             self._lose(req)
-        self.pending_frees, self.pending_forks, self._actions = [], [], []
+        self.pending_frees, self.pending_forks = [], []
         return lost

@@ -2,9 +2,10 @@
 
 Messages are msgpack maps (never pickle). Client -> worker::
 
-    {"op": "generate", "id": str, "prompt": [int...], "cache_salt": str (optional), "params": {max_tokens, temperature, top_p,
-     seed, n, ignore_eos, top_k, min_tokens, presence_penalty, frequency_penalty,
-     stop_token_ids, logprobs}}                             -> a stream of token messages
+    {"op": "generate", "id": str, "prompt": [int...], "cache_salt": str (optional),
+     "params": {max_tokens, temperature, top_p, seed, n, ignore_eos, top_k, min_tokens,
+     presence_penalty, frequency_penalty, stop_token_ids, logprobs}}
+                                                            -> a stream of token messages
     {"op": "abort", "id": str}                              -> the request's final messages
     {"op": "stats", "id": str}                              -> {"id", "stats": {...}}
     {"op": "ping", "id": str}                               -> {"id", "pong": pool name}

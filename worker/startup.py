@@ -25,7 +25,7 @@ from kvpool.worker.profiler import (
     profile_cuda,
 )
 from kvpool.worker.runner import allocate_runner
-from kvpool.worker.scheduler import Scheduler, SeqPlan, StepPlan
+from kvpool.worker.scheduler import Batch, BatchSeq, Scheduler
 from kvpool.worker.server import WorkerServer
 from kvpool.worker.tp import Channel, TPFollower, TPLeader
 
@@ -58,10 +58,10 @@ def dummy_forward(model: LlamaForCausalLM, num_tokens: int, max_model_len: int, 
     lens = [max_model_len - 1] * (num_tokens // (max_model_len - 1))
     if num_tokens % (max_model_len - 1):
         lens.append(num_tokens % (max_model_len - 1))
-    plan, next_block = StepPlan(), 1
+    plan, next_block = Batch(), 1
     for n in lens:
         nb = -(-n // block_size)
-        plan.seqs.append(SeqPlan([0] * n, 0, list(range(next_block, next_block + nb)), True))
+        plan.seqs.append(BatchSeq([0] * n, 0, list(range(next_block, next_block + nb)), True))
         next_block += nb
     allocate_runner(model, next_block, block_size).execute(plan)
 
@@ -112,7 +112,7 @@ def build_engine(cfg: WorkerConfig, block_manager: BlockManager) -> Engine:
                       enable_chunked_prefill=cfg.enable_chunked_prefill,
                       static_prealloc=cfg.static_prealloc)
     tp = TPLeader(Channel(rank_device(cfg)), cfg.tp_size) if cfg.tp_size > 1 else None
-    return Engine(model, block_manager, sched, kv_bytes, seed=cfg.seed, tp=tp)
+    return Engine(model, block_manager, sched, kv_bytes, seed=cfg.seed, tp=tp, overlap=cfg.overlap)
 
 
 def build_follower(cfg: WorkerConfig, block_manager: BlockManager) -> TPFollower:

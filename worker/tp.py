@@ -1,7 +1,7 @@
 """Rank 0 drives the other tensor-parallel ranks: one broadcast command per scheduler step.
 
 Rank 0 alone runs the scheduler, talks allocation with the manager and samples. Before each
-forward pass it broadcasts the step plan (``StepPlan``: token ids, positions, block tables and
+forward pass it broadcasts the batch (``Batch``: token ids, positions, block tables and
 copy orders; slot mappings follow from them), so every rank builds the same batch metadata, writes
 its slice of the KV heads into the same slots and joins the same all-reduces. Commands::
 
@@ -36,19 +36,19 @@ from kvpool.worker.model import LlamaForCausalLM
 from kvpool.worker.parallel import TPPeerLost
 from kvpool.worker.profiler import check_fits
 from kvpool.worker.runner import ModelRunner, allocate_runner
-from kvpool.worker.scheduler import SeqPlan, StepPlan
+from kvpool.worker.step_plan import Batch, BatchSeq
 
 logger = logging.getLogger(__name__)
 HEAD = 4096
 
 
-def encode_plan(plan: StepPlan) -> dict:
+def encode_plan(plan: Batch) -> dict:
     return {"op": "step", "seqs": [[s.token_ids, s.start, s.block_table, s.sample] for s in plan.seqs],
             "copies": [list(c) for c in plan.copies]}
 
 
-def decode_plan(msg: dict) -> StepPlan:
-    return StepPlan([SeqPlan(ids, start, table, sample) for ids, start, table, sample in msg["seqs"]],
+def decode_plan(msg: dict) -> Batch:
+    return Batch([BatchSeq(ids, start, table, sample) for ids, start, table, sample in msg["seqs"]],
                     [(src, dst) for src, dst in msg["copies"]])
 
 
@@ -96,7 +96,7 @@ class TPLeader:
     def register(self) -> None:
         self._send({"op": "register"})
 
-    def run(self, plan: StepPlan) -> None:
+    def run(self, plan: Batch) -> None:
         self._send(encode_plan(plan))
 
     def tick(self) -> None:

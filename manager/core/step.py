@@ -8,8 +8,11 @@ Sub-op schemas (msgpack maps; PROTOCOL.md is the reference):
   {"op": "alloc",  "req": R, "hashes": [bytes32...], "prompt_len": int, "max_new": int,
    "lookahead": int = 0}
       -> {"ok": true, "cached": int, "blocks": [int...]}        (cached = tokens found cached)
-  {"op": "extend", "req": R, "num_tokens": int, "hashes": [bytes32...] = [], "lookahead": int = 0}
+  {"op": "extend", "req": R, "num_tokens": int, "hashes": [bytes32...] = [], "lookahead": int = 0,
+   "base": int = absent}
       -> {"ok": true, "blocks": [new int...], "copies": [[index, src, dst]...]}
+      base: refused with "stale_base" unless the request holds exactly that many tokens (a
+      pipelined step whose previous sub-op for the request was refused must not run)
   {"op": "free",   "req": R}                    -> {"ok": true}
   {"op": "fork",   "req": R, "child": R}        -> {"ok": true, "blocks": [int...]}
   no space: {"ok": false, "code": "no_space", "msg": ...}; bad input: another code.
@@ -67,7 +70,13 @@ def _alloc(pool: Pool, owner: object, op: dict) -> dict:
 
 
 def _extend(pool: Pool, owner: object, op: dict) -> dict:
-    res = pool.extend((owner, _req(op)), _int(op, "num_tokens"), _hashes(op), _int(op, "lookahead", 0))
+    key = (owner, _req(op))
+    if "base" in op:
+        base, held = _int(op, "base"), pool.requests.get(key)
+        if held is not None and held.num_tokens != base:
+            raise PoolError("stale_base", f"request {key!r} holds {held.num_tokens} tokens, not base {base}: "
+                            "an earlier sub-op for it was refused; free it")
+    res = pool.extend(key, _int(op, "num_tokens"), _hashes(op), _int(op, "lookahead", 0))
     if res is None:
         return NO_SPACE
     return {"ok": True, "blocks": res[0], "copies": [list(c) for c in res[1]]}

@@ -47,6 +47,7 @@ class QueueChannel:
     def __init__(self, followers: int) -> None:
         self.queues = [queue.Queue() for _ in range(followers)]
         self.rank = 0
+        self._holding = False  # a follower holds a command it has not finished handling
 
     def send(self, msg: dict) -> None:
         data = msgpack.packb(msg, use_bin_type=True)
@@ -59,7 +60,17 @@ class QueueChannel:
         return view
 
     def recv(self) -> dict:
-        return msgpack.unpackb(self.queues[self.rank - 1].get(timeout=TIMEOUT_S), raw=False)
+        q = self.queues[self.rank - 1]
+        if self._holding:
+            q.task_done()  # asking for the next command: the previous one is handled
+        data = q.get(timeout=TIMEOUT_S)
+        self._holding = True
+        return msgpack.unpackb(data, raw=False)
+
+    def wait_handled(self) -> None:
+        """Returns once every follower has handled every command sent so far."""
+        for q in self.queues:
+            q.join()
 
 
 def sharded_models(size: int, seed: int = 0) -> list[LlamaForCausalLM]:
@@ -89,8 +100,14 @@ class TPPair:
         for t in self.threads:
             t.start()
         sched = Scheduler(16, max_num_batched_tokens, 64, max_model_len)
+        self.channel = channel
         self.engine = Engine(models[0], LocalBlockManager("test", max_blocks=max_blocks), sched, kv,
                              tp=TPLeader(channel, size))  # type: ignore[arg-type]
+        self.settle()  # the followers registered too (each has its own in-process manager)
+
+    def settle(self) -> None:
+        """Waits until the followers have run every command rank 0 sent (no sleeps)."""
+        self.channel.wait_handled()
 
     def close(self) -> None:
         self.engine.shutdown()  # tells the followers to stop

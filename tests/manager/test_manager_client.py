@@ -60,6 +60,38 @@ def test_a_step_is_one_round_trip_and_a_stale_epoch_raises(live_server):
     c.close()
 
 
+def test_a_step_sent_with_begin_is_answered_while_the_caller_works(live_server):
+    """begin_step returns before the reply; the manager runs the step meanwhile; end_step
+    collects it (the worker's overlap of the round trip with its forward pass)."""
+    live = live_server()
+    c = ManagerClient(live.endpoint)
+    epoch = reg(c)["epoch"]
+    before = live.server.stats.messages
+    pending = c.begin_step("p", epoch, [{"op": "alloc", "req": 1, "hashes": [], "prompt_len": 3, "max_new": 3}])
+    deadline = time.monotonic() + 10
+    while live.server.stats.messages == before and time.monotonic() < deadline:
+        time.sleep(0.001)  # "computing": the manager handles the step without our waiting on it
+    assert live.server.stats.messages == before + 1
+    assert c.end_step(pending) == [{"ok": True, "cached": 0, "blocks": [1]}]
+    assert c.step("p", epoch, [{"op": "free", "req": 1}]) == [{"ok": True}]  # the socket is free again
+    reg(c, inc="restarted")
+    with pytest.raises(StaleEpoch):
+        c.end_step(c.begin_step("p", epoch, []))
+    c.close()
+
+
+def test_an_unanswered_begin_step_raises_unavailable_at_end(sock_dir):
+    live = LiveServer(f"ipc://{sock_dir}/gone.sock")
+    c = ManagerClient(live.endpoint, timeout_s=10)
+    epoch = reg(c)["epoch"]
+    live.stop()
+    c.timeout_s = 0.3
+    pending = c.begin_step("p", epoch, [])
+    with pytest.raises(ManagerUnavailable, match="no reply to 'step'"):
+        c.end_step(pending)
+    c.close()
+
+
 def test_a_manager_restart_is_reported_once_then_the_client_rejoins(sock_dir):
     endpoint = f"ipc://{sock_dir}/r.sock"
     first = LiveServer(endpoint)

@@ -222,3 +222,21 @@ def test_a_sub_op_with_more_hashes_than_max_hashes_is_a_bad_field():
     res = ok(call(srv, "step", sid, pool="p", epoch=1, ops=[{**alloc(1), "hashes": hashes}]))["results"]
     assert res[0]["code"] == "bad_field" and str(MAX_HASHES) in res[0]["msg"]
     assert ok(call(srv, "stats", sid))["pools"]["p"]["requests"] == 0
+
+
+def test_an_extend_with_a_base_runs_only_on_the_tokens_it_was_built_on():
+    """A pipelined worker sends step N+1 before it knows step N's answers: ``base`` says which
+    num_tokens step N left, so a refused step N makes step N+1 refuse too, changing nothing."""
+    srv, sid = ready_server()
+    ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1)]))  # 16 tokens, 4 blocks
+    before = ok(call(srv, "stats", sid))["pools"]["p"]
+    stale = {"op": "extend", "req": 1, "num_tokens": 18, "hashes": [H[4]], "base": 17}
+    res = ok(call(srv, "step", sid, pool="p", epoch=1, ops=[stale]))["results"]
+    assert res[0]["code"] == "stale_base" and "holds 16 tokens, not base 17" in res[0]["msg"]
+    assert ok(call(srv, "stats", sid))["pools"]["p"] == before
+    good = [{"op": "extend", "req": 1, "num_tokens": 17, "base": 16},
+            {"op": "extend", "req": 1, "num_tokens": 18, "base": 17},
+            {"op": "extend", "req": 2, "num_tokens": 3, "base": 0}]  # no such request: unknown
+    res = ok(call(srv, "step", sid, pool="p", epoch=1, ops=good))["results"]
+    assert [r.get("code") for r in res] == [None, None, "unknown_request"] and res[0]["blocks"] == [5]
+    ok(call(srv, "check", sid))

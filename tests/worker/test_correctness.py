@@ -38,9 +38,10 @@ def test_partial_hit():
     assert engine.stats()["cached_tokens"] == 32  # two full blocks of the shared 40 tokens
 
 
-def test_shared_prefix_in_one_step():
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_shared_prefix_in_one_step(overlap):
     """A request hitting blocks that another request computes in the same forward pass."""
-    engine = make_engine()
+    engine = make_engine(overlap=overlap)
     system = make_prompt(48, 4)
     prompts = [system + make_prompt(5 + i, 10 + i) for i in range(3)]
     outs = engine.generate(prompts, greedy(6))
@@ -65,8 +66,9 @@ def test_chunked_prefill():
     assert outs[1] == [reference(engine, short, 6)]
 
 
-def test_preempted_and_resumed():
-    engine = make_engine(max_blocks=14, max_model_len=128)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_preempted_and_resumed(overlap):
+    engine = make_engine(max_blocks=14, max_model_len=128, overlap=overlap)
     prompts = [make_prompt(30 + i, 20 + i) for i in range(4)]
     outs = engine.generate(prompts, greedy(60))
     stats = engine.stats()
@@ -76,8 +78,9 @@ def test_preempted_and_resumed():
     assert_drained(engine)
 
 
-def test_fork_parallel_samples():
-    engine = make_engine()
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_fork_parallel_samples(overlap):
+    engine = make_engine(overlap=overlap)
     p = make_prompt(37, 8)  # a partial last block: shared by the samples, copied on write
     outs = engine.generate([p], greedy(12, n=3))
     pool = engine.bm.core.snapshot_stats()
@@ -116,8 +119,9 @@ def test_skipped_copies_are_detected(monkeypatch):
         test_fork_copies_the_shared_partial_block()
 
 
-def test_after_manager_restart():
-    engine = make_engine()
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_after_manager_restart(overlap):
+    engine = make_engine(overlap=overlap)
     prompts = [make_prompt(20 + 7 * i, 30 + i) for i in range(3)]
     ids = [engine.add_request(p, greedy(15)) for p in prompts]
     out = {rid: [] for rid in ids}
@@ -134,4 +138,37 @@ def test_after_manager_restart():
     assert not engine.has_work()
     assert engine.stats()["registrations"] == 2 and engine.stats()["resets"] == 1
     assert [out[rid] for rid in ids] == [reference(engine, p, 15) for p in prompts]
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_an_abort_while_its_step_is_in_flight_frees_everything(overlap):
+    engine = make_engine(overlap=overlap)
+    prompts = [make_prompt(14 + 9 * i, 40 + i) for i in range(3)]
+    ids = [engine.add_request(p, greedy(30)) for p in prompts]
+    out = {rid: [] for rid in ids}
+    for _ in range(6):  # the victim decodes; with overlap its next step is already answered
+        for ev in engine.step():
+            out[ev.request_id].append(ev.token)
+    ended = engine.abort(ids[1])
+    assert [(ev.token, ev.finished, ev.finish_reason) for ev in ended] == [(None, True, "abort")]
+    while engine.has_work():
+        for ev in engine.step():
+            out[ev.request_id].append(ev.token)
+    assert out[ids[0]] == reference(engine, prompts[0], 30) and out[ids[2]] == reference(engine, prompts[2], 30)
+    assert 0 < len(out[ids[1]]) < 30
+    assert_drained(engine)
+
+
+def test_aborting_parallel_samples_whose_first_sample_is_in_flight_spawns_nothing():
+    engine = make_engine(max_num_batched_tokens=16)  # overlap on: the last chunk's batch waits ready
+    rid = engine.add_request(make_prompt(40, 3), greedy(5, n=3))
+    engine.step()
+    engine.step()  # chunk 2 ran; chunk 3, which samples, is answered and waiting to run
+    assert engine._ready is not None and engine._ready[2].seqs[0].sample
+    assert [ev.index for ev in engine.abort(rid)] == [0, 1, 2]
+    events = []
+    while engine.has_work():
+        events += engine.step()
+    assert events == [] and engine._requests == {}
     assert_drained(engine)

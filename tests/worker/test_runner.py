@@ -12,12 +12,12 @@ from kvpool.worker.kv_cache import allocate_kv_caches
 from kvpool.worker.model import build_model
 from kvpool.worker.reference import ContiguousKV
 from kvpool.worker.runner import ModelRunner, build_metadata
-from kvpool.worker.scheduler import SeqPlan, StepPlan
+from kvpool.worker.step_plan import Batch, BatchSeq
 
 
 def test_metadata_exact():
-    plan = StepPlan([SeqPlan([7, 8, 9], 0, [5, 2], True), SeqPlan([4], 5, [3, 9], True),
-                     SeqPlan([1, 2], 2, [6], False)])
+    plan = Batch([BatchSeq([7, 8, 9], 0, [5, 2], True), BatchSeq([4], 5, [3, 9], True),
+                     BatchSeq([1, 2], 2, [6], False)])
     m = build_metadata(plan, 4, "cpu")
     assert m.input_ids.tolist() == [7, 8, 9, 4, 1, 2]
     assert m.positions.tolist() == [0, 1, 2, 5, 2, 3]
@@ -44,7 +44,7 @@ def test_paged_logits_match_contiguous(block_size):
     table = rng.sample(range(1, 16), -(-len(tokens) // block_size))
     ref = ContiguousKV(model, len(tokens))
     for start, end in ((0, 17), (17, 28), (28, 29)):
-        paged = runner.execute(StepPlan([SeqPlan(tokens[start:end], start, table, True)]))
+        paged = runner.execute(Batch([BatchSeq(tokens[start:end], start, table, True)]))
         ids = torch.tensor(tokens[start:end])
         hidden = model(ids, torch.arange(start, end), ref.attend_at(start))
         torch.testing.assert_close(paged, model.compute_logits(hidden[-1:]), atol=1e-4, rtol=1e-4)

@@ -15,11 +15,12 @@ from kvpool.manager.registry import Registry
 from kvpool.shared.protocol import KVSpec, ManagerError
 from kvpool.worker import tp as tp_module
 from kvpool.worker.config import PRESETS, WorkerConfig
+from kvpool.worker.engine import Engine
 from kvpool.worker.kv_cache import allocate_kv_caches, kv_spec
 from kvpool.worker.model import build_model
 from kvpool.worker.parallel import TPPeerLost, check_tp
 from kvpool.worker.runner import ModelRunner
-from kvpool.worker.scheduler import SeqPlan, StepPlan
+from kvpool.worker.step_plan import Batch, BatchSeq
 from kvpool.worker.tp import HEAD, Channel, TPLeader, decode_plan, encode_plan
 
 # -- sharding ---------------------------------------------------------------------------------
@@ -68,8 +69,8 @@ def test_two_shards_compute_the_logits_of_one():
     full = build_model(TINY, torch.float32, "cpu", seed=0)
     ranks = sharded_models(2)
     prompt = make_prompt(37, 1)
-    plans = [StepPlan([SeqPlan(prompt[:20], 0, [3, 1], False), SeqPlan(prompt[:5], 0, [2], True)]),
-             StepPlan([SeqPlan(prompt[20:], 20, [3, 1, 4], True)], copies=[(2, 5)])]
+    plans = [Batch([BatchSeq(prompt[:20], 0, [3, 1], False), BatchSeq(prompt[:5], 0, [2], True)]),
+             Batch([BatchSeq(prompt[20:], 20, [3, 1, 4], True)], copies=[(2, 5)])]
 
     def runner(model, kv_heads):
         caches = allocate_kv_caches(TINY.num_layers, 8, 16, kv_heads, TINY.head_size, torch.float32, "cpu")
@@ -108,6 +109,7 @@ def test_greedy_output_prefix_hits_and_forks_equal_one_shard():
         forked = engine.generate([make_prompt(37, 8)], greedy(6, n=3))  # copy-on-write copies on both ranks
         assert forked == single.generate([make_prompt(37, 8)], greedy(6, n=3))
         assert forked == [[reference(single, make_prompt(37, 8), 6)] * 3]
+        pair.settle()
         assert pair.followers[0].steps == len(forwards) > 0  # every forward ran on both ranks
     finally:
         pair.close()
@@ -125,6 +127,7 @@ def test_the_follower_applies_copy_on_write_to_its_slice():
         ranks = (engine.runner, follower.runner)
         original = [[c[:, parent.block_table[2], :5].clone() for c in r.kv_caches] for r in ranks]
         engine.step()  # fork + copy-on-write + decode
+        pair.settle()
         tables = {r.block_table[2] for r in engine.scheduler.running}
         assert len(tables) == 3
         for runner, before in zip(ranks, original):
@@ -163,6 +166,30 @@ def test_per_rank_kv_memory_halves_for_the_same_num_blocks():
         pair.close()
 
 
+def test_the_pair_waits_for_a_slow_follower_to_register(monkeypatch):
+    """The follower registers on its own thread; the helper waits for it (it once raced)."""
+    real = tp_module.TPFollower.register
+    gate = threading.Event()
+
+    def slow_register(self):
+        gate.wait(5)  # released only once rank 0 has finished its own registration
+        real(self)
+
+    monkeypatch.setattr(tp_module.TPFollower, "register", slow_register)
+    real_engine_register = Engine.register
+
+    def engine_register(self):
+        real_engine_register(self)
+        gate.set()
+
+    monkeypatch.setattr(Engine, "register", engine_register)
+    pair = TPPair(num_blocks=64)
+    try:
+        assert pair.followers[0].runner is not None and pair.followers[0].num_blocks == 64
+    finally:
+        pair.close()
+
+
 def test_kv_spec_reports_the_shards_heads():
     assert kv_spec(TINY, 16, torch.float32, 2).num_kv_heads == 1
     assert kv_spec(TINY, 16, torch.float32).num_kv_heads == 2
@@ -191,7 +218,7 @@ class FakeDist:
 def test_channel_frames_a_plan_in_one_or_two_broadcasts(monkeypatch, num_tokens):
     fake = FakeDist()
     monkeypatch.setattr(tp_module.dist, "broadcast", fake.broadcast)
-    plan = StepPlan([SeqPlan(list(range(num_tokens)), 7, [4, 9, 2], True), SeqPlan([5], 0, [3], False)],
+    plan = Batch([BatchSeq(list(range(num_tokens)), 7, [4, 9, 2], True), BatchSeq([5], 0, [3], False)],
                     copies=[(3, 8)])
     channel = Channel(torch.device("cpu"))
     fake.sending = True

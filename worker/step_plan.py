@@ -1,0 +1,110 @@
+"""The records of one scheduler step: what it asks the manager, and the batch the runner executes.
+
+``Scheduler.schedule()`` returns a ``StepPlan``: the step message's sub-ops (``ops``), what each
+one is for (``subops``, aligned with ``ops``) and the sequences it means to run (``seqs``; a
+sequence whose tokens fit blocks it already holds points at no sub-op). The manager's answers
+turn the plan into a ``Batch`` (``plan.batch(results)``: no state changes), the plain data the
+runner executes and tensor-parallel rank 0 broadcasts. ``Scheduler.update(plan, results,
+outputs)`` then applies the answers and the sampled tokens.
+
+A plan entry remembers its request's ``generation``; a request that finished, was aborted or
+lost its KV since (preempted, refused) has moved on, and the entry no longer counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from kvpool.worker.request import Request
+
+
+@dataclass
+class BatchSeq:
+    """One sequence's share of a forward pass: plain data, so a batch can be broadcast."""
+
+    token_ids: list[int]  # the tokens computed this step
+    start: int  # position of token_ids[0] (tokens before it are in the cache)
+    block_table: list[int]
+    sample: bool  # the step reaches the sequence's last known token: sample the next one
+
+
+@dataclass
+class Batch:
+    seqs: list[BatchSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
+    reqs: list[Request] = field(default_factory=list)  # the request of each seq (rank 0 only)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass(frozen=True)
+class SubOp:
+    """What one sub-op of the step message is for."""
+
+    kind: str  # "fork" (req: the child), "free", "sync", "extend", "alloc"
+    req: Request | None
+    generation: int = 0
+    num_tokens: int = 0  # extend: tokens it computes; alloc: max_new
+    undo: tuple[int, int, int] = (0, 0, 0)  # extend: (hashes sent, synced tokens, slots) before it
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    req: Request
+    generation: int
+    num_tokens: int  # tokens to compute (an alloc: at most; its cached prefix is skipped)
+    start: int  # position of the first (an alloc: the manager's cached count decides)
+    op: int  # index of its sub-op in ops; -1: none needed (its tokens fit blocks it holds)
+    sample: bool = False  # reaches the last known token (an alloc: decided by its cached count)
+
+
+@dataclass
+class StepPlan:
+    ops: list[dict] = field(default_factory=list)
+    subops: list[SubOp] = field(default_factory=list)
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+
+    def add(self, op: dict, sub: SubOp) -> int:
+        self.ops.append(op)
+        self.subops.append(sub)
+        return len(self.ops) - 1
+
+    def runnable(self, results: list[dict]) -> Iterator[tuple[ScheduledSeq, int, int, dict | None]]:
+        """(seq, start, num_tokens, its sub-op's result) of every sequence that runs: its request
+        has not moved on and its sub-op, if it needed one, succeeded."""
+        for s in self.seqs:
+            if s.req.generation != s.generation:
+                continue
+            res = results[s.op] if s.op >= 0 else None
+            if res is not None and not res.get("ok"):
+                continue
+            if res is not None and self.subops[s.op].kind == "alloc":
+                start = res["cached"]
+                yield s, start, min(s.num_tokens, len(s.req.tokens) - start), res
+            else:
+                yield s, s.start, s.num_tokens, res
+
+    def batch(self, results: list[dict]) -> Batch:
+        """The forward pass the answers allow: block tables with the new blocks and
+        copy-on-write replacements, refused and moved-on sequences left out."""
+        out = Batch()
+        forked = {id(sub.req): r["blocks"] for sub, r in zip(self.subops, results) if sub.kind == "fork" and r.get("ok")}
+        for s, start, n, res in self.runnable(results):
+            req = s.req
+            held = forked.get(id(req), req.block_table)  # a child forked by this same message
+            if res is None:
+                table = list(held)
+            elif self.subops[s.op].kind == "alloc":
+                table = list(res["blocks"])
+            else:
+                table = held + res["blocks"]
+                for index, src, dst in res["copies"]:
+                    table[index] = dst
+                    out.copies.append((src, dst))
+            end = start + n
+            out.seqs.append(BatchSeq(req.tokens[start:end], start, table, end == len(req.tokens)))
+            out.reqs.append(req)
+        return out
