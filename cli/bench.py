@@ -17,8 +17,9 @@ from kvpool.shared.trace import TraceConfig
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def bench(requests: int, blocks: int, seed: int, as_json: bool) -> None:
-    """Replay the reference trace against an in-process pool: requests/s with hashing,
-    µs per block allocate+free, prefix hit rate. Through the daemon: scripts/bench_manager.py."""
+    """Replay the reference trace against an in-process pool: CPU µs per request with hashing
+    (hash, lookup+allocate, free), µs per block allocate+free, prefix hit rate. Medians over
+    rounds: scripts/bench_pool.py; through the daemon: scripts/bench_manager.py."""
     cfg = TraceConfig(num_requests=requests, num_blocks=blocks, seed=seed)
     runs = {}
     for name, kw in (("with_hashing", {"hashing": True}), ("allocate_free_only", {"hashing": False, "caching": False})):

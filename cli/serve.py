@@ -42,6 +42,10 @@ def _default_tp_master() -> str:
 
 def worker_service_options(f):
     """Metrics, logs and CURVE options of `kvpool worker` (None: the config file's / default)."""
+    f = click.option("--curve-allowed-keys-dir", default=None,
+                     help="Directory of the NAME.key files of clients allowed on the generate socket.")(f)
+    f = click.option("--curve-secret-key-file", default=None,
+                     help="This worker's NAME.key_secret: CURVE on its generate socket (`kvpool keygen`).")(f)
     f = click.option("--metrics-port", type=int, default=None, help="Prometheus /metrics TCP port; 0: off [0].")(f)
     f = click.option("--metrics-host", default=None, help="Address of the metrics endpoint [127.0.0.1].")(f)
     return curve_options(log_options(f))
@@ -153,15 +157,25 @@ def _serve_rank(cfg, manager_eps: list[str], endpoint: str, tp_master: str, tp_t
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--timeout", "timeout_s", default=60.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per token message.")
+@click.option("--worker-key", envvar="KVPOOL_WORKER_CURVE_KEY", default=None,
+              help="The worker's public key (NAME.key or Z85 text) when it runs CURVE; env KVPOOL_WORKER_CURVE_KEY.")
+@click.option("--curve-key-file", envvar="KVPOOL_CURVE_KEY_FILE", default=None,
+              help="This client's NAME.key_secret (CURVE); env KVPOOL_CURVE_KEY_FILE.")
 def generate(prompt_ids: tuple[int, ...], endpoint: str | None, pool: str, max_tokens: int,
              temperature: float, top_p: float, seed: int | None, n: int, ignore_eos: bool,
-             timeout_s: float, as_json: bool) -> None:
+             timeout_s: float, as_json: bool, worker_key: str | None, curve_key_file: str | None) -> None:
     """Generate from PROMPT_IDS (token ids); prints tokens as they stream in."""
+    from kvpool.shared.curve import ClientKeys
     from kvpool.worker.client import GenerateClient, WorkerUnavailable
+
+    try:
+        curve = ClientKeys.load(worker_key, curve_key_file) if worker_key else None
+    except ValueError as e:
+        raise click.ClickException(str(e).replace("--curve-server-key", "--worker-key")) from None
 
     params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "n": n,
               "ignore_eos": ignore_eos, **({"seed": seed} if seed is not None else {})}
-    client = GenerateClient(endpoint or default_worker_endpoint(pool))
+    client = GenerateClient(endpoint or default_worker_endpoint(pool), curve=curve)
     try:
         for msg in client.stream(list(prompt_ids), timeout_s=timeout_s, **params):
             if as_json:

@@ -1,4 +1,4 @@
-"""Pieces shared by both attention kernels: the online-softmax tile step and argument checks.
+"""Pieces shared by both attention kernels: the online-softmax tile step and the tile choice.
 
 Scores live in the log2 domain (scaled by log2(e)) so the update uses exp2. A tile is TILE_N
 consecutive positions of one sequence; each position looks up its own physical block in the
@@ -7,9 +7,14 @@ block table, so TILE_N is independent of the cache block size.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from .metadata import AttentionInputError
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -85,50 +90,44 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def check_attention_args(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    out: torch.Tensor,
-    tile_n: int,
-) -> None:
-    """Assert the shapes, dtypes, strides and devices both attention launch wrappers rely on."""
-    assert tile_n >= 16 and tile_n & (tile_n - 1) == 0, f"tile_n {tile_n} must be 2**k >= 16"
-    assert query.dim() == 3, f"query must be [num_tokens, num_heads, head_size], got {tuple(query.shape)}"
-    num_heads, head_size = query.shape[1:]
-    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, (
-        f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size], "
-        f"got {tuple(kv_cache.shape)}"
-    )
-    num_kv_heads = kv_cache.shape[3]
-    assert kv_cache.shape[4] == head_size, (
-        f"kv_cache head_size {kv_cache.shape[4]} != query head_size {head_size}"
-    )
-    assert num_heads % num_kv_heads == 0, (
-        f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
-    )
-    assert query.dtype == kv_cache.dtype, f"query {query.dtype} and kv_cache {kv_cache.dtype} differ"
-    assert out.shape == query.shape and out.dtype == query.dtype, (
-        f"out must be {tuple(query.shape)} {query.dtype}, got {tuple(out.shape)} {out.dtype}"
-    )
-    num_seqs = seq_lens.shape[0]
-    for name, t, shape in (
-        ("query_start_loc", query_start_loc, (num_seqs + 1,)),
-        ("seq_lens", seq_lens, (num_seqs,)),
-        ("block_table", block_table, (num_seqs, block_table.shape[-1])),
-    ):
-        assert t.dtype == torch.int32 and tuple(t.shape) == shape, (
-            f"{name} must be int32 {shape}, got {t.dtype} {tuple(t.shape)}"
-        )
-        assert t.device == query.device, f"{name} is on {t.device}, query on {query.device}"
-    assert kv_cache.device == query.device, f"kv_cache on {kv_cache.device}, query on {query.device}"
-    assert query.stride(2) == out.stride(2) == kv_cache.stride(4) == 1, (
-        "the head_size dimension of query, out and kv_cache must be contiguous"
-    )
-    assert block_table.stride(1) == 1, "block_table rows must be contiguous"
-    assert query_start_loc.is_contiguous() and seq_lens.is_contiguous(), (
-        "query_start_loc and seq_lens must be contiguous"
-    )
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of one attention program, chosen by head size (see choose_tiles)."""
 
+    block_m: int  # query rows (tokens x heads of a kv group) per program
+    tile_n: int  # K/V positions per online-softmax step
+    num_warps: int
+
+
+def choose_tiles(
+    head_size: int, avg_rows: float, qpk: int, elem_bytes: int, tile_n: int | None = None
+) -> Tiles:
+    """Rows and K/V tile by head size, so the fp32 accumulator and the tiles fit in registers.
+
+    Compiled for sm_90 (tests/kernels/gpu_compile_check.py prints registers and stack per
+    variant; --sweep every shape): a 64-row prefill tile spills 6-10 KB of stack at head 256 in
+    fp32 and 0.1-0.4 KB in bf16, up to 26 KB at head 512; 64 rows need 8 warps even at head 128,
+    and a 16-row fp32 program at head 128 spills with 32-position K/V tiles. So: prefill rows
+    halve as the padded head doubles past 128; the K/V tile drops from 32 to 16 positions past
+    head 128 and for 16-row fp32 programs; programs of 32 rows or more, or with a padded head
+    of 256 or more, get 8 warps. Decode-heavy batches use 16 rows (the smallest tl.dot M); a program always holds at
+    least one whole GQA group (qpk rows).
+    """
+    head_p2 = dot_dim(head_size)
+    prefill_rows = max(16, 64 * 128 // max(head_p2, 128))
+    rows = prefill_rows if qpk * avg_rows >= 64 else 16
+    block_m = max(rows, dot_dim(qpk))
+    if tile_n is None:
+        tile_n = 16 if head_p2 > 128 or (elem_bytes == 4 and block_m == 16) else 32
+    if tile_n < 16 or tile_n & (tile_n - 1):
+        raise ValueError(f"tile_n {tile_n} must be a power of two >= 16")
+    return Tiles(block_m, tile_n, 8 if block_m >= 32 or head_p2 >= 256 else 4)
+
+
+def refuse_interpreted_bf16(kernel: object, dtype: torch.dtype) -> None:
+    """The Triton interpreter multiplies bf16 bit patterns (errors ~1e8): refuse, don't guess."""
+    if dtype == torch.bfloat16 and isinstance(kernel, InterpretedFunction):
+        raise AttentionInputError(
+            "bf16 attention under the Triton interpreter (TRITON_INTERPRET=1) computes garbage: "
+            "use fp16 or fp32 on CPU, the torch reference (set_backend('torch')), or a GPU"
+        )

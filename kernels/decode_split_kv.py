@@ -12,7 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import _attend_tile, check_attention_args, dot_dim, dot_precision
+from .attention_common import (
+    _attend_tile,
+    choose_tiles,
+    dot_dim,
+    dot_precision,
+    refuse_interpreted_bf16,
+)
+from .checks import check_attention
+from .metadata import AttentionInputError, AttentionMetadata
 
 
 @triton.jit
@@ -115,53 +123,50 @@ def _merge_splits_kernel(
 def decode_split_kv(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
+    meta: AttentionMetadata,
     num_splits: int,
     *,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
     out: torch.Tensor | None = None,
-    tile_n: int = 32,
+    tile_n: int | None = None,
 ) -> torch.Tensor:
     """Decode-only paged attention with each context split num_splits ways.
 
-    Every sequence must have exactly one new token (query_start_loc == arange); only the count
-    is asserted, since checking the values would need a device sync.
-
-    Splits cover block_table.shape[1] * block_size positions (an upper bound of the contexts,
-    known without a device sync); splits beyond a sequence's length exit at once.
+    Every sequence must have exactly one new token (``meta.is_decode_only``: decided from
+    max_query_len, a host value, so no device sync). Splits cover meta.max_seq_len positions;
+    splits beyond a sequence's length exit at once.
     """
     out = torch.empty_like(query) if out is None else out
-    check_attention_args(query, kv_cache, query_start_loc, seq_lens, block_table, out, tile_n)
+    check_attention(query, kv_cache, meta, out)
+    refuse_interpreted_bf16(_decode_split_kv_kernel, query.dtype)
     num_seqs, num_heads, head_size = query.shape
-    assert seq_lens.shape[0] == num_seqs, (
-        f"split-KV decode needs one query token per sequence: {num_seqs} tokens, "
-        f"{seq_lens.shape[0]} sequences"
-    )
-    assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+    if not meta.is_decode_only(num_seqs):
+        raise AttentionInputError(
+            f"split-KV decode needs one query token per sequence: {num_seqs} tokens, "
+            f"{meta.num_seqs} sequences, max_query_len {meta.max_query_len}"
+        )
+    if num_splits < 1:
+        raise AttentionInputError(f"num_splits must be >= 1, got {num_splits}")
     if num_seqs == 0:
         return out
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     qpk, head_p2 = num_heads // num_kv_heads, dot_dim(head_size)
-    max_context = block_table.shape[1] * block_size
-    chunk = triton.cdiv(triton.cdiv(max_context, num_splits), tile_n) * tile_n
+    tiles = choose_tiles(head_size, 1, qpk, query.element_size(), tile_n)
+    chunk = triton.cdiv(triton.cdiv(max(meta.max_seq_len, 1), num_splits), tiles.tile_n) * tiles.tile_n
     part_out = torch.empty(
         num_seqs, num_heads, num_splits, head_p2, dtype=torch.float32, device=query.device
     )
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    bt = meta.block_tables
     _decode_split_kv_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, kv_cache, part_out, part_lse, seq_lens, block_table,
-        scale, softcap or 0.0, sliding_window or 0, chunk,
+        query, kv_cache, part_out, part_lse, meta.seq_lens, bt,
+        meta.scale, meta.softcap or 0.0, meta.sliding_window or 0, chunk,
         query.stride(0), query.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_table.stride(0),
-        QPK=qpk, BLOCK_H=dot_dim(qpk),
-        TILE_N=tile_n, BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_P2=head_p2,
-        USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION=dot_precision(query.dtype),
+        bt.stride(0),
+        QPK=qpk, BLOCK_H=tiles.block_m, TILE_N=tiles.tile_n, BLOCK_SIZE=block_size,
+        HEAD_SIZE=head_size, HEAD_P2=head_p2,
+        USE_SOFTCAP=meta.softcap is not None, USE_WINDOW=meta.sliding_window is not None,
+        DOT_PRECISION=dot_precision(query.dtype), num_warps=tiles.num_warps,
     )
     _merge_splits_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,

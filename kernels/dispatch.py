@@ -17,6 +17,8 @@ from types import SimpleNamespace
 import torch
 
 from . import reference
+from .checks import check_attention
+from .metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +55,10 @@ def _triton_ops() -> SimpleNamespace | None:
     try:
         from triton.runtime.interpreter import InterpretedFunction
 
-        from .copy_blocks import copy_blocks
+        from .copy_blocks_triton import copy_blocks
         from .decode_split_kv import decode_split_kv
-        from .paged_attention import _paged_attention_kernel, paged_attention
-        from .reshape_and_cache import reshape_and_cache
+        from .paged_attention_triton import _paged_attention_kernel, paged_attention
+        from .reshape_and_cache_triton import reshape_and_cache
     except Exception as exc:  # any import failure means: no Triton on this machine
         logger.warning("Triton kernels unavailable (%s); using the torch reference", exc)
         return None
@@ -88,17 +90,17 @@ def _ops_for(t: torch.Tensor) -> SimpleNamespace | None:
 
 
 def choose_num_splits(
-    num_seqs: int, num_tokens: int, num_kv_heads: int, max_context: int, num_sms: int
+    num_seqs: int, decode_only: bool, num_kv_heads: int, max_context: int, num_sms: int
 ) -> int:
     """How many ways to split each context for decode (1 = use the one-pass kernel).
 
-    Split only decode-only batches (num_tokens == num_seqs, every sequence having at least one
-    new token) whose (sequence, kv head) programs cannot fill _PROGRAMS_PER_SM per SM: split
-    enough to reach that, but keep at least _MIN_SPLIT_CONTEXT positions per split.
-    max_context is an upper bound (block_table width * block_size) so no device sync is needed.
+    Split only decode-only batches (every sequence has exactly one new token) whose (sequence,
+    kv head) programs cannot fill _PROGRAMS_PER_SM per SM: split enough to reach that, but keep
+    at least _MIN_SPLIT_CONTEXT positions per split. max_context bounds the contexts (the
+    metadata's max_seq_len, a host value, so no device sync is needed).
     """
     programs = num_seqs * num_kv_heads
-    if num_tokens != num_seqs or programs == 0:
+    if not decode_only or programs == 0:
         return 1
     wanted = -(-_PROGRAMS_PER_SM * num_sms // programs)
     splits = min(wanted, max_context // _MIN_SPLIT_CONTEXT, _MAX_SPLITS)
@@ -112,13 +114,11 @@ def _num_sms(device: torch.device) -> int:
     return _INTERPRETER_SMS
 
 
-def decode_splits(
-    query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor
-) -> int:
+def decode_splits(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> int:
     """choose_num_splits for this batch on this device (what the Triton path will launch)."""
     return choose_num_splits(
-        seq_lens.shape[0], query.shape[0], kv_cache.shape[3],
-        block_table.shape[1] * kv_cache.shape[2], _num_sms(query.device),
+        meta.num_seqs, meta.is_decode_only(query.shape[0]), kv_cache.shape[3], meta.max_seq_len,
+        _num_sms(query.device),
     )
 
 
@@ -141,26 +141,22 @@ def copy_blocks(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> N
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
+    meta: AttentionMetadata,
     *,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed prefill + decode batch -> [num_tokens, heads, head].
 
     Sequence s's query token j (of q_len) sits at position seq_lens[s] - q_len + j and sees the
     positions <= its own (and > pos - sliding_window); softcap c maps logits to c*tanh(x/c).
+    Both paths check their inputs with metadata.check_attention, so they refuse the same ones.
     """
-    args = (query, kv_cache, query_start_loc, seq_lens, block_table, scale)
-    kwargs = dict(sliding_window=sliding_window, softcap=softcap, out=out)
     ops = _ops_for(query)
     if ops is None:
-        return reference.paged_attention_ref(*args, **kwargs)
-    num_splits = decode_splits(query, kv_cache, seq_lens, block_table)
+        return reference.paged_attention_ref(query, kv_cache, meta, out=out)
+    out = torch.empty_like(query) if out is None else out
+    check_attention(query, kv_cache, meta, out)  # before choosing a kernel from the shapes
+    num_splits = decode_splits(query, kv_cache, meta)
     if num_splits > 1:
-        return ops.decode_split_kv(*args, num_splits, **kwargs)
-    return ops.paged_attention(*args, **kwargs)
+        return ops.decode_split_kv(query, kv_cache, meta, num_splits, out=out)
+    return ops.paged_attention(query, kv_cache, meta, out=out)

@@ -1,11 +1,9 @@
 """Plain-torch truth for every kernel op; also the worker's CPU execution path.
 
-Shapes (per layer):
-    kv_cache:        [2, num_blocks, block_size, num_kv_heads, head_size]  (0 = K, 1 = V)
-    slot_mapping:    [num_tokens] int64, slot = block_id * block_size + offset, -1 = skip
-    query_start_loc: [num_seqs + 1] int32 prefix sums of query lengths
-    seq_lens:        [num_seqs] int32, context length including the new tokens
-    block_table:     [num_seqs, max_blocks] int32, padded with the null block 0
+Shapes (per layer): kv_cache [2, num_blocks, block_size, num_kv_heads, head_size] (0 = K, 1 = V);
+the batch is described by an ``AttentionMetadata`` (metadata.py). Inputs are checked by the same
+functions as the Triton path (``check_attention``, ``check_cache_write``), so both accept and
+refuse the same inputs.
 
 Attention is computed in fp32 and returned in the query dtype. Decode sequences (q_len 1) are
 batched together with padding, longer queries done one sequence at a time; both in chunks (of
@@ -17,6 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .checks import check_attention, check_cache_write, check_copy_blocks
+from .metadata import AttentionMetadata
+
 # Bound on the fp32 temporaries (gathered K/V, scores) of one query chunk (~256 MiB).
 _MAX_TEMP_ELEMS = 1 << 26
 
@@ -25,16 +26,18 @@ def reshape_and_cache_ref(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     # key, value: [num_tokens, num_kv_heads, head_size]
+    check_cache_write(key, value, kv_cache, slot_mapping)
     block_size = kv_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[0, blocks, offsets] = key[valid].to(kv_cache.dtype)
-    kv_cache[1, blocks, offsets] = value[valid].to(kv_cache.dtype)
+    kv_cache[0, blocks, offsets] = key[valid]
+    kv_cache[1, blocks, offsets] = value[valid]
 
 
 def copy_blocks_ref(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
     # block_mapping: [n, 2] of (src, dst); every source is read before any destination is written.
+    check_copy_blocks(kv_caches, block_mapping)
     src = block_mapping[:, 0].to(torch.long)
     dst = block_mapping[:, 1].to(torch.long)
     for kv_cache in kv_caches:
@@ -118,21 +121,28 @@ def _prefill_one(query, kv_cache, seq_len, q_start, q_len, table_row, scale, win
     return torch.cat(outs)
 
 
+def _without_padding(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    # Entries past a sequence's own blocks are padding (0, -1, anything): the Triton kernels
+    # never read them; here they become the null block, whose positions the mask hides.
+    needed = (seq_lens.to(torch.long) + block_size - 1) // block_size
+    used = torch.arange(block_table.shape[1], device=block_table.device) < needed[:, None]
+    return torch.where(used, block_table, 0)
+
+
 def paged_attention_ref(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
+    meta: AttentionMetadata,
     *,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # query: [num_tokens, num_heads, head_size] -> [num_tokens, num_heads, head_size]
     if out is None:
         out = torch.empty_like(query)
+    check_attention(query, kv_cache, meta, out)
+    query_start_loc, seq_lens = meta.query_start_loc, meta.seq_lens
+    block_table = _without_padding(meta.block_tables, seq_lens, kv_cache.shape[2])
+    scale, sliding_window, softcap = meta.scale, meta.sliding_window, meta.softcap
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
     starts = query_start_loc[:-1].tolist()
     seq_len_list = seq_lens.tolist()

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvpool.shared.logs import check_level
-from kvpool.shared.protocol import MAX_MESSAGE_BYTES, MAX_SUB_OPS, default_endpoint
+from kvpool.shared.protocol import MAX_MESSAGE_BYTES, MAX_MODEL_LEN, MAX_SUB_OPS, default_endpoint
 
 _IPC_PATH_MAX = 107  # sun_path is 108 bytes on Linux, NUL included
 _TCP = re.compile(r"tcp://.+:(\*|[1-9]\d{0,3}|[1-5]\d{4}|6[0-4]\d{3}|65[0-4]\d{2}|655[0-2]\d|6553[0-5])\Z")
@@ -29,6 +29,10 @@ class ManagerConfig:
     max_pools: int = 256
     max_blocks: int = 1 << 22  # per pool; a shard reporting more KV memory is clamped to this
     max_batch: int = 4096  # messages handled per loop iteration (bounds reply latency under flood)
+    max_step_blocks: int = 1 << 16  # blocks one step may hand out or share (bounds a message's work)
+    max_session_blocks: int = 1 << 23  # blocks of the shards one session may register, all pools
+    max_total_blocks: int = 1 << 26  # blocks of every pool together (the manager's memory is per block)
+    max_model_len: int = 1 << 20  # tokens per request when a pool declares none; the most one may declare
     send_hwm: int = 1000  # replies queued per client; a client that does not read loses replies
     # -- operating (docs/operating.md) --
     metrics_port: int = 0  # Prometheus /metrics on this TCP port; 0: off (the packaged config: 9400)
@@ -65,10 +69,14 @@ class ManagerConfig:
             raise ValueError("admin_key must be at least 8 characters (or unset to allow every client)")
         for name, lo in (("max_message_bytes", 1024), ("max_sub_ops", 1), ("max_sessions", 1),
                          ("max_pools", 1), ("max_blocks", 2), ("max_batch", 1), ("send_hwm", 1),
+                         ("max_step_blocks", 1), ("max_session_blocks", 2), ("max_total_blocks", 2),
+                         ("max_model_len", 1),
                          ("events_buffer", 1)):
             v = getattr(self, name)
             if type(v) is not int or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        if self.max_model_len > MAX_MODEL_LEN:
+            raise ValueError(f"max_model_len must be at most {MAX_MODEL_LEN}, got {self.max_model_len}")
         self._check_ops()
         self._check_durability()
 

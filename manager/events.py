@@ -18,7 +18,12 @@ batch from there on, then ``[seq = 2**64 - 1, b""]`` as the end marker. The buff
 ``buffer_size`` batches.
 
 The publisher is driven by the manager loop (single-threaded): ``publish`` once per iteration
-per pool that has events, ``serve_replay`` when the replay socket is readable.
+per pool that has events, ``serve_replay`` when the replay socket is readable or a replay is
+still being sent. The replay socket never holds the loop: one call sends at most
+``replay_budget`` batches, round robin over the replays in progress, and a replay waits while
+its client's queue is full. Replay requests are rate-limited (a token bucket of
+``replay_rate`` per second, ``replay_rate`` deep) and at most ``max_replays`` run at once; a
+request beyond either gets the end marker alone at once (nothing replayed: ask again later).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgpack
 import zmq
@@ -36,6 +42,7 @@ from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, BlockS
 log = logging.getLogger(__name__)
 
 END_SEQ = (1 << 64) - 1
+REPLAY_TIMEOUT_S = 30.0
 MEDIUM = "GPU"
 
 
@@ -59,9 +66,19 @@ def decode_batch(payload: bytes) -> tuple[float, list]:
     return ts, events
 
 
+@dataclass
+class Replay:
+    """One replay in progress: where its answer goes and the next sequence number to send."""
+
+    envelope: list[bytes]
+    next_seq: int
+    deadline: float  # a client that has not taken its replay by then loses it
+
+
 class EventPublisher:
     def __init__(
-        self, ctx: zmq.Context, pub_endpoint: str, replay_endpoint: str | None = None, buffer_size: int = 10_000
+        self, ctx: zmq.Context, pub_endpoint: str, replay_endpoint: str | None = None, buffer_size: int = 10_000,
+        *, replay_budget: int = 256, replay_rate: float = 20.0, max_replays: int = 16,
     ) -> None:
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -72,12 +89,18 @@ class EventPublisher:
             if replay_endpoint:
                 self.replay = ctx.socket(zmq.ROUTER)
                 self.replay.setsockopt(zmq.LINGER, 0)
+                self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises: the replay waits
                 self.replay.bind(replay_endpoint)
         except zmq.ZMQError:
             self.close()  # an open socket would block the context's term()
             raise
         self.buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_size)
         self.next_seq = 0
+        self.replay_budget, self.replay_rate, self.max_replays = replay_budget, replay_rate, max_replays
+        self.replays: deque[Replay] = deque()
+        self.replays_refused = 0
+        self._stalled = False  # the last call sent nothing: every replay's client queue was full
+        self._tokens, self._refilled = replay_rate, time.monotonic()
 
     def publish(self, pool: str, events: list[KVEvent], block_size: int) -> int:
         """Sends one batch; returns its sequence number."""
@@ -89,26 +112,77 @@ class EventPublisher:
         self.buffer.append((seq, topic, payload))
         return seq
 
+    @property
+    def replay_pending(self) -> bool:
+        """Replays that can make progress now (the loop then polls without waiting)."""
+        return bool(self.replays) and not self._stalled
+
     def serve_replay(self) -> None:
-        """Answers every pending replay request (non-blocking)."""
-        assert self.replay is not None
-        while True:
+        """Takes new replay requests, then sends at most ``replay_budget`` batches (non-blocking)."""
+        if self.replay is None:
+            raise RuntimeError("no replay socket: pass replay_endpoint")
+        for _ in range(4 * self.max_replays):
             try:
                 frames = self.replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
-            ident, body = frames[0], frames[1:]
-            envelope = [ident, b""] if body and body[0] == b"" else [ident]
-            body = [f for f in body if f]
-            if len(body) != 1 or len(body[0]) != 8:
-                log.warning("replay request with bad framing dropped")
-                self.replay.send_multipart([*envelope, END_SEQ.to_bytes(8, "big"), b""])
+                break
+            self._take(frames)
+        self._send_some(self.replay_budget)
+
+    def _take(self, frames: list[bytes]) -> None:
+        ident, body = frames[0], frames[1:]
+        envelope = [ident, b""] if body and body[0] == b"" else [ident]
+        body = [f for f in body if f]
+        if len(body) != 1 or len(body[0]) != 8:
+            log.warning("replay request with bad framing: answered with the end marker")
+            self._end(envelope)
+            return
+        now = time.monotonic()
+        self._tokens = min(self.replay_rate, self._tokens + (now - self._refilled) * self.replay_rate)
+        self._refilled = now
+        if self._tokens < 1 or len(self.replays) >= self.max_replays:
+            self.replays_refused += 1
+            log.warning("replay request refused (rate limit or %d replays running): end marker only",
+                        len(self.replays))
+            self._end(envelope)
+            return
+        self._tokens -= 1
+        self.replays.append(Replay(envelope, int.from_bytes(body[0], "big"), now + REPLAY_TIMEOUT_S))
+
+    def _send_some(self, budget: int) -> None:
+        """Round robin over the replays in progress, one batch each in turn."""
+        waiting: list[Replay] = []
+        now, sent = time.monotonic(), 0
+        while self.replays and budget > 0:
+            rep = self.replays.popleft()
+            if now > rep.deadline:
+                log.warning("a replay client did not read its replay in %.0fs: dropped", REPLAY_TIMEOUT_S)
                 continue
-            start = int.from_bytes(body[0], "big")
-            for seq, _topic, payload in self.buffer:
-                if seq >= start:
-                    self.replay.send_multipart([*envelope, seq.to_bytes(8, "big"), payload])
-            self.replay.send_multipart([*envelope, END_SEQ.to_bytes(8, "big"), b""])
+            first = self.buffer[0][0] if self.buffer else self.next_seq
+            index = max(rep.next_seq, first) - first
+            try:
+                if index >= len(self.buffer):
+                    self.replay.send_multipart([*rep.envelope, END_SEQ.to_bytes(8, "big"), b""], zmq.NOBLOCK)  # type: ignore[union-attr]
+                    continue
+                seq, _topic, payload = self.buffer[index]
+                self.replay.send_multipart([*rep.envelope, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)  # type: ignore[union-attr]
+            except zmq.Again:
+                waiting.append(rep)  # its client's queue is full: later
+                continue
+            except zmq.ZMQError:
+                continue  # the client is gone
+            budget -= 1
+            sent += 1
+            rep.next_seq = seq + 1
+            self.replays.append(rep)
+        self.replays.extend(waiting)
+        self._stalled = sent == 0
+
+    def _end(self, envelope: list[bytes]) -> None:
+        try:
+            self.replay.send_multipart([*envelope, END_SEQ.to_bytes(8, "big"), b""], zmq.NOBLOCK)  # type: ignore[union-attr]
+        except zmq.ZMQError:
+            pass  # the client is gone or not reading: nothing to tell it
 
     def close(self) -> None:
         self.pub.close(0)
@@ -128,6 +202,14 @@ class LoopPublisher:
     @property
     def replay_socket(self) -> zmq.Socket | None:
         return self.zmq.replay
+
+    @property
+    def replay_pending(self) -> bool:
+        return self.zmq.replay_pending
+
+    @property
+    def replays(self) -> int:
+        return len(self.zmq.replays)
 
     def publish(self, pool: str, epoch: int, events: list[KVEvent]) -> None:
         self.zmq.publish(pool, events, self.block_size_of(pool))

@@ -11,6 +11,8 @@ import hmac
 import time
 from collections.abc import Callable
 
+from kvpool.manager.core.block_pool import InvariantBroken
+from kvpool.manager.guards import Bounds, check_owner, check_register, check_step, max_model_len
 from kvpool.manager.registry import PoolEntry, Registry, Session
 from kvpool.manager.stats import ServerStats
 from kvpool.shared.protocol import (
@@ -27,6 +29,7 @@ from kvpool.shared.protocol import (
     get_int,
     get_map,
     get_str,
+    short_repr,
 )
 
 U63 = (1 << 63) - 1
@@ -55,11 +58,13 @@ class Handlers:
         max_message_bytes: int,
         admin_key: str | None,
         request_stop: Callable[[], None],
+        bounds: Bounds | None = None,
     ) -> None:
         self.reg, self.counters = registry, stats
         self.max_sub_ops, self.max_message_bytes = max_sub_ops, max_message_bytes
         self.admin_key = admin_key
         self.request_stop = request_stop
+        self.bounds = bounds or Bounds()
         self.started = time.monotonic()
         self.msg_id = 0  # the id of the message being handled (set by the server): retried steps
         self.store_stats: Callable[[], dict] = dict  # the state store's counters (set by the server)
@@ -77,7 +82,7 @@ class Handlers:
         common = [v for v in SUPPORTED_VERSIONS if v in versions]
         if not common:
             raise ManagerError("unsupported_version", f"manager speaks versions {list(SUPPORTED_VERSIONS)}, "
-                               f"client {versions!r:.60}", {"versions": list(SUPPORTED_VERSIONS)})
+                               f"client {short_repr(versions)}", {"versions": list(SUPPORTED_VERSIONS)})
         sess = self.reg.open_session(identity, role, self._admin_ok(role, args.get("admin_key")), max(common), now)
         timeout = float(self.reg.session_timeout_s)
         return {
@@ -91,7 +96,9 @@ class Handlers:
             "session_timeout_s": timeout,
             "heartbeat_interval_s": timeout / 3,
             "limits": {"max_message_bytes": self.max_message_bytes, "max_sub_ops": self.max_sub_ops,
-                       "max_hashes": MAX_HASHES},
+                       "max_hashes": MAX_HASHES, "max_step_blocks": self.bounds.max_step_blocks,
+                       "max_model_len": self.bounds.max_model_len,
+                       "max_session_blocks": self.bounds.max_session_blocks},
         }
 
     def _admin_ok(self, role: str, key: object) -> bool:
@@ -112,20 +119,24 @@ class Handlers:
     # -- pools -----------------------------------------------------------------------------
 
     def register(self, sess: Session, args: dict, now: float) -> dict:
-        entry = self.reg.register(
-            sess,
-            get_str(args, "pool", 64, pattern=POOL_NAME),
-            get_int(args, "shard_rank", 0, 4095),
-            get_int(args, "shard_count", 1, 4096),
-            get_str(args, "incarnation", 128),
-            KVSpec.from_wire(get_map(args, "spec")),
-            get_int(args, "available_kv_bytes", 0, U63),
-            check_serve(args["serve"]) if "serve" in args else None,
-        )
-        return pool_info(entry)
+        name = get_str(args, "pool", 64, pattern=POOL_NAME)
+        rank, count = get_int(args, "shard_rank", 0, 4095), get_int(args, "shard_count", 1, 4096)
+        incarnation = get_str(args, "incarnation", 128)
+        spec = KVSpec.from_wire(get_map(args, "spec"))
+        if spec.max_model_len is not None and spec.max_model_len > self.bounds.max_model_len:
+            raise bad_field("max_model_len", f"an int in [1, {self.bounds.max_model_len}]", spec.max_model_len)
+        available = get_int(args, "available_kv_bytes", 0, U63)
+        replace = args.get("replace", False)
+        if type(replace) is not bool:
+            raise bad_field("replace", "a bool", replace)
+        serve = check_serve(args["serve"]) if "serve" in args else None  # where rank 0 takes generate requests
+        check_register(self.reg, self.bounds, sess, name, rank, incarnation, available // spec.block_bytes, replace)
+        entry = self.reg.register(sess, name, rank, count, incarnation, spec, available, serve)
+        return {**pool_info(entry), "max_model_len": max_model_len(self.bounds, entry)}
 
     def step(self, sess: Session, args: dict, now: float) -> dict:
         entry, pool = self.reg.ready_pool(args.get("pool"), get_int(args, "epoch", 1, U63))
+        check_owner(self.reg, sess, entry)
         ops = args.get("ops")
         if type(ops) is not list:
             raise bad_field("ops", "a list of sub-op maps", ops)
@@ -137,6 +148,7 @@ class Handlers:
                 return {"results": sess.last_step}
             raise ManagerError("stale_request", f"step id {self.msg_id} is older than this session's last "
                                f"step {last}: a late duplicate, not run")
+        check_step(self.bounds, entry, sess.sid, ops)
         t0 = time.perf_counter()
         results = self.reg.step(sess, entry, ops, self.msg_id)
         self.counters.step_latency.observe(time.perf_counter() - t0)
@@ -257,7 +269,7 @@ class Handlers:
     def check(self, sess: Session, args: dict, now: float) -> dict:
         try:
             self.reg.check_invariants()
-        except AssertionError as e:
+        except InvariantBroken as e:
             raise ManagerError("invariant_broken", str(e)) from e
         return {"pools": len(self.reg.pools), "sessions": len(self.reg.sessions),
                 "requests": self.reg.total_requests()}

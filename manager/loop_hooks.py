@@ -80,9 +80,10 @@ class LoopHooks:
         """Waits for a request; answers event replay requests meanwhile. True when one is ready."""
         if self._poller is None:
             return bool(sock.poll(timeout_ms, zmq.POLLIN))
-        ready = dict(self._poller.poll(timeout_ms))
-        if self.events is not None and self.events.replay_socket in ready:
-            self.events.serve_replay()
+        pending = self.events is not None and self.events.replay_pending
+        ready = dict(self._poller.poll(0 if pending else timeout_ms))
+        if self.events is not None and (self.events.replays or self.events.replay_socket in ready):
+            self.events.serve_replay()  # a bounded slice of the replays in progress
         return sock in ready
 
     def ready(self) -> None:

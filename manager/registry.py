@@ -20,6 +20,7 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 
+from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.core.kv_events import AllBlocksCleared, KVEvent
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
@@ -33,7 +34,7 @@ from kvpool.manager.mutations import (
     ShardRegistered,
     StepRan,
 )
-from kvpool.shared.protocol import KVSpec, ManagerError
+from kvpool.shared.protocol import KVSpec, ManagerError, short_repr
 
 logger = logging.getLogger(__name__)
 
@@ -333,7 +334,7 @@ class Registry:
     def get_pool(self, name: object) -> PoolEntry:
         entry = self.pools.get(name) if type(name) is str else None  # type: ignore[arg-type]
         if entry is None:
-            raise ManagerError("unknown_pool", f"no pool named {name!r:.80}; known: {sorted(self.pools)[:20]}")
+            raise ManagerError("unknown_pool", f"no pool named {short_repr(name, 80)}; known: {sorted(self.pools)[:20]}")
         return entry
 
     def ready_pool(self, name: object, epoch: int | None = None) -> tuple[PoolEntry, Pool]:
@@ -399,11 +400,18 @@ class Registry:
         return sum(len(e.pool.requests) for e in self.pools.values() if e.pool is not None)
 
     def check_invariants(self) -> None:
-        """Every pool's invariants, and no request without a live session."""
+        """Every pool's invariants, no request without a live session, and no ready pool of
+        several shards with a shard whose session is gone (its KV slice is gone with it).
+        Raises InvariantBroken (explicit checks, not asserts: they hold under ``python -O``)."""
         for entry in self.pools.values():
             if entry.pool is None:
                 continue
             entry.pool.check_invariants()
             for key in entry.pool.requests:
-                assert key[0] in self.sessions, f"pool {entry.name}: request {key[1]!r} of a dead session"  # type: ignore[index]
-            assert len(entry.shards) == entry.shard_count, f"pool {entry.name}: ready without all shards"
+                if key[0] not in self.sessions:  # type: ignore[index]
+                    raise InvariantBroken(f"pool {entry.name}: request {key[1]!r:.60} of a dead session")  # type: ignore[index]
+            if len(entry.shards) != entry.shard_count:
+                raise InvariantBroken(f"pool {entry.name}: ready without all shards")
+            dead = [s.rank for s in entry.shards.values() if s.sid not in self.sessions]
+            if entry.shard_count > 1 and dead:
+                raise InvariantBroken(f"pool {entry.name}: ready with shards {dead} whose sessions are gone")

@@ -21,6 +21,7 @@ import zmq
 
 from kvpool.manager.config import ManagerConfig
 from kvpool.manager.core.snapshot import CorruptState
+from kvpool.manager.guards import Bounds
 from kvpool.manager.handlers import Handlers
 from kvpool.manager.loop_hooks import LoopHooks
 from kvpool.manager.registry import Registry, Session
@@ -37,7 +38,9 @@ from kvpool.shared.protocol import (
     SUPPORTED_VERSIONS,
     ManagerError,
     error_reply,
+    max_containers,
     ok_reply,
+    short_repr,
     unpack,
 )
 
@@ -88,11 +91,13 @@ class Server:
         self.handlers = Handlers(
             self.registry, self.stats, max_sub_ops=cfg.max_sub_ops, max_message_bytes=cfg.max_message_bytes,
             admin_key=cfg.admin_key, request_stop=self.request_stop,
+            bounds=Bounds(cfg.max_step_blocks, cfg.max_session_blocks, cfg.max_total_blocks, cfg.max_model_len),
         )
         self.handlers.store_stats = self.store.stats
         self._dispatch: dict[str, Handler] = {
             op: (getattr(self.handlers, name), needs_session, admin) for op, (name, needs_session, admin) in OPS.items()
         }
+        self._max_objects = max_containers(cfg.max_sub_ops)  # maps + arrays decoded per message
         self._stop = False
         self._expiry_every = min(cfg.session_timeout_s / 4, 1.0)
         self._next_expiry = 0.0
@@ -134,7 +139,7 @@ class Server:
             if len(payload) > self.cfg.max_message_bytes:
                 raise ManagerError("too_large", f"{len(payload)} bytes; the limit is {self.cfg.max_message_bytes}")
             try:
-                msg = unpack(payload)
+                msg = unpack(payload, self._max_objects)
             except Exception as e:  # msgpack raises several types; none may escape
                 raise ManagerError("bad_message", f"payload is not one msgpack value: {e}") from None
             if type(msg) is not dict:
@@ -160,12 +165,12 @@ class Server:
     def _resolve(self, msg: dict, now: float) -> tuple:
         v = msg.get("v")
         if type(v) is not int or v not in SUPPORTED_VERSIONS:
-            raise ManagerError("unsupported_version", f"version {v!r:.20} unsupported; manager speaks "
+            raise ManagerError("unsupported_version", f"version {short_repr(v, 20)} unsupported; manager speaks "
                                f"{list(SUPPORTED_VERSIONS)}", {"versions": list(SUPPORTED_VERSIONS)})
         op = msg.get("op")
         entry = self._dispatch.get(op) if type(op) is str else None
         if entry is None:
-            raise ManagerError("unknown_op", f"unknown op {op!r:.40}; known: {sorted(OPS)}")
+            raise ManagerError("unknown_op", f"unknown op {short_repr(op, 40)}; known: {sorted(OPS)}")
         args = msg.get("args", {})
         if type(args) is not dict:
             raise ManagerError("bad_message", f"field 'args' must be a map, got {type(args).__name__}")
@@ -240,7 +245,8 @@ class Server:
     def run_once(self, timeout_ms: int) -> int:
         """One iteration; returns how many messages it handled."""
         sock = self.sock
-        assert sock is not None, "bind() first"
+        if sock is None:
+            raise RuntimeError("Server.run_once before bind()")
         batch: list[list[bytes]] = []
         if self.hooks.wait(sock, timeout_ms):
             t0 = time.perf_counter()

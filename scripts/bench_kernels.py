@@ -44,22 +44,22 @@ def parse_args() -> argparse.Namespace:
 
 
 def make_inputs(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, device):
-    """Paged inputs with one random permutation of block ids; block 0 stays the null block."""
+    """(query, kv_cache, metadata) with one random permutation of block ids; block 0 is null."""
     import torch
+
+    from kvpool.kernels import AttentionMetadata
 
     needed = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(needed) + 1
-    ids = torch.randperm(num_blocks - 1, device=device).to(torch.int32) + 1
-    table = torch.zeros(len(seq_lens), max(needed), dtype=torch.int32, device=device)
-    at = 0
-    for s, n in enumerate(needed):
-        table[s, :n] = ids[at : at + n]
+    ids = (torch.randperm(num_blocks - 1) + 1).tolist()
+    tables, at = [], 0
+    for n in needed:
+        tables.append(ids[at : at + n])
         at += n
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device=device)
     query = torch.randn(sum(q_lens), num_heads, head_size, dtype=dtype, device=device)
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    return query, cache, qsl, lens, table, head_size**-0.5
+    meta = AttentionMetadata.from_lengths(q_lens, seq_lens, tables, head_size**-0.5, device=device)
+    return query, cache, meta
 
 
 def time_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
@@ -130,7 +130,7 @@ def bench_decode(cfg, batch, ctx, peak, args) -> dict:
     base, backend = sdpa_fn(batch, ctx, 1, cfg, False)
     base_ms = time_ms(base, args.warmup, args.repeats)
     gbytes = 2 * batch * ctx * cfg["kv_heads"] * cfg["head"] * inputs[1].element_size() / 1e9
-    splits = decode_splits(inputs[0], inputs[1], inputs[3], inputs[4])
+    splits = decode_splits(*inputs)
     return dict(
         batch=batch, ctx=ctx, splits=splits, ms=ms, gbps=gbytes / ms * 1e3,
         peak_frac=gbytes / ms * 1e3 / peak if peak else None,
@@ -157,6 +157,8 @@ def bench_prefill(cfg, length, args) -> dict:
 
 def run_check(cfg, long_ctx: int) -> bool:
     """Kernel vs reference over mixed, split-KV decode, window and softcap batches."""
+    from dataclasses import replace
+
     import torch
 
     from kvpool.kernels import paged_attention, set_backend
@@ -169,14 +171,15 @@ def run_check(cfg, long_ctx: int) -> bool:
     tol = 3e-2 if cfg["dtype"] == torch.bfloat16 else 4e-3
     ok = True
     for name, q_lens, seq_lens, kwargs in cases:
-        inputs = make_inputs(
+        query, cache, meta = make_inputs(
             q_lens, seq_lens, cfg["heads"], cfg["kv_heads"], cfg["head"], cfg["block"],
             cfg["dtype"], cfg["device"],
         )
+        meta = replace(meta, **kwargs)
         set_backend("triton")
-        got = paged_attention(*inputs, **kwargs).float()
+        got = paged_attention(query, cache, meta).float()
         set_backend("torch")
-        want = paged_attention(*inputs, **kwargs).float()
+        want = paged_attention(query, cache, meta).float()
         err = (got - want).abs().max().item()
         good = torch.allclose(got, want, atol=tol, rtol=tol)
         ok &= good

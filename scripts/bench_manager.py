@@ -99,7 +99,8 @@ def drive(allocs: Iterator[dict], batch: int, do_step: Callable[[list[dict]], li
 def client_main(endpoint: str, shard_file: str, out_file: str, epoch: int, batch: int, prehash: bool) -> None:
     share = load_share(shard_file)
     allocs = iter(list(alloc_ops(share))) if prehash else alloc_ops(share)
-    client = ManagerClient(endpoint, identity=f"bench-client-{os.getpid()}", timeout_s=60.0)
+    # several clients step on one pool registered by the parent: only admin sessions may (manager/guards.py)
+    client = ManagerClient(endpoint, identity=f"bench-client-{os.getpid()}", role="admin", timeout_s=60.0)
     client.hello()
     print("ready", flush=True)
     sys.stdin.readline()  # the parent's "go"

@@ -1,4 +1,5 @@
-"""CURVE keys for the manager's control socket: generate, write, read, apply to a client socket.
+"""CURVE keys for the manager's control socket and the worker's generate socket: generate,
+write, read, apply to a client socket, and serve (``CurveServer``).
 
 A keypair is two text files in ZeroMQ's certificate format (what czmq and pyzmq's
 ``zmq.auth.load_certificate`` read), holding Z85-encoded 32-byte keys::
@@ -14,6 +15,7 @@ text) and its own ``NAME.key_secret`` file. Clients read them from ``--curve-ser
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,11 +23,14 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 ENV_SERVER_KEY = "KVPOOL_CURVE_SERVER_KEY"
 ENV_KEY_FILE = "KVPOOL_CURVE_KEY_FILE"
 Z85_KEY_LEN = 40
+ZAP_DOMAIN = "kvpool"  # the server sockets' ZAP domain; the authenticator's key list is filed under it
+logger = logging.getLogger(__name__)
 
 
 def _cert_text(name: str, public: bytes, secret: bytes | None) -> str:
@@ -115,3 +120,46 @@ class ClientKeys:
         sock.curve_serverkey = self.server_public
         sock.curve_publickey = self.public
         sock.curve_secretkey = self.secret
+
+
+class CurveServer:
+    """A ROUTER socket as a CURVE server that lets in only the allowed clients' keys.
+
+    With a secret key file, the socket is a CURVE server, and a ZAP handler (pyzmq's
+    ``ThreadAuthenticator``, which runs in its own thread by design and touches no loop state)
+    accepts a connection only when the client's public key is one of the ``*.key`` files in
+    ``allowed_keys_dir``. A client without CURVE, or with another key, never completes the
+    handshake: it gets no reply at all. ``reload`` re-reads the directory (on SIGHUP). The
+    manager's control socket and the worker's generate socket both use it.
+    """
+
+    def __init__(self, ctx: zmq.Context, secret_key_file: str, allowed_keys_dir: str) -> None:
+        self.public, self.secret = read_keypair(secret_key_file)
+        self.allowed_dir = allowed_keys_dir
+        self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("kvpool.zap"))
+        self.auth.start()
+        self.reload()
+
+    def reload(self) -> int:
+        """Re-reads the allowed keys; returns how many there are."""
+        self.auth.configure_curve(domain=ZAP_DOMAIN, location=self.allowed_dir)
+        n = self.num_allowed
+        if n == 0:
+            logger.warning("CURVE: no *.key files in %s: every client is refused", self.allowed_dir)
+        else:
+            logger.info("CURVE: %d allowed client keys from %s", n, self.allowed_dir)
+        return n
+
+    @property
+    def num_allowed(self) -> int:
+        return len(self.auth.certs.get(ZAP_DOMAIN, {}))
+
+    def apply(self, sock: zmq.Socket) -> None:
+        """Makes ``sock`` a CURVE server (before bind)."""
+        sock.curve_server = True
+        sock.curve_publickey = self.public
+        sock.curve_secretkey = self.secret
+        sock.zap_domain = ZAP_DOMAIN.encode()
+
+    def close(self) -> None:
+        self.auth.stop()

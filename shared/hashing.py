@@ -92,17 +92,18 @@ def hash_blocks(
     ``tokens`` starts at block ``first_block`` of the sequence and ``parent`` is the hash of the
     block before it (SEED for block 0), so a caller can continue a chain incrementally.
     """
-    data = tokens_to_bytes(tokens)
+    data = tokens_to_bytes(tokens)  # one buffer for the whole prompt
     step = block_size * 4
-    n_full = len(tokens) // block_size
-    plain = cache_salt is None and lora is None and not mm_inputs
+    end = len(tokens) // block_size * step
     out: list[bytes] = []
-    for i in range(n_full):
-        chunk = data[i * step : (i + 1) * step]
-        if plain or (extra := extra_keys(first_block + i, block_size, cache_salt, lora, mm_inputs)) == b"":
-            parent = sha256(parent + _NO_EXTRA + chunk).digest()
-        else:
-            parent = sha256(parent + struct.pack("<I", len(extra)) + extra + chunk).digest()
+    if cache_salt is None and lora is None and not mm_inputs:  # the common case: no extra keys
+        for i in range(0, end, step):
+            parent = sha256(parent + _NO_EXTRA + data[i : i + step]).digest()
+            out.append(parent)
+        return out
+    for i in range(0, end, step):
+        extra = extra_keys(first_block + i // step, block_size, cache_salt, lora, mm_inputs)
+        parent = hash_block(parent, data[i : i + step], extra)
         out.append(parent)
     return out
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 MAX_MESSAGE_BYTES = 8 << 20  # a larger request gets "too_large"
 MAX_SUB_OPS = 1024  # sub-ops in one step message
+MAX_MODEL_LEN = 1 << 24  # the most tokens per request any spec may declare (a manager's own bound is lower)
 MAX_HASHES = 1 << 17  # hashes in one lookup/locate, or one sub-op (2M tokens at block_size 16)
 ROLES = ("worker", "admin", "router", "observer")
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -66,6 +68,10 @@ ERROR_CODES = {
                          "(a step with the same id)",
     "not_active": "this manager is a standby, or lost its lease: try the next endpoint",
     "stale_request": "a step id older than the session's last step: a late duplicate, not run",
+    "not_owner": "the pool (or the shard) belongs to other live sessions: only they or an admin may step on it "
+                 "or register over it (register with replace: true takes a shard over)",
+    "quota_exceeded": "the registration would take the session or the manager past its block quota",
+    "step_too_large": "a step would hand out or share more than max_step_blocks blocks: split it",
     "internal": "a manager bug; the message was logged",
 }
 
@@ -122,9 +128,44 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack(payload: bytes) -> Any:
-    """Decodes one payload; raises (ValueError and friends) on anything that is not msgpack."""
-    return msgpack.unpackb(payload, raw=False, strict_map_key=True)
+# Every byte that cannot be a map or array header (fixmap, fixarray, map16/32, array16/32).
+_NOT_CONTAINER_HEADERS = bytes(b for b in range(256) if not (0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF))
+
+
+class TooComplex(ValueError):
+    """A payload holds more maps and arrays than any request needs (refused while decoding)."""
+
+
+def max_containers(max_sub_ops: int = MAX_SUB_OPS) -> int:
+    """Maps and arrays a request may hold: a step's envelope, args and ops list, and per sub-op
+    its map and its hash list, with room to spare."""
+    return 4 * max_sub_ops + 256
+
+
+def unpack(payload: bytes, max_objects: int | None = None) -> Any:
+    """Decodes one payload; raises (ValueError and friends) on anything that is not msgpack.
+
+    With ``max_objects``, decoding is bounded the way a request is: no array longer than
+    twice ``MAX_HASHES`` (a longer list is refused by its field's check), no map of more than 64 keys, no ext types, and at most ``max_objects``
+    maps and arrays in all, counted as they are built, so a payload of millions of empty maps
+    is refused after building a few thousand (``TooComplex``), not after building them all.
+    """
+    if max_objects is None:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    if len(payload.translate(None, _NOT_CONTAINER_HEADERS)) <= max_objects:
+        # Fewer bytes that could start a map or an array than the limit: nothing to count.
+        return msgpack.unpackb(payload, raw=False, strict_map_key=True, max_array_len=2 * MAX_HASHES,
+                               max_map_len=64, max_ext_len=0)
+    left = [max_objects]
+
+    def count(obj: Any) -> Any:
+        left[0] -= 1
+        if left[0] < 0:
+            raise TooComplex(f"more than {max_objects} maps and arrays in one message (the limit)")
+        return obj
+
+    return msgpack.unpackb(payload, raw=False, strict_map_key=True, max_array_len=2 * MAX_HASHES, max_map_len=64,
+                           max_ext_len=0, object_hook=count, list_hook=count)
 
 
 def encode_request(msg_id: int, op: str, sid: str | None, args: dict) -> bytes:
@@ -177,8 +218,18 @@ def default_endpoint() -> str:
 _MISSING: Any = object()
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 4, 4, 40, 40
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """A client's value for an error message: bounded in depth and length (a value nested a
+    thousand levels deep must not recurse, nor a huge one fill the reply)."""
+    return _SHORT.repr(value)[:limit]
+
+
 def bad_field(key: str, want: str, got: Any) -> ManagerError:
-    return ManagerError("bad_field", f"field {key!r} must be {want}, got {got!r:.60}")
+    return ManagerError("bad_field", f"field {key!r} must be {want}, got {short_repr(got)}")
 
 
 def get_int(args: dict, key: str, lo: int, hi: int, default: Any = _MISSING) -> int:
@@ -228,7 +279,7 @@ def get_hashes(args: dict, key: str = "hashes") -> list[bytes]:
         raise bad_field(key, f"a list of at most {MAX_HASHES} {HASH_BYTES}-byte bins", hs)
     for h in hs:
         if type(h) is not bytes or len(h) != HASH_BYTES:
-            raise ManagerError("bad_hash", f"every hash must be a {HASH_BYTES}-byte bin, got {h!r:.40}")
+            raise ManagerError("bad_hash", f"every hash must be a {HASH_BYTES}-byte bin, got {short_repr(h, 40)}")
     return hs
 
 
@@ -249,23 +300,32 @@ class KVSpec:
     num_kv_heads: int
     head_size: int
     dtype: str  # a key of DTYPE_BYTES
+    # The most tokens one request of this shard's engine holds, when it declares it; the manager
+    # bounds each sub-op's tokens by the least its shards declare (manager/guards.py).
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         for key, hi in _SPEC_LIMITS.items():
             get_int(vars(self), key, 1, hi)
-        if self.dtype not in DTYPE_BYTES:
+        if type(self.dtype) is not str or self.dtype not in DTYPE_BYTES:  # a list would be unhashable
             raise bad_field("dtype", f"one of {sorted(DTYPE_BYTES)}", self.dtype)
+        if self.max_model_len is not None:
+            get_int(vars(self), "max_model_len", 1, MAX_MODEL_LEN)
 
     @classmethod
     def from_wire(cls, spec: object) -> KVSpec:
         """The spec a wire map describes (other keys are ignored); ``bad_field`` otherwise."""
         if type(spec) is not dict:
             raise bad_field("spec", "a map", spec)
-        return cls(*(spec.get(key, _MISSING) for key in _SPEC_LIMITS), spec.get("dtype"))  # type: ignore[arg-type]
+        return cls(*(spec.get(key, _MISSING) for key in _SPEC_LIMITS), spec.get("dtype"),  # type: ignore[arg-type]
+                   spec.get("max_model_len"))
 
     def to_wire(self) -> dict:
-        return {"block_size": self.block_size, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_size": self.head_size, "dtype": self.dtype}
+        out = {"block_size": self.block_size, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+               "head_size": self.head_size, "dtype": self.dtype}
+        if self.max_model_len is not None:
+            out["max_model_len"] = self.max_model_len
+        return out
 
     @property
     def block_bytes(self) -> int:

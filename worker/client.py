@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import msgpack
 import zmq
 
+from kvpool.shared.curve import ClientKeys
+
 
 class WorkerUnavailable(RuntimeError):
     pass
@@ -17,18 +19,25 @@ class WorkerUnavailable(RuntimeError):
 class GenerateClient:
     """One DEALER socket to one worker; many requests may be in flight at once."""
 
-    def __init__(self, endpoint: str, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, endpoint: str, ctx: zmq.Context | None = None, curve: ClientKeys | None = None) -> None:
+        """``curve``: the worker's public key and this client's keys, when the worker runs CURVE."""
         self.endpoint = endpoint
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(self.sock)
         self.sock.connect(endpoint)
         self._ids = itertools.count()
 
     def send(self, op: str, **body: object) -> str:
         rid = str(body.pop("id", None) or f"{op}-{next(self._ids)}")
-        self.sock.send(msgpack.packb({"op": op, "id": rid, **body}, use_bin_type=True))
+        try:  # a socket whose connection was refused (CURVE) has nowhere to queue: never block
+            self.sock.send(msgpack.packb({"op": op, "id": rid, **body}, use_bin_type=True), zmq.NOBLOCK)
+        except zmq.Again:
+            raise WorkerUnavailable(f"cannot send to the worker at {self.endpoint}: no connection (refused by "
+                                    "its CURVE keys, or its queue is full); open a new client") from None
         return rid
 
     def submit(self, prompt: list[int], **params: object) -> str:

@@ -6,6 +6,7 @@ explicit scalars. ``PRESETS`` names model shapes that get seeded random weights.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -130,8 +131,12 @@ class WorkerConfig:
     metrics_host: str = "127.0.0.1"
     json_logs: bool = False
     log_level: str = "info"
+    # CURVE on the generate socket (shared/curve.py), as on the manager's control socket
+    curve_secret_key_file: str | None = None  # this worker's NAME.key_secret
+    curve_allowed_keys_dir: str | None = None  # one NAME.key per allowed client (front door, CLI)
 
     def __post_init__(self) -> None:
+        self._check_curve()
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -162,3 +167,13 @@ class WorkerConfig:
         if not 1 <= self.tp_size <= 64 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"need 1 <= tp_size <= 64 and 0 <= tp_rank < tp_size, got tp_size "
                              f"{self.tp_size} and tp_rank {self.tp_rank}")
+
+    def _check_curve(self) -> None:
+        key, allowed = self.curve_secret_key_file, self.curve_allowed_keys_dir
+        if bool(key) != bool(allowed):
+            raise ValueError("CURVE on the generate socket needs both curve_secret_key_file (this worker's "
+                             "NAME.key_secret) and curve_allowed_keys_dir (a directory of allowed clients' NAME.key)")
+        if key and not os.path.isfile(key):
+            raise ValueError(f"curve_secret_key_file {key} does not exist; create it with `kvpool keygen`")
+        if allowed and not os.path.isdir(allowed):
+            raise ValueError(f"curve_allowed_keys_dir {allowed} is not a directory")

@@ -23,6 +23,7 @@ import torch
 import zmq
 from tqdm import tqdm
 
+from kvpool.shared.curve import ClientKeys
 from kvpool.shared.hashing import hash_blocks
 from kvpool.worker.client import GenerateClient, WorkerUnavailable
 from kvpool.worker.config import PRESETS
@@ -94,7 +95,9 @@ class Cluster:
     def start_manager(self) -> subprocess.Popen:
         return self._spawn(["manager", "--manager", self.manager_ep], "manager")
 
-    def start(self, timeout_s: float = 60.0) -> None:
+    def start(self, timeout_s: float = 60.0, worker_args: tuple[str, ...] = (), curve: ClientKeys | None = None) -> None:
+        """The manager, then the workers (``worker_args`` added to each worker's command line;
+        ``curve``: the keys to ping them with when their generate sockets run CURVE)."""
         self.start_manager()
         c = self.cfg
         m = PRESETS[c.model]
@@ -105,14 +108,15 @@ class Cluster:
                 ["worker", "--manager", self.manager_ep, "--pool", pool, "--endpoint", ep,
                  "--model", c.model, "--block-size", str(c.block_size), "--max-model-len",
                  str(c.max_model_len), "--kv-cache-memory", str(kv_bytes), "--threads", "1",
-                 "--seed", str(c.seed), "--dtype", "float32", "--device", "cpu"], pool))
+                 "--seed", str(c.seed), "--dtype", "float32", "--device", "cpu", *worker_args], pool))
         self.workers = workers
         for proc, ep in zip(workers, self.worker_eps):
-            self.wait_ready(proc, ep, timeout_s)
+            self.wait_ready(proc, ep, timeout_s, curve)
 
-    def wait_ready(self, proc: subprocess.Popen, endpoint: str, timeout_s: float) -> None:
+    def wait_ready(self, proc: subprocess.Popen, endpoint: str, timeout_s: float,
+                   curve: ClientKeys | None = None) -> None:
         deadline = time.monotonic() + timeout_s
-        client = GenerateClient(endpoint)
+        client = GenerateClient(endpoint, curve=curve)
         try:
             while time.monotonic() < deadline:
                 if proc.poll() is not None:

@@ -19,6 +19,7 @@ register, run each step's plan and stay alive; they hold the other slices of the
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -64,7 +65,9 @@ class Engine:
         self.block_size = scheduler.block_size
         scheduler.eos_token_id = model.config.eos_token_id  # the model's, whoever built the scheduler
         self.tp = tp
-        self.spec = kv_spec(model.config, self.block_size, self.dtype, model.tp_size)
+        # max_model_len: the manager bounds the tokens of one sub-op by it (manager/guards.py)
+        self.spec = dataclasses.replace(kv_spec(model.config, self.block_size, self.dtype, model.tp_size),
+                                        max_model_len=scheduler.max_model_len)
         self.num_blocks = 0
         self.runner: ModelRunner | None = None
         self.registrations = 0

@@ -142,7 +142,15 @@ class ManagerClient:
         deadline = time.monotonic() + wait_s
         pause = 0.02
         while True:
-            body = self.call("register", retry=True, **args)
+            try:
+                body = self.call("register", retry=True, **args)
+            except ManagerError as e:
+                # The shard is held by a live session (a previous process of this worker that has
+                # not expired yet, or a second worker for the pool): wait for it, up to wait_s.
+                if e.code != "not_owner" or time.monotonic() >= deadline:
+                    raise
+                logger.warning("pool %s: %s; retrying until the holder's session ends", pool, e.message)
+                body = {}
             if body.get("state") == "ready":
                 return body
             if time.monotonic() >= deadline:
@@ -319,7 +327,11 @@ class ManagerClient:
                 reply = unpack(raw)
             except Exception:  # not msgpack: not from a manager; keep waiting
                 continue
-            if type(reply) is dict and reply.get("id") == msg_id:
+            if type(reply) is not dict:
+                continue
+            # A nil id answers a request the manager could not read (too large, not decodable):
+            # with one request in flight on this socket, it is this one (PROTOCOL.md section 2).
+            if reply.get("id") == msg_id or (reply.get("id") is None and reply.get("status") != "ok"):
                 return reply
         self._give_up(op)
 

@@ -31,17 +31,17 @@ import time
 import msgpack
 import zmq
 
+from kvpool.shared.curve import CurveServer
 from kvpool.shared.notify import Notifier
 from kvpool.shared.protocol import ManagerError
 from kvpool.worker.engine import Engine, TokenEvent
 from kvpool.worker.metrics import WorkerMetrics
-from kvpool.worker.sampler import SamplingParams
+from kvpool.worker.wire import MAX_MESSAGE_BYTES, client_id, decode, op_of, parse_generate
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 100
-PARAM_KEYS = ("max_tokens", "temperature", "top_p", "seed", "n", "ignore_eos", "top_k", "min_tokens",
-              "presence_penalty", "frequency_penalty", "stop_token_ids", "logprobs")
-MAX_MESSAGE_BYTES = 4 << 20
+MAX_BATCH = 256  # messages read per iteration: a flood cannot stop the engine from stepping
+MAX_OPEN_REQUESTS = 4096  # client requests queued or running; more are refused until some finish
 
 
 def pack(obj: dict) -> bytes:
@@ -49,7 +49,9 @@ def pack(obj: dict) -> bytes:
 
 
 class WorkerServer:
-    def __init__(self, engine: Engine, endpoint: str, pool: str, *, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(self, engine: Engine, endpoint: str, pool: str, *, metrics: WorkerMetrics | None = None,
+                 curve: tuple[str, str] | None = None) -> None:
+        """``curve``: (this worker's NAME.key_secret, the allowed clients' key directory)."""
         self.engine = engine
         self.metrics = metrics
         self.notifier = Notifier()
@@ -59,18 +61,26 @@ class WorkerServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.curve = CurveServer(self._ctx, *curve) if curve else None
+        if self.curve is not None:
+            self.curve.apply(self._sock)
         self._clients: dict[str, tuple[bytes, str]] = {}  # engine id -> (routing id, client's id)
         self._open: dict[str, int] = {}  # engine id -> samples not finished yet
         self._next = 0
         self._stop = False
+        self._reload = False  # SIGHUP: re-read the allowed CURVE keys at the next iteration
 
     def request_stop(self, *_: object) -> None:
         self._stop = True
+
+    def request_reload(self, *_: object) -> None:
+        self._reload = True
 
     def serve(self) -> None:
         self._sock.bind(self.endpoint)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.request_stop)
+        signal.signal(signal.SIGHUP, self.request_reload)
         logger.info("worker for pool %s serving at %s", self.pool, self.endpoint)
         self.notifier.ready(f"pool {self.pool}: serving at {self.endpoint}")
         try:
@@ -82,7 +92,7 @@ class WorkerServer:
     def run_once(self) -> None:
         busy = self.engine.has_work()
         if self._sock.poll(0 if busy else IDLE_POLL_MS, zmq.POLLIN):
-            while True:
+            for _ in range(MAX_BATCH):
                 try:
                     frames = self._sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -99,6 +109,10 @@ class WorkerServer:
                 logger.warning("manager unavailable: %s", e)
                 time.sleep(0.2)
         self.notifier.tick()
+        if self._reload:
+            self._reload = False
+            if self.curve is not None:
+                self.curve.reload()
         if self.metrics is not None:
             self.metrics.maybe_update(self.engine)
         try:
@@ -107,38 +121,35 @@ class WorkerServer:
             logger.warning("heartbeat failed: %s", e)
 
     def _handle(self, ident: bytes, payload: bytes) -> None:
+        """One message; anything wrong with it becomes an error reply (never an exception)."""
         cid = ""
         try:
-            msg = msgpack.unpackb(payload, raw=False)
-            if type(msg) is not dict:
-                raise ValueError("a message must be a msgpack map")
-            op, cid = msg.get("op"), str(msg.get("id", ""))
+            msg = decode(payload)
+            op = op_of(msg)
+            cid = client_id(msg)
             if op == "generate":
-                self._generate(ident, cid, msg)
+                self._generate(ident, msg)
             elif op == "abort":
                 self._abort(ident, cid)
             elif op == "stats":
                 self._reply(ident, {"id": cid, "stats": {"pool": self.pool, **self.engine.stats()}})
-            elif op == "ping":
-                self._reply(ident, {"id": cid, "pong": self.pool})
             else:
-                raise ValueError(f"unknown op {op!r}; known: generate, abort, stats, ping")
-        except (ValueError, TypeError, msgpack.UnpackException) as e:
+                self._reply(ident, {"id": cid, "pong": self.pool})
+        except ValueError as e:
             self._reply(ident, {"id": cid, "error": str(e), "finished": True})
+        except Exception:  # a bug, not the client's fault: it must not stop the worker either
+            logger.exception("internal error handling a generate-socket message")
+            self._reply(ident, {"id": cid, "error": "internal worker error (logged)", "finished": True})
 
-    def _generate(self, ident: bytes, cid: str, msg: dict) -> None:
-        raw = msg.get("params") or {}
-        if type(raw) is not dict:
-            raise ValueError("params must be a map")
-        params = SamplingParams(**{k: raw[k] for k in PARAM_KEYS if k in raw})
-        prompt = msg.get("prompt")
-        if type(prompt) is not list:
-            raise ValueError("prompt must be a list of token ids")
+    def _generate(self, ident: bytes, msg: dict) -> None:
+        req = parse_generate(msg)
+        if len(self._clients) >= MAX_OPEN_REQUESTS:
+            raise ValueError(f"the worker has {MAX_OPEN_REQUESTS} open requests; retry when some finished")
         eid = f"c{self._next}"
         self._next += 1
-        self.engine.add_request(prompt, params, request_id=eid, cache_salt=msg.get("cache_salt"))
-        self._clients[eid] = (ident, cid)
-        self._open[eid] = params.n
+        self.engine.add_request(req.prompt, req.params, request_id=eid, cache_salt=req.cache_salt)
+        self._clients[eid] = (ident, req.client_id)
+        self._open[eid] = req.params.n
 
     def _abort(self, ident: bytes, cid: str) -> None:
         # ids are the client's own (every GenerateClient starts at "generate-0"): match the sender too
@@ -172,12 +183,17 @@ class WorkerServer:
         if self.metrics is not None:
             self.metrics.close()
         for eid in list(self._clients):
-            self._send_events(self.engine.abort(eid))
+            try:
+                self._send_events(self.engine.abort(eid))
+            except Exception:  # one bad request must not keep the worker from deregistering
+                logger.exception("aborting request %s on shutdown failed", eid)
         try:
             self.engine.shutdown()
         except ManagerError as e:
             logger.warning("could not free at the manager on shutdown: %s", e)
         self.engine.bm.close()
         self._sock.close(linger=200)
+        if self.curve is not None:
+            self.curve.close()
         self._ctx.term()
         logger.info("worker for pool %s stopped", self.pool)

@@ -137,7 +137,8 @@ def serve_rank(cfg: WorkerConfig, manager_eps: list[str], endpoint: str, tp_mast
                                 serve=serve if cfg.tp_rank == 0 else None)  # front doors find rank 0 by it
         if cfg.tp_rank == 0:
             engine = build_engine(cfg, bm)
-            WorkerServer(engine, endpoint, cfg.pool, metrics=WorkerMetrics.start(cfg)).serve()
+            curve = (cfg.curve_secret_key_file, cfg.curve_allowed_keys_dir) if cfg.curve_secret_key_file else None
+            WorkerServer(engine, endpoint, cfg.pool, metrics=WorkerMetrics.start(cfg), curve=curve).serve()
         else:
             build_follower(cfg, bm).run()
     finally:

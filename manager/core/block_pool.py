@@ -22,6 +22,14 @@ from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, BlockS
 NULL_BLOCK = 0
 
 
+class InvariantBroken(AssertionError):
+    """A pool invariant does not hold: a manager bug, or a corrupt state being loaded.
+
+    Raised by explicit checks, never by ``assert`` (``python -O`` removes those); it subclasses
+    AssertionError only so that callers written against the old asserts still catch it.
+    """
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True, enable_events: bool = False):
         if num_blocks < 2:
@@ -115,15 +123,14 @@ class BlockPool:
 
         The caller checks ``n <= num_free`` first (allocations are all-or-nothing).
         """
-        fq = self.free_queue
+        fq, ref = self.free_queue, self.ref_cnt
         blocks = fq.pop_unhashed(n)
-        if len(blocks) < n:
-            evicted = fq.pop_hashed(n - len(blocks))
-            self._drop_hashes(evicted)
-            blocks += evicted
-        ref = self.ref_cnt
         for b in blocks:
             ref[b] = 1
+        if len(blocks) < n:
+            evicted = fq.pop_hashed(n - len(blocks))
+            self._drop_hashes(evicted, new_ref=1)
+            blocks += evicted
         return blocks
 
     def free_blocks(self, blocks_tail_first: Iterable[int]) -> None:
@@ -132,7 +139,7 @@ class BlockPool:
         Callers pass a request's blocks tail-first so a hash chain is evicted from its end.
         """
         ref, bhash = self.ref_cnt, self.block_hash
-        push_front, set_lru = self.free_queue.releaser()
+        push_front, lru = self.free_queue.releaser()
         for b in blocks_tail_first:
             r = ref[b] - 1
             ref[b] = r
@@ -140,14 +147,14 @@ class BlockPool:
                 if bhash[b] is None:
                     push_front(b)
                 else:
-                    set_lru(b, None)
+                    lru[b] = None  # a subscript store: cheaper than calling lru.__setitem__
 
     def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[bytes], parent: bytes | None) -> None:
         """Records the hashes of blocks that became full (``parent`` precedes hashes[0])."""
         if not self.enable_caching:
             return
-        bhash, cached = self.block_hash, self.cached
-        stored: list[bytes] = []
+        bhash, cached, events = self.block_hash, self.cached, self._events
+        stored: list[bytes] = []  # for the event only
         for b, h in zip(blocks, hashes):
             if bhash[b] is not None:
                 continue  # a prefix-cache hit: already recorded
@@ -156,9 +163,10 @@ class BlockPool:
                 self._dups.setdefault(h, []).append(b)
             else:
                 cached[h] = b
-                stored.append(h)
-        if stored and self._events is not None:
-            self._events.append(BlockStored(stored, parent))
+                if events is not None:
+                    stored.append(h)
+        if stored:
+            events.append(BlockStored(stored, parent))  # type: ignore[union-attr]
 
     def evict(self, n: int) -> int:
         """Drops the hashes of up to ``n`` free cached blocks, LRU first; returns how many."""
@@ -181,13 +189,15 @@ class BlockPool:
             self._events.append(AllBlocksCleared())
         return True
 
-    def _drop_hashes(self, blocks: list[int]) -> None:
-        """Lazy eviction: blocks leaving the free queue for reuse lose their hash."""
-        bhash, cached, dups, events = self.block_hash, self.cached, self._dups, self._events
+    def _drop_hashes(self, blocks: list[int], new_ref: int = 0) -> None:
+        """Lazy eviction: blocks leaving the free queue for reuse lose their hash and get
+        ``new_ref`` (1: handed out now; 0: they stay free)."""
+        bhash, cached, dups, events, ref = self.block_hash, self.cached, self._dups, self._events, self.ref_cnt
         for b in blocks:
+            ref[b] = new_ref
             h = bhash[b]
             bhash[b] = None
-            if dups or cached[h] != b:  # type: ignore[index]
+            if h in dups:  # else b is h's only holder, so cached[h] == b (invariant 4)
                 self._drop_shared(b, h)  # type: ignore[arg-type]
                 continue
             del cached[h]  # type: ignore[arg-type]
@@ -213,20 +223,27 @@ class BlockPool:
     # -- checks ----------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Raises AssertionError naming the first broken invariant."""
-        assert self.ref_cnt[NULL_BLOCK] == 0 and self.block_hash[NULL_BLOCK] is None, "null block touched"
+        """Raises InvariantBroken naming the first broken invariant (explicit checks: they hold
+        under ``python -O`` too)."""
+        if self.ref_cnt[NULL_BLOCK] != 0 or self.block_hash[NULL_BLOCK] is not None:
+            raise InvariantBroken("null block touched")
         order = self.free_queue.order()
         in_queue = set(order)
-        assert len(in_queue) == len(order), "a block is twice in the free queue"
-        assert NULL_BLOCK not in in_queue, "null block in the free queue"
+        if len(in_queue) != len(order):
+            raise InvariantBroken("a block is twice in the free queue")
+        if NULL_BLOCK in in_queue:
+            raise InvariantBroken("null block in the free queue")
         for b in range(1, self.num_blocks):
             r = self.ref_cnt[b]
-            assert r >= 0, f"block {b} has ref_cnt {r}"
-            assert (r == 0) == (b in in_queue), f"block {b}: ref_cnt {r} but in_queue={b in in_queue}"
+            if r < 0:
+                raise InvariantBroken(f"block {b} has ref_cnt {r}")
+            if (r == 0) != (b in in_queue):
+                raise InvariantBroken(f"block {b}: ref_cnt {r} but in_queue={b in in_queue}")
         seen_hashed = False
         for b in order:
             if self.block_hash[b] is None:
-                assert not seen_hashed, f"unhashed block {b} queued behind a hashed one"
+                if seen_hashed:
+                    raise InvariantBroken(f"unhashed block {b} queued behind a hashed one")
             else:
                 seen_hashed = True
         holders: dict[bytes, list[int]] = {}
@@ -234,7 +251,10 @@ class BlockPool:
             h = self.block_hash[b]
             if h is not None:
                 holders.setdefault(h, []).append(b)
-        assert set(holders) == set(self.cached), "hash map and block hashes disagree"
+        if set(holders) != set(self.cached):
+            raise InvariantBroken("hash map and block hashes disagree")
         for h, bs in holders.items():
-            assert self.cached[h] in bs, f"map entry for {h.hex()[:8]} points at a block without it"
-            assert sorted(bs) == sorted([self.cached[h], *self._dups.get(h, [])]), "duplicates untracked"
+            if self.cached[h] not in bs:
+                raise InvariantBroken(f"map entry for {h.hex()[:8]} points at a block without it")
+            if sorted(bs) != sorted([self.cached[h], *self._dups.get(h, [])]):
+                raise InvariantBroken("duplicates untracked")

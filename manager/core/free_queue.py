@@ -15,6 +15,8 @@ only operations that drop hashes of free blocks (evict, reset) move those blocks
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+from itertools import islice
 
 
 class FreeQueue:
@@ -48,14 +50,17 @@ class FreeQueue:
 
     def pop_hashed(self, n: int) -> list[int]:
         """The ``n`` least recently freed hashed blocks (the caller drops their hashes)."""
-        popitem = self._lru.popitem
-        return [popitem(False)[0] for _ in range(n)]
+        lru = self._lru
+        taken = list(islice(lru, n))
+        for b in taken:
+            del lru[b]
+        return taken
 
-    def releaser(self):
-        """The two push functions, bound once for a caller's loop (the free path is hot):
-        ``push_front(b)`` for an unhashed block (reused first), ``set_lru(b, None)`` for a hashed
-        one (evicted after every block freed before it)."""
-        return self._front.append, self._lru.__setitem__
+    def releaser(self) -> tuple[Callable[[int], None], OrderedDict[int, None]]:
+        """For a caller's hot loop (the free path): ``push_front(b)`` for an unhashed block
+        (reused first), and the LRU segment itself, where ``lru[b] = None`` appends a hashed one
+        (evicted after every block freed before it). A subscript store costs less than a call."""
+        return self._front.append, self._lru
 
     def move_to_front(self, block_id: int) -> None:
         """A free block that just lost its hash joins the unhashed segment."""

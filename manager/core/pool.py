@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpool.manager.core.block_pool import BlockPool
+from kvpool.manager.core.block_pool import BlockPool, InvariantBroken
 from kvpool.manager.core.kv_events import KVEvent
 
 
@@ -114,11 +114,12 @@ class Pool:
         stats.hit_tokens += num_cached
         num_tokens = num_cached + min(max_new_tokens, num_prompt_tokens - num_cached)
         num_new = _cdiv(num_tokens + lookahead, bs) - len(hits)
-        if num_new > bp.num_free - bp.num_reclaimable(hits):
+        if num_new > bp.num_free - (bp.num_reclaimable(hits) if hits else 0):
             stats.no_space += 1
             return None
         stats.allocations += 1
-        bp.touch(hits)
+        if hits:
+            bp.touch(hits)
         blocks = hits + bp.get_new_blocks(num_new)
         req = RequestBlocks(blocks, num_tokens, list(hashes), len(hits))
         self.requests[req_id] = req
@@ -138,6 +139,9 @@ class Pool:
         req = self._get(req_id)
         if num_tokens < req.num_tokens or lookahead < 0:
             raise PoolError("bad_count", f"num_tokens {num_tokens} < current {req.num_tokens}")
+        if new_hashes and len(req.hashes) + len(new_hashes) > num_tokens // self.block_size:
+            raise PoolError("bad_hashes", f"{len(req.hashes)} + {len(new_hashes)} hashes for {num_tokens} tokens: "
+                            "more than their full blocks")
         bs, bp = self.block_size, self.blocks
         cow_index = req.num_tokens // bs if req.num_tokens % bs and num_tokens > req.num_tokens else -1
         cow = cow_index >= 0 and bp.ref_cnt[req.blocks[cow_index]] > 1
@@ -227,12 +231,14 @@ class Pool:
         self.blocks.check_invariants()
         holdings: dict[int, int] = {}
         for req in self.requests.values():
-            assert len(req.blocks) >= _cdiv(req.num_tokens, self.block_size), "request lacks slots"
+            if len(req.blocks) < _cdiv(req.num_tokens, self.block_size):
+                raise InvariantBroken("request lacks slots")
             for b in req.blocks:
                 holdings[b] = holdings.get(b, 0) + 1
         ref = self.blocks.ref_cnt
         for b in range(1, self.blocks.num_blocks):
-            assert ref[b] == holdings.get(b, 0), f"block {b}: ref_cnt {ref[b]} != holders {holdings.get(b, 0)}"
+            if ref[b] != holdings.get(b, 0):
+                raise InvariantBroken(f"block {b}: ref_cnt {ref[b]} != holders {holdings.get(b, 0)}")
 
     # -- internals -------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from kvpool.manager.core.pool import Pool, PoolError
 from kvpool.shared.hashing import HASH_BYTES
-from kvpool.shared.protocol import MAX_HASHES
+from kvpool.shared.protocol import MAX_HASHES, short_repr
 
 MAX_COUNT = 1 << 31  # bound on token and block counts in one sub-op
 MAX_REQ_ID_LEN = 128
@@ -37,7 +37,7 @@ OK = {"ok": True}
 def _int(op: dict, key: str, default: int | None = None) -> int:
     v = op.get(key, default)
     if type(v) is not int or not 0 <= v < MAX_COUNT:
-        raise PoolError("bad_field", f"field {key!r} must be an int in [0, 2**31), got {v!r}")
+        raise PoolError("bad_field", f"field {key!r} must be an int in [0, 2**31), got {short_repr(v)}")
     return v
 
 
@@ -47,7 +47,7 @@ def _req(op: dict, key: str = "req") -> int | str:
         return v
     if type(v) is str and 0 < len(v) <= MAX_REQ_ID_LEN:
         return v
-    raise PoolError("bad_field", f"field {key!r} must be an int >= 0 or a str of 1-128 chars, got {v!r}")
+    raise PoolError("bad_field", f"field {key!r} must be an int >= 0 or a str of 1-128 chars, got {short_repr(v)}")
 
 
 def _hashes(op: dict) -> list[bytes]:
@@ -56,7 +56,7 @@ def _hashes(op: dict) -> list[bytes]:
         raise PoolError("bad_field", f"field 'hashes' must be a list of at most {MAX_HASHES} 32-byte strings")
     for h in hs:
         if type(h) is not bytes or len(h) != HASH_BYTES:
-            raise PoolError("bad_hash", f"every hash must be {HASH_BYTES} bytes, got {h!r:.40}")
+            raise PoolError("bad_hash", f"every hash must be {HASH_BYTES} bytes, got {short_repr(h, 40)}")
     return hs  # type: ignore[return-value]
 
 
@@ -117,7 +117,7 @@ def run_step(pool: Pool, owner: object, ops: list, allow_alloc: bool = True) -> 
             name = op.get("op")
             handler = SUB_OPS.get(name)  # type: ignore[arg-type]
             if handler is None:
-                raise PoolError("unknown_sub_op", f"unknown sub-op {name!r}; known: {sorted(SUB_OPS)}")
+                raise PoolError("unknown_sub_op", f"unknown sub-op {short_repr(name, 40)}; known: {sorted(SUB_OPS)}")
             if not allow_alloc and name in ("alloc", "fork"):
                 raise PoolError("draining", "the manager is draining: no new allocations")
             results.append(handler(pool, owner, op))

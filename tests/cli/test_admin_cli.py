@@ -140,3 +140,6 @@ def test_bench_replays_the_reference_trace_in_process():
     assert full["requests"] == bare["requests"] == 400
     assert full["prefix_hit_rate"] > 0.05 and bare["prefix_hit_rate"] == 0  # 30% share 128-token prefixes
     assert full["evictions"] > 0, "400 requests of ~18 blocks cycle through 2000 blocks"
+    phases = full["cpu_us_hash"] + full["cpu_us_allocate"] + full["cpu_us_free"]
+    assert full["cpu_us_hash"] > 0 and bare["cpu_us_hash"] == 0  # the bare run hashes nothing
+    assert abs(phases - full["cpu_us_per_request"]) < 1e-6 * phases

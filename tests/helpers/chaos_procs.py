@@ -60,7 +60,8 @@ def check(client: ManagerClient, pool: str, tables: dict[int, list[int]]) -> Non
 
 
 def main(endpoints: list[str], pool: str, seed: int, stop_file: str) -> None:
-    client = ManagerClient(endpoints, identity=f"chaos-{seed}", timeout_s=0.5, failover_s=120.0)
+    # several clients step on one pool: only admin sessions may share a pool (manager/guards.py)
+    client = ManagerClient(endpoints, identity=f"chaos-{seed}", role="admin", timeout_s=0.5, failover_s=120.0)
     while True:  # the manager may be down right now: a first hello does not know it is durable
         try:
             epoch = client.register(pool, shard_rank=0, shard_count=1, incarnation="chaos", spec=SPEC,

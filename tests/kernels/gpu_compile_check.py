@@ -2,37 +2,50 @@
 
 The interpreter never runs Triton's GPU compiler, so type errors in loops, tl.dot shape limits
 and layout failures only show on a GPU. This script runs ttir -> ttgir -> llir -> ptx -> cubin
-(ptxas ships with triton) for representative specialisations. It must run without
-TRITON_INTERPRET (kernels must be JITFunctions): test_kernel_compile.py starts it as a
-subprocess. Prints one line per variant; exits 1 if any fails.
+(ptxas ships with triton) for the tile shapes the launch wrappers choose (choose_tiles) at head
+sizes 80 to 512, and reads each cubin's resource use with cuobjdump (shipped beside ptxas):
+registers per thread, stack frame (local memory, i.e. register spills) and shared memory. A
+variant that fails to compile, or an attention variant with a stack frame, fails the run. It
+must run without TRITON_INTERPRET (kernels must be JITFunctions): test_kernel_compile.py starts
+it as a subprocess.
+
+    python tests/kernels/gpu_compile_check.py          # one line per variant; exit 1 on failure
+    python tests/kernels/gpu_compile_check.py --sweep  # every prefill tile shape, head 128-512
 """
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kvpool.kernels.copy_blocks import _copy_blocks_kernel  # noqa: E402
+from kvpool.kernels.attention_common import choose_tiles, dot_dim  # noqa: E402
+from kvpool.kernels.copy_blocks_triton import _copy_blocks_kernel  # noqa: E402
 from kvpool.kernels.decode_split_kv import _decode_split_kv_kernel, _merge_splits_kernel  # noqa: E402
-from kvpool.kernels.paged_attention import _paged_attention_kernel  # noqa: E402
-from kvpool.kernels.reshape_and_cache import _reshape_and_cache_kernel  # noqa: E402
+from kvpool.kernels.paged_attention_triton import _paged_attention_kernel  # noqa: E402
+from kvpool.kernels.reshape_and_cache_triton import _reshape_and_cache_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 I32 = "i32"
 
 
-def _compile(kernel, runtime: dict[str, str], const: dict) -> None:
+def _compile(kernel, runtime: dict[str, str], const: dict, num_warps: int):
     sig = {**runtime, **{name: "constexpr" for name in const}}
-    assert set(sig) == set(kernel.arg_names), set(sig) ^ set(kernel.arg_names)
+    if set(sig) != set(kernel.arg_names):
+        raise ValueError(f"signature mismatch: {set(sig) ^ set(kernel.arg_names)}")
     sig = {name: sig[name] for name in kernel.arg_names}
-    triton.compile(ASTSource(kernel, sig, const), target=TARGET)
+    return triton.compile(ASTSource(kernel, sig, const), target=TARGET, options=dict(num_warps=num_warps))
 
 
 def _attention_sig(dt: str, split: bool) -> dict[str, str]:
@@ -49,43 +62,83 @@ def _attention_sig(dt: str, split: bool) -> dict[str, str]:
     return sig
 
 
+def _attention(dt: str, head: int, qpk: int, avg_rows: float, split: bool = False):
+    """Constexprs and warps the launch wrappers use (window and softcap on: the most registers)."""
+    tiles = choose_tiles(head, avg_rows, qpk, 4 if dt == "fp32" else 2)
+    rows = dict(BLOCK_H=tiles.block_m) if split else dict(BLOCK_Q=tiles.block_m // qpk, BLOCK_M=tiles.block_m)
+    const = dict(QPK=qpk, **rows, TILE_N=tiles.tile_n, BLOCK_SIZE=16, HEAD_SIZE=head,
+                 HEAD_P2=dot_dim(head), USE_SOFTCAP=True, USE_WINDOW=True,
+                 DOT_PRECISION="ieee" if dt == "fp32" else "tf32")
+    name = f"rows{tiles.block_m} tile{tiles.tile_n} warps{tiles.num_warps}"
+    return name, _attention_sig(dt, split), const, tiles.num_warps
+
+
 def variants():
-    for dt, prec in (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")):
-        yield f"paged_attention {dt} gqa4 head80 window softcap", _paged_attention_kernel, _attention_sig(dt, False), dict(
-            QPK=4, BLOCK_Q=4, BLOCK_M=16, TILE_N=32, BLOCK_SIZE=16, HEAD_SIZE=80, HEAD_P2=128,
-            USE_SOFTCAP=True, USE_WINDOW=True, DOT_PRECISION=prec,
-        )
-    yield "paged_attention bf16 mha head128 prefill", _paged_attention_kernel, _attention_sig("bf16", False), dict(
-        QPK=1, BLOCK_Q=64, BLOCK_M=64, TILE_N=32, BLOCK_SIZE=32, HEAD_SIZE=128, HEAD_P2=128,
-        USE_SOFTCAP=False, USE_WINDOW=False, DOT_PRECISION="tf32",
-    )
-    yield "decode_split_kv bf16 gqa4 head128", _decode_split_kv_kernel, _attention_sig("bf16", True), dict(
-        QPK=4, BLOCK_H=16, TILE_N=32, BLOCK_SIZE=16, HEAD_SIZE=128, HEAD_P2=128,
-        USE_SOFTCAP=True, USE_WINDOW=True, DOT_PRECISION="tf32",
-    )
+    """(name, kernel, runtime signature, constexprs, num_warps, must not spill)."""
+    kernel = _paged_attention_kernel
+    for dt in ("bf16", "fp32"):
+        for head in (80, 128, 256, 512):
+            tiles, sig, const, warps = _attention(dt, head, 4, 64)
+            yield f"paged_attention {dt} gqa4 head{head} prefill {tiles}", kernel, sig, const, warps, True
+        for head in (128, 256, 512):
+            tiles, sig, const, warps = _attention(dt, head, 4, 1)
+            yield f"paged_attention {dt} gqa4 head{head} decode {tiles}", kernel, sig, const, warps, True
+            tiles, sig, const, warps = _attention(dt, head, 4, 1, split=True)
+            yield f"decode_split_kv {dt} gqa4 head{head} {tiles}", _decode_split_kv_kernel, sig, const, warps, True
     yield "merge_splits bf16", _merge_splits_kernel, dict(
         part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", stride_o_tok=I32, stride_o_head=I32,
         num_splits=I32,
-    ), dict(SPLITS_P2=64, HEAD_SIZE=96, HEAD_P2=128)
+    ), dict(SPLITS_P2=64, HEAD_SIZE=96, HEAD_P2=128), 4, False
     cache_strides = {n: I32 for n in ("stride_k_tok", "stride_k_head", "stride_v_tok", "stride_v_head")}
     cache_strides.update(stride_c_kv="i64", stride_c_blk=I32, stride_c_off=I32, stride_c_head=I32, block_size=I32)
     yield "reshape_and_cache bf16 head80", _reshape_and_cache_kernel, dict(
         key_ptr="*bf16", value_ptr="*bf16", cache_ptr="*bf16", slot_ptr="*i64", **cache_strides
-    ), dict(NUM_KV_HEADS=3, HEAD_SIZE=80, HEADS_P2=4, HEAD_P2=128)
+    ), dict(NUM_KV_HEADS=3, HEAD_SIZE=80, HEADS_P2=4, HEAD_P2=128), 4, False
     yield "copy_blocks bf16", _copy_blocks_kernel, dict(
         layer_ptrs="*i64", mapping_ptr="*i64", stride_kv="i64", stride_blk=I32
-    ), dict(BLOCK_NUMEL=16 * 8 * 128, CHUNK=4096, ELEM=triton.language.bfloat16)
+    ), dict(BLOCK_NUMEL=16 * 8 * 128, CHUNK=4096, ELEM=triton.language.bfloat16), 4, False
+
+
+def sweep():
+    """Every prefill tile shape at the large head sizes, chosen or not (to revisit choose_tiles)."""
+    for dt in ("bf16", "fp32"):
+        for head in (128, 256, 512):
+            for rows in (64, 32, 16):
+                for tile_n in (32, 16):
+                    for warps in (4, 8):
+                        _, sig, const, _ = _attention(dt, head, 1, 64)
+                        const.update(BLOCK_Q=rows, BLOCK_M=rows, TILE_N=tile_n)
+                        name = f"paged_attention {dt} head{head} rows{rows} tile{tile_n} warps{warps}"
+                        yield name, _paged_attention_kernel, sig, const, warps, False
+
+
+def resource_use(compiled) -> tuple[str, int]:
+    """("registers R  stack S  shared M", S) of a compiled kernel; S bytes of stack are spills."""
+    tool = Path(get_ptxas(TARGET.arch).path).with_name("cuobjdump")
+    shared = f"shared {compiled.metadata.shared:>6}"
+    if not tool.exists():
+        return f"registers ?  stack ?  {shared} (no cuobjdump beside ptxas)", 0
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp, "kernel.cubin")
+        cubin.write_bytes(compiled.asm["cubin"])
+        res = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, check=True)
+    usage = dict(re.findall(r"(REG|STACK):(\d+)", res.stdout))
+    return f"registers {usage['REG']:>3}  stack {usage['STACK']:>5}  {shared}", int(usage["STACK"])
 
 
 def main() -> int:
+    chosen = sweep() if "--sweep" in sys.argv[1:] else variants()
     failed = 0
-    for name, kernel, runtime, const in variants():
+    for name, kernel, runtime, const, num_warps, no_spill in chosen:
         try:
-            _compile(kernel, runtime, const)
-            print(f"ok   {name}", flush=True)
+            usage, stack = resource_use(_compile(kernel, runtime, const, num_warps))
         except Exception:
             failed += 1
             print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
+            continue
+        spills = no_spill and stack > 0
+        failed += spills
+        print(f"{'SPILL' if spills else 'ok  '} {name:55s} {usage}", flush=True)
     return 1 if failed else 0
 
 

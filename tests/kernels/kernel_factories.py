@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
+
+from kvpool.kernels import AttentionMetadata
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -24,16 +26,11 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 class Batch:
     query: torch.Tensor  # [num_tokens, num_heads, head_size]
     kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_size]
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    seq_lens: torch.Tensor  # [num_seqs] int32
-    block_table: torch.Tensor  # [num_seqs, max_blocks] int32
-    scale: float
+    meta: AttentionMetadata
 
-    def args(self) -> tuple:
-        return (
-            self.query, self.kv_cache, self.query_start_loc, self.seq_lens, self.block_table,
-            self.scale,
-        )
+    def args(self, **options) -> tuple:
+        """(query, kv_cache, meta), the metadata's options (sliding_window, softcap) replaced."""
+        return self.query, self.kv_cache, replace(self.meta, **options) if options else self.meta
 
 
 def cdiv(a: int, b: int) -> int:
@@ -81,15 +78,38 @@ def make_batch(
     table, num_blocks = make_block_table(seq_lens, block_size, extra_cols, seed)
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=g)
     query = torch.randn(sum(q_lens), num_heads, head_size, generator=g)
-    qsl = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.long).cumsum(0).tolist()])
-    return Batch(
-        query=query.to(device, dtype),
-        kv_cache=cache.to(device, dtype),
-        query_start_loc=qsl.to(device, torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_table=table.to(device),
-        scale=head_size**-0.5,
+    meta = AttentionMetadata.from_lengths(
+        q_lens, seq_lens, table.tolist(), head_size**-0.5, block_size=block_size, device=device
     )
+    return Batch(query=query.to(device, dtype), kv_cache=cache.to(device, dtype), meta=meta)
+
+
+def naive_attention(batch: Batch, sliding_window=None, softcap=None) -> torch.Tensor:
+    """Float64 truth, position by position: no block gather, no chunking, no fused kernels."""
+    m = batch.meta
+    block_size = batch.kv_cache.shape[2]
+    cache = batch.kv_cache.double()
+    outs = []
+    qsl = m.query_start_loc.tolist()
+    for s in range(len(qsl) - 1):
+        seq_len, q_len = int(m.seq_lens[s]), qsl[s + 1] - qsl[s]
+        rows = [cache[:, int(m.block_tables[s, p // block_size]), p % block_size] for p in range(seq_len)]
+        kv = torch.stack(rows, dim=1) if rows else cache.new_zeros(2, 0, *cache.shape[3:])
+        q = batch.query[qsl[s] : qsl[s + 1]].double().transpose(0, 1)  # [heads, q_len, d]
+        group = q.shape[0] // kv.shape[2]
+        k = kv[0].transpose(0, 1).repeat_interleave(group, 0)  # [heads, seq_len, d]
+        v = kv[1].transpose(0, 1).repeat_interleave(group, 0)
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        k_pos = torch.arange(seq_len)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        logits = q @ k.transpose(1, 2) * m.scale
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        o = logits.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs).to(batch.query.dtype)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

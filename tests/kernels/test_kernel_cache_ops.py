@@ -6,9 +6,10 @@ import pytest
 import torch
 from kernel_factories import DEVICE, gpu, requires_cuda
 
-from kvpool.kernels.copy_blocks import copy_blocks
+from kvpool.kernels import AttentionInputError
+from kvpool.kernels.copy_blocks_triton import copy_blocks
 from kvpool.kernels.reference import copy_blocks_ref, reshape_and_cache_ref
-from kvpool.kernels.reshape_and_cache import reshape_and_cache
+from kvpool.kernels.reshape_and_cache_triton import reshape_and_cache
 
 
 def _random_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, seed=0):
@@ -57,11 +58,23 @@ def test_reshape_and_cache_all_skipped_changes_nothing():
     assert torch.equal(cache, before)
 
 
-def test_reshape_and_cache_rejects_int32_slots():
+@pytest.mark.parametrize("write", [reshape_and_cache, reshape_and_cache_ref], ids=["triton", "torch"])
+def test_reshape_and_cache_rejects_int32_slots(write):
     cache = _random_cache(3, 16, 1, 64, torch.float32)
     key = torch.randn(2, 1, 64, device=DEVICE)
-    with pytest.raises(AssertionError, match="slot_mapping must be int64"):
-        reshape_and_cache(key, key, cache, torch.zeros(2, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(AttentionInputError, match="slot_mapping must be int64"):
+        write(key, key, cache, torch.zeros(2, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("write", [reshape_and_cache, reshape_and_cache_ref], ids=["triton", "torch"])
+def test_reshape_and_cache_refuses_a_key_of_another_dtype(write):
+    # The reference used to cast an fp32 key into an fp16 cache silently; Triton refused it.
+    cache = _random_cache(3, 16, 1, 64, torch.float16)
+    before = cache.clone()
+    key = torch.randn(2, 1, 64, device=DEVICE)
+    with pytest.raises(AttentionInputError, match="cast key and value to the cache dtype"):
+        write(key, key, cache, torch.tensor([1, 2], device=DEVICE))
+    assert torch.equal(cache, before)
 
 
 @pytest.mark.parametrize(
@@ -98,3 +111,21 @@ def test_cache_ops_bf16_on_gpu():
     copy_blocks_ref(expected, mapping)
     copy_blocks(caches, mapping)
     assert all(torch.equal(a, b) for a, b in zip(caches, expected, strict=True))
+
+
+@pytest.mark.parametrize("copy", [copy_blocks, copy_blocks_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize(
+    "mapping,message",
+    [
+        (torch.tensor([[1, 2]], dtype=torch.int32), "block_mapping must be int64"),
+        (torch.tensor([[1, 2], [2, 3]]), "must not be sources of the same call"),
+        (torch.tensor([[1, 9]]), r"block_mapping names blocks outside \[0, 7\)"),
+    ],
+)
+def test_both_copy_paths_refuse_the_same_mappings(copy, mapping, message):
+    # The reference used to take int32 and chained copies that the concurrent kernel cannot order.
+    caches = [_random_cache(7, 16, 1, 64, torch.float32)]
+    before = caches[0].clone()
+    with pytest.raises(AttentionInputError, match=message):
+        copy(caches, mapping)
+    assert torch.equal(caches[0], before)

@@ -52,12 +52,12 @@ def test_triton_backend_routes_prefill_and_long_decode(backend, monkeypatch):
     prefill = make_batch([3, 1], [9, 30])
     assert_close(kernels.paged_attention(*prefill.args()), reference.paged_attention_ref(*prefill.args()))
     assert (len(one_pass), len(split)) == (1, 0)
-    # A decode batch whose block table spans 1152 positions: two splits of at least 512.
-    decode = make_batch([1, 1], [40, 700], block_size=16, extra_cols=28)
-    assert decode.block_table.shape[1] * 16 == 1152
-    got = kernels.paged_attention(*decode.args(), softcap=3.0)
-    assert_close(got, reference.paged_attention_ref(*decode.args(), softcap=3.0))
-    assert (len(one_pass), len(split)) == (1, 1) and split[0][6] == 2
+    # A decode batch whose longest context is 1100 positions: two splits of at least 512.
+    decode = make_batch([1, 1], [40, 1100], block_size=16, extra_cols=3)
+    assert decode.meta.max_seq_len == 1100
+    got = kernels.paged_attention(*decode.args(softcap=3.0))
+    assert_close(got, reference.paged_attention_ref(*decode.args(softcap=3.0)))
+    assert (len(one_pass), len(split)) == (1, 1) and split[0][3] == 2
     assert len(ref_calls) == 2  # only the two comparisons above
 
 
@@ -86,7 +86,7 @@ def test_missing_triton_fails_loudly_only_when_requested(backend, monkeypatch, c
     # Importing triton (or a kernel module, which imports it) now raises ImportError.
     for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
         monkeypatch.setitem(sys.modules, name, None)
-    for op in ("copy_blocks", "decode_split_kv", "paged_attention", "reshape_and_cache"):
+    for op in ("copy_blocks_triton", "decode_split_kv", "paged_attention_triton", "reshape_and_cache_triton"):
         monkeypatch.delitem(sys.modules, f"kvpool.kernels.{op}", raising=False)
     with caplog.at_level(logging.WARNING, logger=dispatch.__name__):
         assert dispatch._triton_ops.__wrapped__() is None
@@ -120,10 +120,25 @@ def test_package_imports_and_computes_without_triton():
         "import torch, kvpool.kernels as k\n"
         "cache = torch.zeros(2, 2, 4, 1, 8)\n"
         "k.reshape_and_cache(torch.ones(1, 1, 8), torch.ones(1, 1, 8), cache, torch.tensor([5]))\n"
-        "i32 = lambda *v: torch.tensor(v, dtype=torch.int32)\n"
-        "o = k.paged_attention(torch.ones(1, 1, 8), cache, i32(0, 1), i32(2), i32(1)[None], 0.0)\n"
+        "meta = k.AttentionMetadata.from_lengths([1], [2], [[1]], 0.0)\n"
+        "o = k.paged_attention(torch.ones(1, 1, 8), cache, meta)\n"
         "print(o.sum().item())\n"
     )
     res = _run_python(code, KVPOOL_KERNEL_BACKEND="auto")
     # Scale 0 makes the logits equal: positions 0 (V = 0) and 1 (V = 1) average to 0.5 x 8 dims.
     assert res.returncode == 0 and res.stdout.strip() == "4.0", res.stderr
+
+
+def test_public_names_stay_functions_after_kernel_modules_load():
+    # Kernel modules are named *_triton, so loading them cannot rebind the package's public
+    # functions; the package is a plain module (no __class__ swap keeps them bound).
+    import types
+
+    import kvpool.kernels.copy_blocks_triton  # noqa: F401
+    import kvpool.kernels.paged_attention_triton  # noqa: F401
+    import kvpool.kernels.reshape_and_cache_triton  # noqa: F401
+
+    assert type(kernels) is types.ModuleType
+    for name in ("paged_attention", "reshape_and_cache", "copy_blocks"):
+        assert getattr(kernels, name) is getattr(dispatch, name)
+    assert set(kernels.__all__) <= set(dir(kernels))

@@ -6,9 +6,10 @@ import pytest
 import torch
 from kernel_factories import DEVICE, assert_close, gpu, make_batch, requires_cuda
 
-from kvpool.kernels.paged_attention import paged_attention
+from kvpool.kernels import AttentionInputError
+from kvpool.kernels.paged_attention_triton import paged_attention
 from kvpool.kernels.reference import paged_attention_ref
-from kvpool.kernels.reshape_and_cache import reshape_and_cache
+from kvpool.kernels.reshape_and_cache_triton import reshape_and_cache
 
 # Contexts 1, 17, 129, 300, 333 (none a block multiple): a 1-token sequence, a whole prompt,
 # a 5-token chunk after a cached prefix, a decode step, and a 30-token chunk after a prefix.
@@ -16,9 +17,9 @@ MIXED = dict(q_lens=[1, 17, 5, 1, 30], seq_lens=[1, 17, 129, 300, 333])
 
 
 def _compare(batch, **kwargs):
-    tile_n = kwargs.pop("tile_n", 32)
-    got = paged_attention(*batch.args(), tile_n=tile_n, **kwargs)
-    want = paged_attention_ref(*batch.args(), **kwargs)
+    tile_n = kwargs.pop("tile_n", None)
+    got = paged_attention(*batch.args(**kwargs), tile_n=tile_n)
+    want = paged_attention_ref(*batch.args(**kwargs))
     assert_close(got, want)
 
 
@@ -92,19 +93,20 @@ def test_attention_over_tokens_written_by_reshape_and_cache():
     slots = []
     for s, (q_len, seq_len) in enumerate([(6, 20), (1, 35)]):
         for pos in range(seq_len - q_len, seq_len):
-            slots.append(int(batch.block_table[s, pos // block_size]) * block_size + pos % block_size)
+            slots.append(int(batch.meta.block_tables[s, pos // block_size]) * block_size + pos % block_size)
+    assert batch.meta.slot_mapping.tolist() == slots  # the metadata's own slot mapping agrees
     new_k, new_v = torch.randn(2, 7, 2, 80, device=DEVICE)
-    reshape_and_cache(new_k, new_v, batch.kv_cache, torch.tensor(slots, device=DEVICE))
+    reshape_and_cache(new_k, new_v, batch.kv_cache, batch.meta.slot_mapping)
     got = paged_attention(*batch.args())
     assert_close(got, paged_attention_ref(*batch.args()))
     # The last token of sequence 1 sees only itself at window 1: its output is its own V.
-    last = paged_attention(*batch.args(), sliding_window=1)[-1]
+    last = paged_attention(*batch.args(sliding_window=1))[-1]
     assert_close(last, new_v[-1].repeat_interleave(2, dim=0))
 
 
 def test_rejects_mismatched_head_size():
     batch = make_batch([1], [4], head_size=64)
-    with pytest.raises(AssertionError, match="head_size"):
+    with pytest.raises(AttentionInputError, match="head_size"):
         paged_attention(batch.query[..., :32], *batch.args()[1:])
 
 

@@ -1,49 +1,13 @@
-"""The torch reference (the truth the kernels are held to) against naive per-sequence attention."""
+"""The torch reference (the truth the kernels are held to) against naive float64 attention."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from kernel_factories import make_batch, make_block_table
+from kernel_factories import make_batch, make_block_table, naive_attention
 
 from kvpool.kernels import reference
 from kvpool.kernels.reference import copy_blocks_ref, paged_attention_ref, reshape_and_cache_ref
-
-
-def _contiguous_kv(batch, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # Position by position, independent of the reference's block gather: k, v [seq_len, kvh, d].
-    block_size = batch.kv_cache.shape[2]
-    rows = []
-    for p in range(int(batch.seq_lens[s])):
-        rows.append(batch.kv_cache[:, int(batch.block_table[s, p // block_size]), p % block_size])
-    kv = torch.stack(rows, dim=1).float()
-    return kv[0], kv[1]
-
-
-def _naive_attention(batch, sliding_window=None, softcap=None) -> torch.Tensor:
-    outs = []
-    qsl = batch.query_start_loc.tolist()
-    for s in range(len(qsl) - 1):
-        q = batch.query[qsl[s] : qsl[s + 1]].float().transpose(0, 1)  # [heads, q_len, d]
-        k, v = _contiguous_kv(batch, s)
-        group = q.shape[0] // k.shape[1]
-        k = k.transpose(0, 1).repeat_interleave(group, 0)  # [heads, seq_len, d]
-        v = v.transpose(0, 1).repeat_interleave(group, 0)
-        seq_len, q_len = k.shape[1], q.shape[1]
-        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        k_pos = torch.arange(seq_len)[None, :]
-        mask = k_pos <= q_pos
-        if sliding_window is not None:
-            mask &= k_pos > q_pos - sliding_window
-        if softcap is None:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=batch.scale)
-        else:
-            logits = softcap * torch.tanh(q @ k.transpose(1, 2) * batch.scale / softcap)
-            o = logits.masked_fill(~mask, float("-inf")).softmax(-1) @ v
-        outs.append(o.transpose(0, 1))
-    return torch.cat(outs).to(batch.query.dtype)
-
 
 MIXED = dict(q_lens=[1, 17, 5, 1, 30], seq_lens=[1, 17, 129, 300, 333])
 
@@ -64,17 +28,17 @@ def test_reference_matches_naive(num_heads, num_kv_heads, head_size, block_size,
         **MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
         block_size=block_size, extra_cols=2, device="cpu",
     )
-    got = paged_attention_ref(*batch.args(), sliding_window=window, softcap=softcap)
-    want = _naive_attention(batch, window, softcap)
+    got = paged_attention_ref(*batch.args(sliding_window=window, softcap=softcap))
+    want = naive_attention(batch, window, softcap)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_reference_chunking_matches_unchunked(monkeypatch):
     batch = make_batch([40, 1, 1, 1], [90, 5, 60, 33], num_heads=4, num_kv_heads=2, device="cpu")
-    want = paged_attention_ref(*batch.args(), sliding_window=20)
+    want = paged_attention_ref(*batch.args(sliding_window=20))
     # 7-query prefill chunks; decode rows one at a time (60 * (2 * 2 * 64 + 4) elements each).
     monkeypatch.setattr(reference, "_MAX_TEMP_ELEMS", 4 * 90 * 7)
-    got = paged_attention_ref(*batch.args(), sliding_window=20)
+    got = paged_attention_ref(*batch.args(sliding_window=20))
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 

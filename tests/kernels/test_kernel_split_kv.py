@@ -6,6 +6,7 @@ import pytest
 import torch
 from kernel_factories import assert_close, gpu, make_batch, requires_cuda
 
+from kvpool.kernels import AttentionInputError
 from kvpool.kernels.decode_split_kv import decode_split_kv
 from kvpool.kernels.dispatch import choose_num_splits
 from kvpool.kernels.reference import paged_attention_ref
@@ -34,8 +35,8 @@ def test_split_kv_matches_reference(num_splits, num_heads, num_kv_heads, head_si
 def test_split_kv_window_and_softcap(window, softcap):
     batch = make_batch([1] * 4, SEQ_LENS, num_heads=4, num_kv_heads=1, head_size=64)
     batch.query *= 3
-    got = decode_split_kv(*batch.args(), 5, sliding_window=window, softcap=softcap)
-    want = paged_attention_ref(*batch.args(), sliding_window=window, softcap=softcap)
+    got = decode_split_kv(*batch.args(sliding_window=window, softcap=softcap), 5)
+    want = paged_attention_ref(*batch.args(sliding_window=window, softcap=softcap))
     assert_close(got, want)
 
 
@@ -48,25 +49,32 @@ def test_split_kv_with_wide_padded_block_table():
 
 def test_split_kv_rejects_a_prefill_batch():
     batch = make_batch([2, 1], [5, 9])
-    with pytest.raises(AssertionError, match="one query token per sequence"):
+    with pytest.raises(AttentionInputError, match="one query token per sequence"):
+        decode_split_kv(*batch.args(), 2)
+
+
+def test_split_kv_rejects_empty_queries_beside_a_long_one():
+    # As many tokens as sequences, but not one each: not a decode batch.
+    batch = make_batch([2, 0], [5, 9])
+    with pytest.raises(AttentionInputError, match="one query token per sequence"):
         decode_split_kv(*batch.args(), 2)
 
 
 @pytest.mark.parametrize(
-    "num_seqs,num_tokens,num_kv_heads,max_context,num_sms,expected",
+    "num_seqs,decode_only,num_kv_heads,max_context,num_sms,expected",
     [
-        (1, 1, 8, 32768, 132, 64),  # 8 programs want 66 splits: capped at 64
-        (1, 1, 8, 4096, 132, 8),  # at most one split per 512 positions
-        (16, 16, 8, 4096, 132, 5),  # ceil(4 * 132 / 128)
-        (64, 64, 8, 32768, 132, 2),  # 512 programs: ceil(528 / 512)
-        (128, 128, 8, 32768, 132, 1),  # 1024 programs already fill the GPU
-        (1, 1, 8, 512, 132, 1),  # short context: nothing to split
-        (2, 5, 8, 32768, 132, 1),  # a prefill in the batch: the one-pass kernel
-        (0, 0, 8, 32768, 132, 1),
+        (1, True, 8, 32768, 132, 64),  # 8 programs want 66 splits: capped at 64
+        (1, True, 8, 4096, 132, 8),  # at most one split per 512 positions
+        (16, True, 8, 4096, 132, 5),  # ceil(4 * 132 / 128)
+        (64, True, 8, 32768, 132, 2),  # 512 programs: ceil(528 / 512)
+        (128, True, 8, 32768, 132, 1),  # 1024 programs already fill the GPU
+        (1, True, 8, 512, 132, 1),  # short context: nothing to split
+        (2, False, 8, 32768, 132, 1),  # a prefill in the batch: the one-pass kernel
+        (0, True, 8, 32768, 132, 1),
     ],
 )
-def test_choose_num_splits(num_seqs, num_tokens, num_kv_heads, max_context, num_sms, expected):
-    assert choose_num_splits(num_seqs, num_tokens, num_kv_heads, max_context, num_sms) == expected
+def test_choose_num_splits(num_seqs, decode_only, num_kv_heads, max_context, num_sms, expected):
+    assert choose_num_splits(num_seqs, decode_only, num_kv_heads, max_context, num_sms) == expected
 
 
 @gpu

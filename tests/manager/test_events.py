@@ -54,7 +54,7 @@ def test_subscriber_rebuilds_cached_set_and_replay(tmp_path):
     dealer.send_multipart([b"", (3).to_bytes(8, "big")])
     got = []
     for _ in range(200):
-        if publisher.replay.poll(10):
+        if publisher.replay.poll(10) or publisher.replay_pending:
             publisher.serve_replay()
         if dealer.poll(10):
             frames = dealer.recv_multipart()
@@ -102,3 +102,37 @@ def test_a_multi_shard_pool_losing_a_shard_publishes_its_clear_and_the_loop_surv
     finally:
         sub.close(0)
         srv.close()
+
+
+def test_replay_never_holds_the_loop_and_a_burst_of_requests_is_rate_limited(tmp_path):
+    ctx = zmq.Context()
+    publisher = EventPublisher(ctx, f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/replay.sock",
+                               replay_budget=50, replay_rate=5.0, max_replays=16)
+    for _ in range(300):
+        publisher.publish("p", [AllBlocksCleared()], 4)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"ipc://{tmp_path}/replay.sock")
+    for _ in range(40):  # a burst: 5 fit the bucket, the other 35 get the end marker alone
+        dealer.send((0).to_bytes(8, "big"))
+    while not publisher.replay.poll(100):
+        pass
+    time.sleep(0.2)  # let the whole burst arrive
+    per_call = []
+    received: list[int] = []
+    for _ in range(200):
+        publisher.serve_replay()
+        n = 0
+        while dealer.poll(20):
+            received.append(int.from_bytes(dealer.recv_multipart()[0], "big"))
+            n += 1
+        per_call.append(n)
+        if not publisher.replays and not publisher.replay.poll(0):
+            break
+    batches = [s for s in received if s != END_SEQ]
+    assert max(per_call) <= 50 + 40, "one call sends at most replay_budget batches (+ end markers)"
+    assert len(batches) == 5 * 300 and received.count(END_SEQ) == 40
+    assert publisher.replays_refused == 35
+    assert sorted(batches) == sorted(list(range(300)) * 5), "each admitted replay got every batch"
+    publisher.close()
+    dealer.close(0)
+    ctx.term()

@@ -52,8 +52,8 @@ def workload(a: ManagerClient, b: ManagerClient) -> None:
 def test_subscriber_rebuilds_the_cached_set_from_events_alone(procs, sock_dir):
     ep, ev_ep, rp_ep = (f"ipc://{sock_dir}/{n}.sock" for n in ("m", "ev", "rp"))
     procs([*CLI, "manager", "-m", ep, "--events-endpoint", ev_ep, "--events-replay-endpoint", rp_ep])
-    a = ManagerClient(ep, identity="a", timeout_s=0.5)
-    b = ManagerClient(ep, identity="b", timeout_s=10)
+    a = ManagerClient(ep, identity="a", role="admin", timeout_s=0.5)  # a and b step on each other's pools
+    b = ManagerClient(ep, identity="b", role="admin", timeout_s=10)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")

@@ -161,3 +161,28 @@ def test_context_manager_deregisters(live_server):
         epoch = reg(c)["epoch"]
         c.step("p", epoch, [{"op": "alloc", "req": 1, "hashes": [], "prompt_len": 3, "max_new": 3}])
     assert live.server.registry.sessions == {} and live.server.registry.total_requests() == 0
+
+
+def test_a_too_large_request_is_answered_with_a_nil_id_and_the_client_takes_it(live_server):
+    live = live_server()
+    c = ManagerClient(live.endpoint, timeout_s=5)
+    reg(c)
+    hashes = [bytes(32)] * ((live.server.cfg.max_message_bytes // 34) + 1000)  # over the limit, under 2x
+    t0 = time.monotonic()
+    with pytest.raises(ManagerError) as ei:
+        c.lookup("p", hashes)
+    assert ei.value.code == "too_large" and time.monotonic() - t0 < 4.5, "an error, not a timeout"
+    assert c.lookup("p", []) == 0  # the same session carries on
+    c.close()
+
+
+def test_a_second_worker_waits_for_the_shards_session_then_takes_over(live_server):
+    live = live_server(session_timeout_s=1.0)
+    first, second = ManagerClient(live.endpoint), ManagerClient(live.endpoint)
+    assert reg(first, inc="a")["epoch"] == 1
+    with pytest.raises(ManagerError) as ei:
+        reg(second, inc="b", wait_s=0.3)  # the shard is held by a live session
+    assert ei.value.code == "not_owner"
+    first.close()  # the first worker stops talking: its session expires, the shard is free
+    assert reg(second, inc="b", wait_s=10)["epoch"] == 2
+    second.close()

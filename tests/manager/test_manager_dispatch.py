@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from helpers.manager import SPEC, call, hello, make_server, ok, register
+from helpers.manager import SPEC, call, hello, kv_bytes, make_server, ok, register
 
 from kvpool.manager.server import OPS
 from kvpool.shared.hashing import hash_blocks
@@ -79,7 +79,7 @@ def test_step_runs_sub_ops_in_order_and_reports_each():
 
 def test_requests_are_scoped_per_session():
     srv, a = ready_server()
-    b = hello(srv)
+    b = hello(srv, role="admin")  # an admin may step on a pool it holds no shard of
     ok(call(srv, "step", a, pool="p", epoch=1, ops=[alloc(1)]))
     res = ok(call(srv, "step", b, pool="p", epoch=1, ops=[{"op": "free", "req": 1}, alloc(1)]))["results"]
     assert res[0]["code"] == "unknown_request" and res[1]["ok"]  # b's request 1 is another request
@@ -110,7 +110,7 @@ def test_a_pool_is_not_ready_until_all_shards_register_and_epoch_moves_on_restar
     assert call(srv, "step", sid, pool="p", epoch=1, ops=[])["status"] == "pool_not_ready"
     assert ok(register(srv, sid, rank=1, count=2, inc="i1", blocks=40)) | {} == {
         "pool": "p", "state": "ready", "epoch": 1, "registered": 2, "shard_count": 2, "num_blocks": 40,
-        "block_size": 4}
+        "block_size": 4, "max_model_len": 1 << 20}
     ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1)]))
     assert ok(register(srv, sid, rank=1, count=2, inc="i1-restarted", blocks=40))["epoch"] == 2
     assert call(srv, "step", sid, pool="p", epoch=1, ops=[])["status"] == "stale_epoch"
@@ -212,7 +212,7 @@ def test_an_internal_error_is_answered_and_counted(monkeypatch):
 def test_msgpack_ext_types_and_str_hashes_are_refused():
     srv, sid = ready_server()
     ext = msgpack.ExtType(1, b"x" * 32)
-    assert call(srv, "lookup", sid, pool="p", hashes=[ext])["status"] == "bad_hash"
+    assert call(srv, "lookup", sid, pool="p", hashes=[ext])["status"] == "bad_message"  # refused while decoding
     assert call(srv, "lookup", sid, pool="p", hashes=["a" * 32])["status"] == "bad_hash"
 
 
@@ -222,6 +222,156 @@ def test_a_sub_op_with_more_hashes_than_max_hashes_is_a_bad_field():
     res = ok(call(srv, "step", sid, pool="p", epoch=1, ops=[{**alloc(1), "hashes": hashes}]))["results"]
     assert res[0]["code"] == "bad_field" and str(MAX_HASHES) in res[0]["msg"]
     assert ok(call(srv, "stats", sid))["pools"]["p"]["requests"] == 0
+
+
+def _deep(levels: int) -> list:
+    v: list = []
+    for _ in range(levels):
+        v = [v]
+    return v
+
+
+@pytest.mark.parametrize("dtype", [["float16"], {"float16": 1}, _deep(1000), b"float16", 2])
+def test_register_with_a_container_or_deep_dtype_is_bad_field_not_internal(dtype):
+    srv = make_server()
+    sid = hello(srv)
+    reply = register(srv, sid, spec={**SPEC, "dtype": dtype})
+    assert reply["status"] == "bad_field" and "dtype" in reply["msg"] and len(reply["msg"]) < 300
+
+
+@pytest.mark.parametrize("where", ["pool", "epoch", "identity", "op", "req", "prompt_len", "child", "n"])
+def test_a_value_nested_1000_deep_in_a_validated_field_is_a_proper_error(where):
+    srv, sid = ready_server()
+    deep = _deep(1000)
+    if where in ("req", "prompt_len", "child"):
+        sub = {**alloc(1), where: deep} if where != "child" else {"op": "fork", "req": 1, "child": deep}
+        reply = call(srv, "step", sid, pool="p", epoch=1, ops=[sub])
+        result = ok(reply)["results"][0]
+        assert result["ok"] is False and result["code"] in ("bad_field", "unknown_request"), result
+        assert len(result["msg"]) < 300
+        return
+    if where == "identity":
+        reply = call(srv, "hello", identity=deep)
+    elif where == "op":
+        reply = unpack(srv.handle_payload(pack({"v": 1, "id": 3, "op": deep, "args": {}}), 0.0))
+    elif where == "n":
+        admin = hello(srv)
+        reply = call(srv, "evict", admin, pool="p", n=deep)
+    else:
+        reply = call(srv, "step", sid, **{"pool": "p", "epoch": 1, "ops": [], where: deep})
+    assert reply["status"] in ("bad_field", "unknown_op", "unknown_pool"), reply
+    assert srv.stats.errors["internal"] == 0 and len(reply["msg"]) < 300
+
+
+def test_an_array_of_empty_maps_is_refused_while_decoding_before_it_is_built():
+    import tracemalloc
+
+    srv = make_server()
+    n = srv.cfg.max_message_bytes - 16
+    one_array = b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n  # one array of ~8M empty maps
+    k = MAX_HASHES  # 63 arrays of k empty maps each: every array within the length limit
+    many_arrays = b"\xdc" + (63).to_bytes(2, "big") + (b"\xdd" + k.to_bytes(4, "big") + b"\x80" * k) * 63
+    assert len(many_arrays) < srv.cfg.max_message_bytes
+    for bomb, why in ((one_array, "exceeds max_array_len"), (many_arrays, "maps and arrays in one message")):
+        tracemalloc.start()
+        try:
+            replies = [unpack(srv.handle_payload(bomb, 0.0)) for _ in range(12)]
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert {r["status"] for r in replies} == {"bad_message"} and why in replies[0]["msg"], replies[0]
+        assert peak < 16 << 20, f"decoding built {peak >> 20} MiB of objects before refusing"
+    nested = pack({"v": 1, "id": 1, "op": "hello", "args": {"x": [[{}] * 4000] * 3}})
+    assert unpack(srv.handle_payload(nested, 0.0))["status"] == "bad_message"
+    assert ok(call(srv, "hello"))["sid"]  # and a normal message right after is served
+
+
+def test_extend_with_more_hashes_than_full_blocks_is_refused_as_alloc_is():
+    srv, sid = ready_server()
+    ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1, n_tokens=8)]))  # 2 full blocks of 4
+    res = ok(call(srv, "step", sid, pool="p", epoch=1,
+                  ops=[{"op": "extend", "req": 1, "num_tokens": 9, "hashes": H[2:6]}]))["results"][0]
+    assert res["ok"] is False and res["code"] == "bad_hashes", res
+    res = ok(call(srv, "step", sid, pool="p", epoch=1,
+                  ops=[{"op": "extend", "req": 1, "num_tokens": 12, "hashes": H[2:3]}]))["results"][0]
+    assert res["ok"] is True, res
+    ok(call(srv, "check", sid))
+
+
+def test_only_the_pools_shard_sessions_or_an_admin_may_step_on_it_or_register_over_it():
+    srv, owner = ready_server()
+    other = hello(srv)
+    assert call(srv, "step", other, pool="p", epoch=1, ops=[alloc(1)])["status"] == "not_owner"
+    taken = register(srv, other, inc="hijack", blocks=32)  # a new incarnation of a live session's shard
+    assert taken["status"] == "not_owner" and "replace" in taken["msg"]
+    assert ok(call(srv, "pools", owner))["pools"][0]["epoch"] == 1, "the refused registration changed nothing"
+    ok(call(srv, "step", owner, pool="p", epoch=1, ops=[alloc(1)]))
+    # the same incarnation from a new session (a worker whose session timed out) re-binds the shard
+    again = hello(srv)
+    assert ok(register(srv, again, blocks=32))["epoch"] == 1
+    assert call(srv, "step", owner, pool="p", epoch=1, ops=[])["status"] == "not_owner"
+    # an explicit replacement takes the shard over; the old owner is then refused
+    body = ok(call(srv, "register", other, pool="p", shard_rank=0, shard_count=1, incarnation="new", spec=SPEC,
+                   available_kv_bytes=kv_bytes(32), replace=True))
+    assert body["epoch"] == 2
+    assert register(srv, again, inc="i0-restarted", blocks=32)["status"] == "not_owner"
+    admin = hello(srv, role="admin")
+    ok(call(srv, "step", admin, pool="p", epoch=2, ops=[alloc(1)]))
+    ok(call(srv, "deregister", other))  # a pool whose shards' sessions are gone is anyone's
+    assert ok(register(srv, again, inc="i0-after", blocks=32))["epoch"] == 3
+    assert call(srv, "register", again, pool="p", shard_rank=0, shard_count=1, incarnation="x", spec=SPEC,
+                available_kv_bytes=kv_bytes(32), replace="yes")["status"] == "bad_field"
+    ok(call(srv, "check", admin))
+
+
+def test_a_worker_role_is_no_admin_for_ownership_even_without_an_admin_key():
+    srv, owner = ready_server()  # no admin key: every session may run admin ops ...
+    intruder = hello(srv, role="worker")
+    assert ok(call(srv, "pools", intruder))["pools"]  # ... but owning a pool needs a shard or role admin
+    assert call(srv, "step", intruder, pool="p", epoch=1, ops=[])["status"] == "not_owner"
+
+
+def test_registrations_beyond_the_session_and_total_block_quotas_are_refused():
+    srv = make_server(max_session_blocks=100, max_total_blocks=150)
+    a, b = hello(srv), hello(srv)
+    ok(register(srv, a, pool="p1", blocks=60))
+    over = register(srv, a, pool="p2", blocks=41)
+    assert over["status"] == "quota_exceeded" and "max_session_blocks" in over["msg"]
+    ok(register(srv, a, pool="p2", blocks=40))
+    ok(register(srv, a, pool="p1", inc="i1", blocks=60))  # re-registering its own shard counts once
+    over = register(srv, b, pool="p3", blocks=51)
+    assert over["status"] == "quota_exceeded" and "max_total_blocks" in over["msg"]
+    ok(register(srv, b, pool="p3", blocks=50))
+    assert sorted(p["pool"] for p in ok(call(srv, "pools", a))["pools"]) == ["p1", "p2", "p3"]
+
+
+def test_tokens_per_sub_op_are_bounded_by_the_pools_declared_max_model_len():
+    srv = make_server()
+    sid = hello(srv)
+    body = ok(register(srv, sid, blocks=64, spec={**SPEC, "max_model_len": 64}))
+    assert body["max_model_len"] == 64
+    for sub in ({**alloc(1), "prompt_len": 65, "max_new": 1}, {**alloc(1), "lookahead": 65},
+                {"op": "extend", "req": 1, "num_tokens": 65}):
+        reply = call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(9), sub])
+        assert reply["status"] == "bad_field" and "max_model_len" in reply["msg"], reply
+    assert ok(call(srv, "stats", sid))["pools"]["p"]["requests"] == 0, "a refused step runs no sub-op"
+    assert register(srv, sid, pool="q", spec={**SPEC, "max_model_len": (1 << 20) + 1})["status"] == "bad_field"
+
+
+def test_the_blocks_one_step_may_hand_out_or_share_are_bounded():
+    srv = make_server(max_step_blocks=40)
+    sid = hello(srv)
+    ok(register(srv, sid, blocks=1000))
+    # block_size 4: each alloc of 16 tokens may take 4 blocks (+1 margin): 8 fit, 9 do not
+    assert ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(r, hashes=[]) for r in range(8)]))
+    reply = call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(r, hashes=[]) for r in range(8, 17)])
+    assert reply["status"] == "step_too_large" and "max_step_blocks" in reply["msg"]
+    # growth within one step is projected: admit small, then extend and fork it in the same message
+    grow = [alloc(100, n_tokens=4, hashes=[]), {"op": "extend", "req": 100, "num_tokens": 160}]
+    assert call(srv, "step", sid, pool="p", epoch=1, ops=grow)["status"] == "step_too_large"
+    forks = [{"op": "fork", "req": 0, "child": 200 + i} for i in range(9)]  # 4 blocks shared each
+    assert call(srv, "step", sid, pool="p", epoch=1, ops=forks + [alloc(300, hashes=[])])["status"] == "step_too_large"
+    assert ok(call(srv, "stats", sid))["pools"]["p"]["requests"] == 8
 
 
 def test_an_extend_with_a_base_runs_only_on_the_tokens_it_was_built_on():

@@ -30,8 +30,8 @@ def metered(sock_dir):
     live = LiveServer(endpoint=f"ipc://{sock_dir}/m.sock", metrics_port=port)
     clients = []
 
-    def client(identity: str) -> ManagerClient:
-        c = ManagerClient(live.endpoint, identity=identity, timeout_s=5)
+    def client(identity: str, role: str = "worker") -> ManagerClient:
+        c = ManagerClient(live.endpoint, identity=identity, role=role, timeout_s=5)
         clients.append(c)
         return c
 
@@ -43,7 +43,7 @@ def metered(sock_dir):
 
 def test_metrics_follow_steps_hits_no_space_and_evictions(metered):
     live, port, client = metered
-    a, b = client("a"), client("b")
+    a, b = client("a"), client("b", role="admin")  # b steps on a's pool: only an admin may
     epoch = a.register("p", shard_rank=0, shard_count=1, incarnation="i", spec=SPEC,
                        available_kv_bytes=kv_bytes(24))["epoch"]
     rng = random.Random(0)

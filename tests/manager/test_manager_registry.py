@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers.manager import SPEC, kv_bytes
 
+from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.core.kv_events import AllBlocksCleared, BlockStored
 from kvpool.manager.registry import GLOBAL, Registry
 from kvpool.shared.protocol import KVSpec, ManagerError
@@ -174,3 +175,33 @@ def test_the_last_shard_of_a_waiting_pool_keeps_its_spec_when_it_leaves():
     reg_shard(r, s0, rank=0, count=2, inc="a0")
     r.end_session(s0.sid)
     assert list(r.pools["p"].shards) == [0] and r.pools["p"].shards[0].sid is None
+
+
+def test_a_shard_expiring_while_its_pool_waits_is_forgotten_as_on_deregister():
+    r = make_registry()
+    s0 = r.open_session("w0", "worker", False, 1, 0.0)
+    s1 = r.open_session("w1", "worker", False, 1, 0.0)
+    reg_shard(r, s0, rank=0, count=3, inc="a0")
+    reg_shard(r, s1, rank=1, count=3, inc="a1")
+    s0.last_seen = 100.0  # rank 0 keeps talking; rank 1 goes silent and expires
+    assert [s.sid for s, _ in r.expire(100.0)] == [s1.sid]
+    s2 = r.open_session("w2", "worker", False, 1, 100.0)
+    entry = reg_shard(r, s2, rank=2, count=3, inc="a2")
+    assert entry.state == "pending" and sorted(entry.shards) == [0, 2]
+    r.check_invariants()
+
+
+def test_check_catches_a_ready_multi_shard_pool_with_a_dead_shard():
+    r = make_registry()
+    s0, s1 = (r.open_session(f"w{i}", "worker", False, 1, 0.0) for i in range(2))
+    reg_shard(r, s0, rank=0, count=2, inc="a0")
+    entry = reg_shard(r, s1, rank=1, count=2, inc="a1")
+    r.check_invariants()
+    entry.shards[1].sid = None  # what the deregister-while-pending bug left behind
+    with pytest.raises(InvariantBroken, match=r"shards \[1\] whose sessions are gone"):
+        r.check_invariants()
+    entry.shards[1].sid = s1.sid
+    single = reg_shard(r, s0, pool="q", inc="b")
+    r.end_session(s0.sid)  # p drops back to pending; q, a single-shard pool, keeps its state
+    assert (entry.state, single.state, single.shards[0].sid) == ("pending", "ready", None)
+    r.check_invariants()

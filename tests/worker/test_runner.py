@@ -21,11 +21,13 @@ def test_metadata_exact():
     m = build_metadata(plan, 4, "cpu")
     assert m.input_ids.tolist() == [7, 8, 9, 4, 1, 2]
     assert m.positions.tolist() == [0, 1, 2, 5, 2, 3]
-    assert m.query_start_loc.tolist() == [0, 3, 4, 6] and m.query_start_loc.dtype == torch.int32
-    assert m.seq_lens.tolist() == [3, 6, 4] and m.seq_lens.dtype == torch.int32
-    assert m.block_table.tolist() == [[5, 2], [3, 9], [6, 0]] and m.block_table.dtype == torch.int32
-    assert m.slot_mapping.tolist() == [20, 21, 22, 37, 26, 27]  # block * 4 + offset
-    assert m.slot_mapping.dtype == torch.int64
+    a = m.attn
+    assert a.query_start_loc.tolist() == [0, 3, 4, 6] and a.query_start_loc.dtype == torch.int32
+    assert a.seq_lens.tolist() == [3, 6, 4] and a.seq_lens.dtype == torch.int32
+    assert a.block_tables.tolist() == [[5, 2], [3, 9], [6, 0]] and a.block_tables.dtype == torch.int32
+    assert a.slot_mapping.tolist() == [20, 21, 22, 37, 26, 27]  # block * 4 + offset
+    assert a.slot_mapping.dtype == torch.int64
+    assert (a.max_query_len, a.max_seq_len) == (3, 6)
     assert m.logits_indices.tolist() == [2, 3]
 
 

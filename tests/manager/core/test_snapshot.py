@@ -73,3 +73,52 @@ def test_corrupt_state_is_refused(corrupt, match):
     corrupt(d)
     with pytest.raises(CorruptState, match=match):
         load_pool(d)
+
+
+def test_a_corrupt_snapshot_is_refused_under_python_dash_O():
+    # python -O strips assert statements: the checks that guard loaded state must not be asserts
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import random, sys
+        sys.path.insert(0, HERE)
+        from test_snapshot import churn, BS
+        from kvpool.manager.core.pool import Pool
+        from kvpool.manager.core.snapshot import CorruptState, dump_pool, load_pool
+        assert False, "asserts must be off"
+    """)
+    check = textwrap.dedent("""
+        pool = Pool(40, BS)
+        churn(pool, random.Random(3), 120)
+        for key in list(pool.requests)[::2]:
+            pool.free(key)
+        refused = 0
+        for corrupt in (lambda d: d.update(lru=b""), lambda d: d["requests"].pop(),
+                        lambda d: d.update(ref_cnt=d["ref_cnt"][:4] + (7).to_bytes(4, "little") + d["ref_cnt"][8:])):
+            d = dump_pool(pool)
+            corrupt(d)
+            try:
+                load_pool(d)
+            except CorruptState:
+                refused += 1
+        from kvpool.manager.core.block_pool import InvariantBroken
+        from kvpool.manager.registry import Registry
+        reg = Registry("inc", session_timeout_s=10.0)
+        sess = reg.open_session("w", "worker", False, 1, 0.0)
+        from kvpool.shared.protocol import KVSpec
+        entry = reg.register(sess, "p", 0, 1, "i", KVSpec(4, 1, 1, 2, "float16"), 1 << 20)
+        entry.pool.allocate(("no-such-session", 1), [], 8, 8)  # what a corrupt journal could leave
+        try:
+            reg.check_invariants()
+        except InvariantBroken:
+            refused += 1
+        print("refused", refused)
+    """)
+    code = code.replace("HERE", repr(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-O", "-c", code.replace('assert False, "asserts must be off"', check)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["refused", "4"]

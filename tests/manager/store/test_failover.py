@@ -89,7 +89,7 @@ def test_redis_stopped_then_killed_answers_errors_and_recovers(procs, sock_dir, 
     d.wait_active()
     c, epoch = worker([d.endpoint])
     held = c.step("p", epoch, ALLOC)[0]["blocks"]
-    probe = ManagerClient(d.endpoint, identity="probe", timeout_s=1.0)  # its own session for raw steps
+    probe = ManagerClient(d.endpoint, identity="probe", role="admin", timeout_s=1.0)  # raw steps on c's pool
     probe.hello()
 
     def probe_step(rid: int) -> dict | None:

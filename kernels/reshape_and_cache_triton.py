@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import check_cache_write
+
 
 @triton.jit
 def _reshape_and_cache_kernel(
@@ -47,28 +49,8 @@ def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter key/value rows into kv_cache at slot_mapping (in place; slot -1 = skip)."""
-    assert key.dim() == 3 and key.shape == value.shape, (
-        f"key/value must be [num_tokens, num_kv_heads, head_size] and equal, got "
-        f"{tuple(key.shape)} / {tuple(value.shape)}"
-    )
+    check_cache_write(key, value, kv_cache, slot_mapping)
     num_tokens, num_kv_heads, head_size = key.shape
-    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, (
-        f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size], "
-        f"got {tuple(kv_cache.shape)}"
-    )
-    assert tuple(kv_cache.shape[3:]) == (num_kv_heads, head_size), (
-        f"kv_cache heads/head_size {tuple(kv_cache.shape[3:])} != key's {(num_kv_heads, head_size)}"
-    )
-    assert key.dtype == value.dtype == kv_cache.dtype, (
-        f"key/value/kv_cache dtypes differ: {key.dtype}, {value.dtype}, {kv_cache.dtype}"
-    )
-    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64, (
-        f"slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} "
-        f"{tuple(slot_mapping.shape)}"
-    )
-    assert key.stride(2) == value.stride(2) == kv_cache.stride(4) == 1, (
-        "the head_size dimension of key, value and kv_cache must be contiguous"
-    )
     if num_tokens == 0:
         return
     _reshape_and_cache_kernel[(num_tokens,)](

@@ -17,7 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import _attend_tile, check_attention_args, dot_dim, dot_precision
+from .attention_common import (
+    _attend_tile,
+    choose_tiles,
+    dot_dim,
+    dot_precision,
+    refuse_interpreted_bf16,
+)
+from .checks import check_attention
+from .metadata import AttentionMetadata
 
 
 @triton.jit
@@ -106,48 +114,36 @@ def _paged_attention_kernel(
     tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=qd_mask)
 
 
-def _block_m(num_tokens: int, num_seqs: int, qpk: int) -> int:
-    # Decode-heavy batches: 16 rows (the smallest tl.dot M). Prefill: 64 rows reuse each K/V
-    # tile across more queries. Always at least one full GQA group.
-    avg_rows = qpk * num_tokens / max(num_seqs, 1)
-    return max(64 if avg_rows >= 64 else 16, dot_dim(qpk))
-
-
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
+    meta: AttentionMetadata,
     *,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
     out: torch.Tensor | None = None,
-    tile_n: int = 32,
+    tile_n: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context; see module doc."""
     out = torch.empty_like(query) if out is None else out
-    check_attention_args(query, kv_cache, query_start_loc, seq_lens, block_table, out, tile_n)
-    assert sliding_window is None or sliding_window >= 1, f"sliding_window {sliding_window} < 1"
-    assert softcap is None or softcap > 0, f"softcap must be > 0, got {softcap}"
+    check_attention(query, kv_cache, meta, out)
+    refuse_interpreted_bf16(_paged_attention_kernel, query.dtype)
     num_tokens, num_heads, head_size = query.shape
-    num_seqs, num_kv_heads = seq_lens.shape[0], kv_cache.shape[3]
+    num_seqs, num_kv_heads = meta.num_seqs, kv_cache.shape[3]
     if num_tokens == 0 or num_seqs == 0:
         return out
     qpk = num_heads // num_kv_heads
-    block_m = _block_m(num_tokens, num_seqs, qpk)
-    block_q = block_m // qpk
+    tiles = choose_tiles(head_size, num_tokens / num_seqs, qpk, query.element_size(), tile_n)
+    block_q = tiles.block_m // qpk
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    bt = meta.block_tables
     _paged_attention_kernel[grid](
-        query, kv_cache, out, query_start_loc, seq_lens, block_table,
-        scale, softcap or 0.0, sliding_window or 0, num_seqs,
+        query, kv_cache, out, meta.query_start_loc, meta.seq_lens, bt,
+        meta.scale, meta.softcap or 0.0, meta.sliding_window or 0, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_table.stride(0),
-        QPK=qpk, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, BLOCK_SIZE=kv_cache.shape[2],
-        HEAD_SIZE=head_size, HEAD_P2=dot_dim(head_size),
-        USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION=dot_precision(query.dtype),
+        bt.stride(0),
+        QPK=qpk, BLOCK_Q=block_q, BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n,
+        BLOCK_SIZE=kv_cache.shape[2], HEAD_SIZE=head_size, HEAD_P2=dot_dim(head_size),
+        USE_SOFTCAP=meta.softcap is not None, USE_WINDOW=meta.sliding_window is not None,
+        DOT_PRECISION=dot_precision(query.dtype), num_warps=tiles.num_warps,
     )
     return out

@@ -10,6 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import check_copy_blocks
+from .metadata import AttentionInputError
+
 
 @triton.jit
 def _copy_blocks_kernel(
@@ -44,25 +47,12 @@ def copy_blocks(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> N
     Destinations must be distinct and must not be sources in the same call (copy-on-write always
     copies into freshly allocated blocks); programs run concurrently, so order is not defined.
     """
-    assert kv_caches, "kv_caches is empty"
+    check_copy_blocks(kv_caches, block_mapping)
     first = kv_caches[0]
-    assert first.dim() == 5 and first.shape[0] == 2, (
-        f"each kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size], "
-        f"got {tuple(first.shape)}"
-    )
-    for c in kv_caches:
-        assert c.shape == first.shape and c.stride() == first.stride(), (
-            "all layers' kv_caches must share shape and strides"
+    if not first[0, 0].is_contiguous() or first.dtype not in _TORCH_TO_TL:
+        raise AttentionInputError(
+            f"copy_blocks needs contiguous cache blocks of fp16, bf16 or fp32, got {first.dtype}"
         )
-        assert c.dtype == first.dtype and c.device == first.device, (
-            "all layers' kv_caches must share dtype and device"
-        )
-    assert first[0, 0].is_contiguous(), "each cache block must be contiguous"
-    assert first.dtype in _TORCH_TO_TL, f"unsupported cache dtype {first.dtype}"
-    assert block_mapping.dim() == 2 and block_mapping.shape[1] == 2, (
-        f"block_mapping must be [n, 2] of (src, dst), got {tuple(block_mapping.shape)}"
-    )
-    assert block_mapping.dtype == torch.int64, f"block_mapping must be int64, got {block_mapping.dtype}"
     num_pairs = block_mapping.shape[0]
     if num_pairs == 0:
         return
