@@ -21,9 +21,14 @@ from kvpool.shared.protocol import ManagerError, default_endpoint
 
 
 def default_worker_endpoint(pool: str) -> str:
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = os.path.join(runtime, "kvpool") if runtime else f"/tmp/kvpool-{os.getuid()}"
-    os.makedirs(base, exist_ok=True)
+    """ipc://RUNTIME_DIR/worker-POOL.sock, in a directory that must be this user's alone."""
+    from kvpool.shared.bind import ensure_private_dir, runtime_dir
+
+    base = runtime_dir()
+    try:
+        ensure_private_dir(base)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
     return f"ipc://{os.path.join(base, f'worker-{pool}.sock')}"
 
 
@@ -48,6 +53,8 @@ def worker_service_options(f):
                      help="This worker's NAME.key_secret: CURVE on its generate socket (`kvpool keygen`).")(f)
     f = click.option("--metrics-port", type=int, default=None, help="Prometheus /metrics TCP port; 0: off [0].")(f)
     f = click.option("--metrics-host", default=None, help="Address of the metrics endpoint [127.0.0.1].")(f)
+    f = click.option("--insecure", is_flag=True, default=None,
+                     help="Allow a non-loopback TCP --endpoint without CURVE (a trusted, isolated network only).")(f)
     return curve_options(log_options(f))
 
 

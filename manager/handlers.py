@@ -68,6 +68,8 @@ class Handlers:
         self.started = time.monotonic()
         self.msg_id = 0  # the id of the message being handled (set by the server): retried steps
         self.store_stats: Callable[[], dict] = dict  # the state store's counters (set by the server)
+        # With CURVE on, an allowed worker key is no admin credential: admin ops then need admin_key.
+        self.admin_needs_key = False
 
     # -- sessions --------------------------------------------------------------------------
 
@@ -103,7 +105,7 @@ class Handlers:
 
     def _admin_ok(self, role: str, key: object) -> bool:
         if self.admin_key is None:
-            return True  # no key configured: every client may run admin ops
+            return not self.admin_needs_key  # no key configured: every client may, unless CURVE is on
         if role != "admin":
             return False
         if type(key) is not str or not hmac.compare_digest(key.encode(), self.admin_key.encode()):

@@ -112,6 +112,7 @@ class Registry:
         # replaces it with the id it keeps with the state, so it survives restarts and failovers.
         self.state_id = incarnation
         self.durable = False  # a persistent store holds this state (set by the store)
+        self.seq = 0  # the store's last committed batch (its commit sequence); replies carry it
         # When a store journals (manager/store/journal.py): this iteration's mutations as records.
         self.log: list[Mutation] | None = None
 
@@ -143,6 +144,7 @@ class Registry:
         the handlers and the metrics hold) stays, with its incarnation and limits."""
         self.sessions, self.pools, self.draining = other.sessions, other.pools, other.draining
         self.next_num, self.state_id, self.durable = other.next_num, other.state_id, other.durable
+        self.seq = other.seq
         self.log, self.dirty = other.log, set()
         self.orphan_events = []
         for entry in self.pools.values():

@@ -4,7 +4,8 @@ A service with ``Type=notify`` tells systemd it is ready by sending the datagram
 the AF_UNIX socket named in ``NOTIFY_SOCKET`` (a leading ``@`` means the abstract namespace).
 With ``WatchdogSec=`` set, systemd passes ``WATCHDOG_USEC`` and expects ``WATCHDOG=1`` more often
 than that; ``Watchdog.tick`` sends it at half the interval, from the service's own loop, so a
-wedged loop is restarted. Outside systemd (no NOTIFY_SOCKET) every call is a no-op.
+wedged loop is restarted. Outside systemd (no NOTIFY_SOCKET) every call is a no-op. A send never
+blocks: when the receiver's queue is full the datagram is dropped (the loop must not wait on it).
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ class Notifier:
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
                 s.connect(self.address)
-                s.sendall(msg)
+                s.send(msg, socket.MSG_DONTWAIT)  # never block the caller's loop on a full socket
             return True
+        except BlockingIOError:  # the receiver is not reading: drop this one (the next tick retries)
+            log.debug("sd_notify to %s: its queue is full; dropped %r", self.address.lstrip("\0"), msg[:40])
+            return False
         except OSError as e:
             log.warning("sd_notify to %s failed: %s", self.address.lstrip("\0"), e)
             return False

@@ -11,14 +11,17 @@ socket also works). Frames as the manager sees them::
 The reply mirrors the request's framing. ``payload`` is one msgpack map (str keys, bytes as
 msgpack bin, strings as msgpack str)::
 
-    request {"v": 1, "id": uint64, "op": str, "sid": str (every op but hello), "args": map}
+    request {"v": 1, "id": uint64, "op": str, "sid": str (every op but hello), "args": map,
+             "seq": uint64 (optional: the highest commit sequence the client saw)}
     reply   {"id": uint64 | nil, "status": "ok" | <error code>, "inc": str, "state": str (optional),
-             "body": map (ok, and some errors), "msg": str (errors only)}
+             "seq": uint64 (durable managers), "body": map (ok, and some errors), "msg": str (errors only)}
 
 ``inc`` is the manager process's incarnation id; ``state`` the id of the state it serves (absent:
 equal to ``inc``). When the state id changes, every session, registration and request the client
 knew is gone. Without persistence the two are equal (a new process, a new empty state); with a
-persistent store the state id survives restarts and failovers, so clients carry on. Never pickle, never msgpack ext types.
+persistent store the state id survives restarts and failovers, so clients carry on. ``seq``, the
+state's commit sequence, never goes down within one state id: a client that meets a lower one
+treats it as a new state (PROTOCOL.md section 11). Never pickle, never msgpack ext types.
 """
 
 from __future__ import annotations
@@ -168,23 +171,32 @@ def unpack(payload: bytes, max_objects: int | None = None) -> Any:
                            max_ext_len=0, object_hook=count, list_hook=count)
 
 
-def encode_request(msg_id: int, op: str, sid: str | None, args: dict) -> bytes:
+def encode_request(msg_id: int, op: str, sid: str | None, args: dict, seq: int | None = None) -> bytes:
+    """``seq``: the highest commit sequence the client saw in its session's state (optional)."""
     msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": msg_id, "op": op, "args": args}
     if sid is not None:
         msg["sid"] = sid
+        if seq:
+            msg["seq"] = seq
     return pack(msg)
 
 
-def ok_reply(msg_id: int | None, inc: str, body: dict, state: str | None = None) -> bytes:
-    if state is None or state == inc:
-        return pack({"id": msg_id, "status": "ok", "inc": inc, "body": body})
-    return pack({"id": msg_id, "status": "ok", "inc": inc, "state": state, "body": body})
+def ok_reply(msg_id: int | None, inc: str, body: dict, state: str | None = None, seq: int | None = None) -> bytes:
+    reply: dict[str, Any] = {"id": msg_id, "status": "ok", "inc": inc, "body": body}
+    if state is not None and state != inc:
+        reply["state"] = state
+    if seq is not None:
+        reply["seq"] = seq
+    return pack(reply)
 
 
-def error_reply(msg_id: int | None, inc: str, err: ManagerError, state: str | None = None) -> bytes:
+def error_reply(msg_id: int | None, inc: str, err: ManagerError, state: str | None = None,
+                seq: int | None = None) -> bytes:
     reply: dict[str, Any] = {"id": msg_id, "status": err.code, "inc": inc, "msg": err.message}
     if state is not None and state != inc:
         reply["state"] = state
+    if seq is not None:
+        reply["seq"] = seq
     if err.body:
         reply["body"] = err.body
     return pack(reply)

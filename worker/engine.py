@@ -63,7 +63,7 @@ class Engine:
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.block_size = scheduler.block_size
-        scheduler.eos_token_id = model.config.eos_token_id  # the model's, whoever built the scheduler
+        scheduler.eos_token_ids = frozenset(model.config.eos_token_ids)  # the model's, whoever built the scheduler
         self.tp = tp
         # max_model_len: the manager bounds the tokens of one sub-op by it (manager/guards.py)
         self.spec = dataclasses.replace(kv_spec(model.config, self.block_size, self.dtype, model.tp_size),

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from kvpool.worker.request import Request
@@ -78,7 +79,7 @@ class Scheduler:
     def __init__(self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, *, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, static_prealloc: bool = False,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_ids: Collection[int] = ()) -> None:
         self.block_size = block_size
         self.token_budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -86,7 +87,7 @@ class Scheduler:
         self.caching = enable_prefix_caching and not static_prealloc
         self.chunked = enable_chunked_prefill
         self.static = static_prealloc
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)  # any of them ends a request ("stop")
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: newest last
         self.pending_frees: list[int] = []
@@ -350,7 +351,7 @@ class Scheduler:
             return  # aborted while its step ran
         req.append(out.token)
         reason = None
-        if out.token == self.eos_token_id and not req.params.ignore_eos:
+        if out.token in self.eos_token_ids and not req.params.ignore_eos:
             reason = "stop"
         elif out.token in req.params.stop_token_ids:
             reason = "stop"

@@ -41,6 +41,7 @@ from kvpool.worker.wire import MAX_MESSAGE_BYTES, client_id, decode, op_of, pars
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 100
 MAX_BATCH = 256  # messages read per iteration: a flood cannot stop the engine from stepping
+DROP_LOG_EVERY_S = 5.0
 MAX_OPEN_REQUESTS = 4096  # client requests queued or running; more are refused until some finish
 
 
@@ -69,6 +70,8 @@ class WorkerServer:
         self._next = 0
         self._stop = False
         self._reload = False  # SIGHUP: re-read the allowed CURVE keys at the next iteration
+        self.replies_dropped = 0  # replies to clients that do not read (their queue was full)
+        self._next_drop_log = 0.0
 
     def request_stop(self, *_: object) -> None:
         self._stop = True
@@ -176,7 +179,11 @@ class WorkerServer:
         try:
             self._sock.send_multipart([ident, pack(body)], zmq.NOBLOCK)
         except zmq.Again:
-            logger.warning("client %r is not reading; dropped a reply", ident)
+            self.replies_dropped += 1
+            now = time.monotonic()
+            if now >= self._next_drop_log:  # a flooding client must not flood the log too
+                self._next_drop_log = now + DROP_LOG_EVERY_S
+                logger.warning("client %r is not reading; %d replies dropped so far", ident, self.replies_dropped)
 
     def shutdown(self) -> None:
         self.notifier.stopping()

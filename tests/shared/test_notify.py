@@ -44,3 +44,19 @@ def test_noop_outside_systemd_and_watchdog_for_other_pid():
     other = Notifier({"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"})
     assert other.watchdog_interval is None
     assert other.ready() is False, "a dead socket is reported, not raised"
+
+
+def test_a_receiver_that_stops_reading_never_blocks_the_sender(tmp_path):
+    """The manager sends WATCHDOG=1 from its loop: a full notify socket (systemd stalled, or a
+    test that stopped reading) must cost a dropped datagram, never a blocked loop."""
+    import time
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "n.sock"))
+    n = Notifier({"NOTIFY_SOCKET": str(tmp_path / "n.sock")})
+    t0 = time.monotonic()
+    sent = [n.status(f"tick {i}") for i in range(200)]  # far past the receive queue (max_dgram_qlen)
+    assert time.monotonic() - t0 < 2.0
+    assert sent[0] and not all(sent)  # the first ones arrive, the rest are dropped
+    assert sock.recv(100) == b"STATUS=tick 0"
+    sock.close()
