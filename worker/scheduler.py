@@ -56,6 +56,8 @@ class Output:
     req: Request
     token: int
     parent: Request | None = None
+    logprob: float | None = None  # when the request asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -352,6 +354,8 @@ class Scheduler:
         req.append(out.token)
         reason = None
         if out.token in self.eos_token_ids and not req.params.ignore_eos:
+            reason = "stop"
+        elif out.token in req.params.stop_token_ids:
             reason = "stop"
         elif req.num_output >= req.params.max_tokens or len(req.tokens) >= self.max_model_len:
             reason = "length"
