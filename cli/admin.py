@@ -34,7 +34,13 @@ from kvpool.cli.layered import explicit_flags, load_service, manager_ops_options
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="Config file (.toml with a [manager] table, or .json) [/etc/kvpool/manager.toml if it "
                    "exists]; KVPOOL_MANAGER_<FIELD> environment variables override it, options override both.")
-@click.option("--admin-key", envvar="KVPOOL_ADMIN_KEY", default=None, help="Require this key for admin ops.")
+@click.option("--admin-key", envvar="KVPOOL_ADMIN_KEY", default=None,
+              help="Require this key for admin ops. On the command line every local user can read it "
+                   "(/proc/PID/cmdline): prefer env KVPOOL_ADMIN_KEY or --admin-key-file.")
+@click.option("--admin-key-file", envvar="KVPOOL_MANAGER_ADMIN_KEY_FILE", default=None,
+              type=click.Path(dir_okay=False), help="Read the admin key from this file (mode 0600, first line).")
+@click.option("--insecure", is_flag=True, default=None,
+              help="Allow binding a non-loopback TCP address without CURVE (a trusted, isolated network only).")
 @durability_options
 @manager_ops_options
 @click.pass_context

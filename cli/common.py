@@ -79,11 +79,51 @@ def export_curve_env(ctx: click.Context) -> None:
             os.environ[var] = args[name]
 
 
+ADMIN_KEY_FILE_META = "kvpool.admin_key_file"
+
+
+def _admin_key_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    ctx.meta[ADMIN_KEY_FILE_META] = value
+    return value
+
+
 def client_options(f: Callable) -> Callable:
     f = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(f)
     f = click.option("--timeout", "timeout_s", default=3.0, show_default=True, help="Seconds to wait for a reply.")(f)
-    f = click.option("--admin-key", envvar="KVPOOL_ADMIN_KEY", default=None, help="Admin key; env KVPOOL_ADMIN_KEY.")(f)
+    f = click.option("--admin-key-file", envvar="KVPOOL_ADMIN_KEY_FILE", default=None, expose_value=False,
+                     callback=_admin_key_file, type=click.Path(dir_okay=False),
+                     help="Read the admin key from this file (mode 0600, first line); env KVPOOL_ADMIN_KEY_FILE.")(f)
+    f = click.option("--admin-key", envvar="KVPOOL_ADMIN_KEY", default=None,
+                     help="Admin key. On the command line every local user can read it (/proc/PID/cmdline): "
+                          "prefer env KVPOOL_ADMIN_KEY or --admin-key-file.")(f)
     return curve_options(manager_option(f))
+
+
+def _resolve_admin_key(ctx: click.Context | None, admin_key: str | None) -> str | None:
+    path = ctx.meta.get(ADMIN_KEY_FILE_META) if ctx is not None else None
+    if admin_key is not None or not path:
+        return admin_key
+    from kvpool.shared.bind import read_secret_file
+
+    try:
+        return read_secret_file(path, "--admin-key-file")
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _check_socket_dir(endpoint: str) -> None:
+    """The default ipc socket's directory must be this user's alone: a socket another user put
+    there would receive the admin key."""
+    from kvpool.shared.bind import check_private_dir, runtime_dir
+
+    if not endpoint.startswith("ipc://"):
+        return
+    directory = os.path.dirname(endpoint[len("ipc://"):]) or "."
+    if os.path.abspath(directory) == os.path.abspath(runtime_dir()) and os.path.exists(directory):
+        try:
+            check_private_dir(directory)
+        except ValueError as e:
+            raise click.ClickException(f"refusing to connect: {e}") from None
 
 
 @contextmanager
@@ -92,6 +132,8 @@ def connect(endpoint: str, timeout_s: float, admin_key: str | None) -> Iterator:
 
     ctx = click.get_current_context(silent=True)
     curve = ctx.meta.get(CURVE_META) if ctx is not None else None
+    admin_key = _resolve_admin_key(ctx, admin_key)
+    _check_socket_dir(endpoint)
     # Without a key, an observer session: admin ops then work only on a manager without an admin key.
     role = "admin" if admin_key else "observer"
     try:

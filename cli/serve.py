@@ -1,4 +1,5 @@
-"""Worker commands: `kvpool worker` serves a model, `kvpool generate` asks it, `kvpool demo`."""
+"""Worker commands: `kvpool worker` serves a model, `kvpool generate` asks it, `kvpool demo` (text
+through the front door: frontend/demo.py)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,14 @@ from kvpool.shared.protocol import ManagerError, default_endpoint
 
 
 def default_worker_endpoint(pool: str) -> str:
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = os.path.join(runtime, "kvpool") if runtime else f"/tmp/kvpool-{os.getuid()}"
-    os.makedirs(base, exist_ok=True)
+    """ipc://RUNTIME_DIR/worker-POOL.sock, in a directory that must be this user's alone."""
+    from kvpool.shared.bind import ensure_private_dir, runtime_dir
+
+    base = runtime_dir()
+    try:
+        ensure_private_dir(base)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
     return f"ipc://{os.path.join(base, f'worker-{pool}.sock')}"
 
 
@@ -50,6 +56,8 @@ def worker_service_options(f):
                      help="This worker's NAME.key_secret: CURVE on its generate socket (`kvpool keygen`).")(f)
     f = click.option("--metrics-port", type=int, default=None, help="Prometheus /metrics TCP port; 0: off [0].")(f)
     f = click.option("--metrics-host", default=None, help="Address of the metrics endpoint [127.0.0.1].")(f)
+    f = click.option("--insecure", is_flag=True, default=None,
+                     help="Allow a non-loopback TCP --endpoint without CURVE (a trusted, isolated network only).")(f)
     return curve_options(log_options(f))
 
 
@@ -258,18 +266,24 @@ def _finish_report(reasons: list[str], counts: list[int], max_tokens: int) -> in
 @click.option("--requests", "num_requests", default=200, show_default=True)
 @click.option("--max-inflight", default=32, show_default=True)
 @click.option("--kv-blocks", default=128, show_default=True, help="KV blocks per worker.")
+@click.option("--tenants", default=4, show_default=True, help="Tenants, each with its own system prompt and salt.")
+@click.option("--policy", type=click.Choice(["kv-aware", "round-robin", "least-loaded"]), default="kv-aware",
+              show_default=True, help="The front door's routing policy.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def demo(num_requests: int, max_inflight: int, kv_blocks: int, seed: int, as_json: bool) -> None:
-    """A manager and two CPU workers serving a shared-prefix workload; prints a report."""
-    from kvpool.worker.demo import DemoConfig, format_report, run_demo
+def demo(num_requests: int, max_inflight: int, kv_blocks: int, tenants: int, policy: str, seed: int,
+         as_json: bool) -> None:
+    """A manager, two CPU workers and the HTTP front door serving a multi-tenant chat trace."""
+    from kvpool.frontend.demo import TextDemoConfig, format_report, run_text_demo
+    from kvpool.frontend.loadgen import ChatTraceConfig
 
-    cfg = DemoConfig(num_requests=num_requests, max_inflight=max_inflight, kv_blocks=kv_blocks, seed=seed)
     try:
-        result = run_demo(cfg, progress=not as_json)
-    except RuntimeError as e:
+        cfg = TextDemoConfig(ChatTraceConfig(num_requests=num_requests, num_tenants=tenants, seed=seed),
+                             max_inflight=max_inflight, kv_blocks=kv_blocks, policy=policy)
+        result = run_text_demo(cfg, progress=not as_json)
+    except (RuntimeError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         click.echo("\ninterrupted: the demo's manager and workers are stopped", err=True)
         sys.exit(EXIT_INTERRUPTED)
-    click.echo(json.dumps(result, indent=2) if as_json else format_report(result))
+    click.echo(json.dumps(result, indent=2, ensure_ascii=False) if as_json else format_report(result))

@@ -48,7 +48,8 @@ def _print(info: dict, as_json: bool, what: str) -> None:
 
 @click.command("snapshot")
 @redis_options
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write the state to this file.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Write the state to this file (mode 0600: it holds every session's secret sid).")
 @click.option("--input", "input_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Inspect a snapshot file instead of Redis.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")

@@ -11,6 +11,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from kvpool.manager.events import check_format
+from kvpool.shared.bind import check_bind, read_secret_file
 from kvpool.shared.logs import check_level
 from kvpool.shared.protocol import MAX_MESSAGE_BYTES, MAX_MODEL_LEN, MAX_SUB_OPS, default_endpoint
 
@@ -23,6 +25,7 @@ class ManagerConfig:
     endpoint: str = field(default_factory=default_endpoint)
     session_timeout_s: float = 10.0  # a session silent this long is dead; its requests are freed
     admin_key: str | None = None  # when set, admin ops need a hello with role "admin" and this key
+    admin_key_file: str | None = None  # the admin key read from this file (kept out of argv and env)
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_sub_ops: int = MAX_SUB_OPS
     max_sessions: int = 4096
@@ -40,8 +43,10 @@ class ManagerConfig:
     events_endpoint: str | None = None  # KV events PUB socket (vLLM wire format), e.g. tcp://*:5557
     events_replay_endpoint: str | None = None  # replay ROUTER for missed event batches
     events_buffer: int = 10_000  # event batches kept for replay
+    events_format: str = "vllm-0.33"  # vllm-0.33 (tagged maps) or vllm-0.11 (arrays): manager/events.py
     curve_secret_key_file: str | None = None  # the manager's NAME.key_secret: CURVE on the control socket
     curve_allowed_keys_dir: str | None = None  # one NAME.key per allowed client (SIGHUP reloads it)
+    insecure: bool = False  # allow binding a non-loopback TCP address without CURVE (trusted networks only)
     json_logs: bool = False  # one JSON object per log line
     log_level: str = "info"
     # -- durability (manager/store/redis_store.py; PROTOCOL.md section 11) --
@@ -51,6 +56,10 @@ class ManagerConfig:
     lease_ms: int = 3000  # the active manager's lease; a standby takes over this long after it dies
     snapshot_bytes: int = 32 << 20  # journal bytes that trigger a snapshot (and a journal trim)
     redis_timeout_s: float = 2.0  # a Redis call slower than this counts as Redis unavailable
+    redis_min_replicas: int = 0  # replicas that confirm each commit (WAIT) before it is acknowledged
+    # the highest commit this host acknowledged (manager/store/high_water.py); default:
+    # RUNTIME_DIR/NAMESPACE.seq. On persistent storage it also catches a rolled-back Redis after a reboot.
+    high_water_file: str | None = None
 
     def __post_init__(self) -> None:
         ep = self.endpoint
@@ -65,6 +74,8 @@ class ManagerConfig:
             )
         if not 0.05 <= self.session_timeout_s <= 86400:
             raise ValueError(f"session_timeout_s must be in [0.05, 86400] seconds, got {self.session_timeout_s}")
+        if self.admin_key_file:
+            self.admin_key = read_secret_file(self.admin_key_file, "admin_key_file")
         if self.admin_key is not None and len(self.admin_key) < 8:
             raise ValueError("admin_key must be at least 8 characters (or unset to allow every client)")
         for name, lo in (("max_message_bytes", 1024), ("max_sub_ops", 1), ("max_sessions", 1),
@@ -97,6 +108,11 @@ class ManagerConfig:
                              "slow commit outlives the lease: raise lease_ms or lower redis_timeout_s")
         if type(self.snapshot_bytes) is not int or self.snapshot_bytes < 1024:
             raise ValueError(f"snapshot_bytes must be an int >= 1024, got {self.snapshot_bytes!r}")
+        if type(self.redis_min_replicas) is not int or not 0 <= self.redis_min_replicas <= 16:
+            raise ValueError(f"redis_min_replicas must be an int in [0, 16], got {self.redis_min_replicas!r}")
+        if self.redis_min_replicas and (self.redis_url or "").startswith("redis+cluster"):
+            raise ValueError("redis_min_replicas needs a standalone or Sentinel Redis (a cluster keeps the state "
+                             "on one master; use 0)")
         if not 0.05 <= self.redis_timeout_s <= 60:
             raise ValueError(f"redis_timeout_s must be in [0.05, 60], got {self.redis_timeout_s}")
 
@@ -109,6 +125,7 @@ class ManagerConfig:
                 raise ValueError(f"{name} must be ipc://PATH or tcp://HOST:PORT, got {ep!r}")
         if self.events_replay_endpoint and not self.events_endpoint:
             raise ValueError("events_replay_endpoint needs events_endpoint: set both, or neither")
+        check_format(self.events_format)
         key, allowed = self.curve_secret_key_file, self.curve_allowed_keys_dir
         if bool(key) != bool(allowed):
             raise ValueError("CURVE needs both curve_secret_key_file (the manager's NAME.key_secret) and "
@@ -118,6 +135,11 @@ class ManagerConfig:
         if allowed and not os.path.isdir(allowed):
             raise ValueError(f"curve_allowed_keys_dir {allowed} is not a directory")
         self.log_level = check_level(self.log_level)
+        curve = bool(key)
+        check_bind(self.endpoint, curve=curve, insecure=self.insecure, what="endpoint")
+        for name in ("events_endpoint", "events_replay_endpoint"):  # no CURVE on the event sockets
+            if getattr(self, name):
+                check_bind(getattr(self, name), curve=False, insecure=self.insecure, what=name)
 
     @property
     def ipc_path(self) -> str | None:

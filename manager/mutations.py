@@ -12,6 +12,7 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
     ["end", sid, cause]                                     SessionEnded ("deregister" or "expired";
                                                             absent in older journals: deregister)
     ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools]
+                                                            (+ serve, only when the worker announced one)
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]   ["drop", pool] (PoolDropped)
 """
@@ -52,6 +53,7 @@ class ShardRegistered:
     available_kv_bytes: int
     max_blocks: int
     max_pools: int
+    serve: dict | None = None  # {endpoint, model, max_model_len}: where rank 0 takes generate requests
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,8 @@ def to_wire(rec: Mutation) -> list:
     wire = [kind, *(getattr(rec, name) for name in names)]
     if type(rec) is ShardRegistered:
         wire[6] = rec.spec.to_wire()
+        if rec.serve is None:
+            wire.pop()  # records without serve keep their original layout
     return wire
 
 

@@ -72,6 +72,7 @@ class Shard:
     # The session that registered it. None once that session ended with deregister; an expired
     # session's sid stays (no longer in Registry.sessions): the shard's process died.
     sid: str | None
+    serve: dict | None = None  # where this shard takes generate requests (register's optional field)
 
 
 @dataclass
@@ -117,6 +118,7 @@ class Registry:
         # replaces it with the id it keeps with the state, so it survives restarts and failovers.
         self.state_id = incarnation
         self.durable = False  # a persistent store holds this state (set by the store)
+        self.seq = 0  # the store's last committed batch (its commit sequence); replies carry it
         # When a store journals (manager/store/journal.py): this iteration's mutations as records.
         self.log: list[Mutation] | None = None
 
@@ -150,6 +152,7 @@ class Registry:
         the handlers and the metrics hold) stays, with its incarnation and limits."""
         self.sessions, self.pools, self.draining = other.sessions, other.pools, other.draining
         self.next_num, self.state_id, self.durable = other.next_num, other.state_id, other.durable
+        self.seq = other.seq
         self.log, self.dirty = other.log, set()
         self.orphan_events = []
         for entry in self.pools.values():
@@ -247,12 +250,13 @@ class Registry:
     # -- pools -----------------------------------------------------------------------------
 
     def register(
-        self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: KVSpec, available: int
+        self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: KVSpec, available: int,
+        serve: dict | None = None,
     ) -> PoolEntry:
         """Registers one shard (idempotent for the same incarnation); see the module docstring.
         Who may (ownership, ``replace``) is checked before, in manager/guards.py."""
         rec = ShardRegistered(sess.sid, name, rank, count, incarnation, spec, available, self.max_blocks,
-                              self.max_pools)
+                              self.max_pools, serve)
         return self.apply(rec, 0.0)  # type: ignore[return-value]
 
     def _register(self, rec: ShardRegistered) -> PoolEntry:
@@ -288,8 +292,9 @@ class Registry:
                     "another spec or size; a restarted shard must register with a new incarnation",
                 )
             old.sid = sess.sid
+            old.serve = rec.serve
             return entry
-        entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid)
+        entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid, rec.serve)
         if len(entry.shards) == entry.shard_count:
             self._new_epoch(entry, rec.max_blocks)
         self.dirty.add(name)

@@ -34,6 +34,7 @@ from kvpool.manager.store.base import (
     StoreUnavailable,
 )
 from kvpool.manager.store.recovery import INACTIVE, Recovery, open_store
+from kvpool.shared.bind import ensure_private_dir, runtime_dir
 from kvpool.shared.protocol import (
     SUPPORTED_VERSIONS,
     ManagerError,
@@ -53,6 +54,7 @@ OPS: dict[str, tuple[str, bool, bool]] = {
     "step": ("step", True, False),
     "lookup": ("lookup", True, False),
     "locate": ("locate", True, False),
+    "workers": ("workers", True, False),
     "heartbeat": ("heartbeat", True, False),
     "stats": ("stats", True, False),
     "deregister": ("deregister", True, False),
@@ -96,6 +98,7 @@ class Server:
         self.handlers.store_stats = self.store.stats
         self.handlers.events_info = {"events_endpoint": cfg.events_endpoint,
                                      "events_replay_endpoint": cfg.events_replay_endpoint}
+        self.handlers.admin_needs_key = bool(cfg.curve_secret_key_file)  # CURVE keys are not admin keys
         self._dispatch: dict[str, Handler] = {
             op: (getattr(self.handlers, name), needs_session, admin) for op, (name, needs_session, admin) in OPS.items()
         }
@@ -136,7 +139,8 @@ class Server:
         """Decodes, validates and dispatches one request; returns the encoded reply."""
         self.stats.messages += 1
         msg_id = None
-        inc, state = self.registry.incarnation, self.registry.state_id
+        reg = self.registry
+        inc, state, seq = reg.incarnation, reg.state_id, None
         try:
             if len(payload) > self.cfg.max_message_bytes:
                 raise ManagerError("too_large", f"{len(payload)} bytes; the limit is {self.cfg.max_message_bytes}")
@@ -152,17 +156,19 @@ class Server:
                 raise ManagerError("bad_message", "field 'id' must be a uint64")
             if self.mode != "active":
                 raise ManagerError(*INACTIVE[self.mode])
+            seq = reg.seq if reg.durable else None
             handler, sess, args = self._resolve(msg, now)
             self.handlers.msg_id = msg_id
             body = handler(sess, args, now)
-            return ok_reply(msg_id, inc, body, state)
+            return ok_reply(msg_id, inc, body, state, _pending_seq(reg, seq))
         except ManagerError as e:
             self.stats.errors[e.code] += 1
-            return error_reply(msg_id, inc, e, state)
+            return error_reply(msg_id, inc, e, state, _pending_seq(reg, seq))
         except Exception:
             logger.exception("internal error handling a message")
             self.stats.errors["internal"] += 1
-            return error_reply(msg_id, inc, ManagerError("internal", "manager error; see its log"), state)
+            return error_reply(msg_id, inc, ManagerError("internal", "manager error; see its log"), state,
+                               _pending_seq(reg, seq))
 
     def _resolve(self, msg: dict, now: float) -> tuple:
         v = msg.get("v")
@@ -185,8 +191,11 @@ class Server:
                 raise ManagerError("unknown_session", "no such session (expired, ended, or the manager "
                                    "restarted): hello again; requests of the old session are gone")
             sess.last_seen = now
+            self.recovery.check_seen(msg.get("seq"))
             if admin and not sess.admin:
-                raise ManagerError("forbidden", f"op {op!r} is an admin op: hello with role 'admin' and the admin key")
+                raise ManagerError("forbidden", f"op {op!r} is an admin op: hello with role 'admin' and the admin key"
+                                   + (" (with CURVE on, the manager needs admin_key set for admin ops)"
+                                      if self.cfg.admin_key is None else ""))
         self.stats.ops[op] += 1
         return handler, sess, args
 
@@ -204,7 +213,11 @@ class Server:
     def bind(self) -> None:
         cfg = self.cfg
         if cfg.ipc_path:
-            os.makedirs(os.path.dirname(cfg.ipc_path) or ".", mode=0o700, exist_ok=True)
+            directory = os.path.dirname(cfg.ipc_path) or "."
+            if os.path.abspath(directory) == os.path.abspath(runtime_dir()):  # the default: must be ours alone
+                ensure_private_dir(directory)
+            else:
+                os.makedirs(directory, mode=0o700, exist_ok=True)
         self.ctx = zmq.Context()
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot be queued raises: we count it
@@ -296,6 +309,8 @@ class Server:
         acknowledges nothing: the iteration's replies become errors (manager/store/recovery.py).
         """
         reg = self.registry
+        if self.recovery.went_back is not None:  # a client saw commits this state lacks: acknowledge nothing
+            return self.recovery.lost_store(StoreUnavailable(self.recovery.went_back), replies or [])
         t0 = time.perf_counter()
         try:
             self.store.commit(reg, reg.dirty)
@@ -346,6 +361,12 @@ class Server:
         self.store.shutdown(self.registry if self.mode == "active" else None)
         self.store.close()
         self.publisher.close()
+
+
+def _pending_seq(reg: Registry, seq: int | None) -> int | None:
+    """The commit sequence a reply carries: the batch this iteration commits when it mutated
+    (the reply goes out only after that commit, or its queueing under async)."""
+    return None if seq is None else seq + (1 if reg.log else 0)
 
 
 def already_running(endpoint: str, timeout_ms: int = 300) -> bool:

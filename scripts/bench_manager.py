@@ -25,6 +25,7 @@ deleted afterwards), each against the no-persistence daemon of the same run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -99,6 +100,10 @@ def drive(allocs: Iterator[dict], batch: int, do_step: Callable[[list[dict]], li
 def client_main(endpoint: str, shard_file: str, out_file: str, epoch: int, batch: int, prehash: bool) -> None:
     share = load_share(shard_file)
     allocs = iter(list(alloc_ops(share))) if prehash else alloc_ops(share)
+    # The client's own garbage collector would walk the prehashed ops (millions of objects) in
+    # the middle of steps and show up as the daemon's tail: this measures the daemon.
+    gc.collect()
+    gc.freeze()
     # several clients step on one pool registered by the parent: only admin sessions may (manager/guards.py)
     client = ManagerClient(endpoint, identity=f"bench-client-{os.getpid()}", role="admin", timeout_s=60.0)
     client.hello()
@@ -173,10 +178,12 @@ def run_daemon(endpoint: str, shard_files: list[str], batch: int, prehash: bool,
             procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for p in procs:
             assert p.stdout.readline().strip() == "ready", "a client failed to start"
+        sched0 = run_delay(daemon.pid)
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
         outs = [json.loads(p.stdout.readline()) for p in procs]
+        waited = run_delay(daemon.pid) - sched0
         for p in procs:
             p.wait(60)
         all_stats = admin.stats()
@@ -199,10 +206,23 @@ def run_daemon(endpoint: str, shard_files: list[str], batch: int, prehash: bool,
         "rtt_p50_us": float(np.percentile(rtts, 50) * 1e6),
         "rtt_p99_us": float(np.percentile(rtts, 99) * 1e6),
         "prefix_hit_rate": sum(o["cached_tokens"] for o in outs) / sum(o["prompt_tokens"] for o in outs),
+        "daemon_iteration_p50_us": server["iteration_latency"]["p50"] * 1e6,
+        "daemon_iteration_p99_us": server["iteration_latency"]["p99"] * 1e6,
+        "daemon_cpu_wait_s": waited,
+        "daemon_messages_per_iteration": server["messages"] / max(1, server["iteration_latency"]["count"]),
         "manager_errors": server["errors"],
         "manager_dropped": server["dropped"],
         "store": store,
     }
+
+
+def run_delay(pid: int) -> float:
+    """Seconds the process has waited for a CPU while runnable (Linux schedstat; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as fh:
+            return int(fh.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def compare(inproc: dict, daemon: dict) -> dict:
@@ -220,6 +240,10 @@ def report(title: str, r: dict) -> None:
     print(f"    step round trip p50 {d['rtt_p50_us']:,.0f} us, p99 {d['rtt_p99_us']:,.0f} us: "
           f"p99/p50 {r['p99_over_p50']:.2f} (target <= 2.00); {d['steps']:,} steps, "
           f"manager errors {d['manager_errors'] or 'none'}")
+    print(f"    where the tail is: the daemon's busy iterations p50 <= {d['daemon_iteration_p50_us']:,.0f} us, "
+          f"p99 <= {d['daemon_iteration_p99_us']:,.0f} us ({d['daemon_messages_per_iteration']:.1f} messages each); "
+          f"the daemon waited {d['daemon_cpu_wait_s'] * 1e3:,.0f} ms for a CPU while runnable "
+          f"({d['daemon_cpu_wait_s'] / d['seconds']:.0%} of the run, taken by the clients and other processes)")
 
 
 def main() -> None:

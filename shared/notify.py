@@ -4,7 +4,8 @@ A service with ``Type=notify`` tells systemd it is ready by sending the datagram
 the AF_UNIX socket named in ``NOTIFY_SOCKET`` (a leading ``@`` means the abstract namespace).
 With ``WatchdogSec=`` set, systemd passes ``WATCHDOG_USEC`` and expects ``WATCHDOG=1`` more often
 than that; ``Watchdog.tick`` sends it at half the interval, from the service's own loop, so a
-wedged loop is restarted. Outside systemd (no NOTIFY_SOCKET) every call is a no-op.
+wedged loop is restarted. Outside systemd (no NOTIFY_SOCKET) every call is a no-op. A send never
+blocks: when the receiver's queue is full the datagram is dropped (the loop must not wait on it).
 """
 
 from __future__ import annotations
@@ -34,20 +35,17 @@ class Notifier:
     def enabled(self) -> bool:
         return self.address is not None
 
-    def send(self, *fields: str, wait_s: float = 0.0) -> bool:
-        """Sends ``KEY=value`` lines as one datagram; False when not under systemd or it fails.
-        A reader whose queue is full is waited for at most ``wait_s`` (0: the datagram is
-        dropped), so a slow reader never stalls the loop for long."""
+    def send(self, *fields: str) -> bool:
+        """Sends ``KEY=value`` lines as one datagram; False when not under systemd or it fails."""
         if self.address is None:
             return False
         msg = "\n".join(fields).encode()
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-                s.settimeout(wait_s)
                 s.connect(self.address)
-                s.sendall(msg)
+                s.send(msg, socket.MSG_DONTWAIT)  # never block the caller's loop on a full socket
             return True
-        except (BlockingIOError, TimeoutError):
+        except BlockingIOError:  # the receiver is not reading: drop this one (the next tick retries)
             log.debug("sd_notify to %s: its queue is full; dropped %r", self.address.lstrip("\0"), msg[:40])
             return False
         except OSError as e:
@@ -55,13 +53,13 @@ class Notifier:
             return False
 
     def ready(self, status: str = "") -> bool:
-        return self.send("READY=1", *([f"STATUS={status}"] if status else []), wait_s=1.0)
+        return self.send("READY=1", *([f"STATUS={status}"] if status else []))
 
     def status(self, text: str) -> bool:
         return self.send(f"STATUS={text}")
 
     def stopping(self) -> bool:
-        return self.send("STOPPING=1", wait_s=1.0)
+        return self.send("STOPPING=1")
 
     def tick(self, now: float | None = None) -> bool:
         """Sends WATCHDOG=1 when half the watchdog interval has passed since the last one."""

@@ -11,14 +11,17 @@ socket also works). Frames as the manager sees them::
 The reply mirrors the request's framing. ``payload`` is one msgpack map (str keys, bytes as
 msgpack bin, strings as msgpack str)::
 
-    request {"v": 1, "id": uint64, "op": str, "sid": str (every op but hello), "args": map}
+    request {"v": 1, "id": uint64, "op": str, "sid": str (every op but hello), "args": map,
+             "seq": uint64 (optional: the highest commit sequence the client saw)}
     reply   {"id": uint64 | nil, "status": "ok" | <error code>, "inc": str, "state": str (optional),
-             "body": map (ok, and some errors), "msg": str (errors only)}
+             "seq": uint64 (durable managers), "body": map (ok, and some errors), "msg": str (errors only)}
 
 ``inc`` is the manager process's incarnation id; ``state`` the id of the state it serves (absent:
 equal to ``inc``). When the state id changes, every session, registration and request the client
 knew is gone. Without persistence the two are equal (a new process, a new empty state); with a
-persistent store the state id survives restarts and failovers, so clients carry on. Never pickle, never msgpack ext types.
+persistent store the state id survives restarts and failovers, so clients carry on. ``seq``, the
+state's commit sequence, never goes down within one state id: a client that meets a lower one
+treats it as a new state (PROTOCOL.md section 11). Never pickle, never msgpack ext types.
 """
 
 from __future__ import annotations
@@ -168,23 +171,32 @@ def unpack(payload: bytes, max_objects: int | None = None) -> Any:
                            max_ext_len=0, object_hook=count, list_hook=count)
 
 
-def encode_request(msg_id: int, op: str, sid: str | None, args: dict) -> bytes:
+def encode_request(msg_id: int, op: str, sid: str | None, args: dict, seq: int | None = None) -> bytes:
+    """``seq``: the highest commit sequence the client saw in its session's state (optional)."""
     msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": msg_id, "op": op, "args": args}
     if sid is not None:
         msg["sid"] = sid
+        if seq:
+            msg["seq"] = seq
     return pack(msg)
 
 
-def ok_reply(msg_id: int | None, inc: str, body: dict, state: str | None = None) -> bytes:
-    if state is None or state == inc:
-        return pack({"id": msg_id, "status": "ok", "inc": inc, "body": body})
-    return pack({"id": msg_id, "status": "ok", "inc": inc, "state": state, "body": body})
+def ok_reply(msg_id: int | None, inc: str, body: dict, state: str | None = None, seq: int | None = None) -> bytes:
+    reply: dict[str, Any] = {"id": msg_id, "status": "ok", "inc": inc, "body": body}
+    if state is not None and state != inc:
+        reply["state"] = state
+    if seq is not None:
+        reply["seq"] = seq
+    return pack(reply)
 
 
-def error_reply(msg_id: int | None, inc: str, err: ManagerError, state: str | None = None) -> bytes:
+def error_reply(msg_id: int | None, inc: str, err: ManagerError, state: str | None = None,
+                seq: int | None = None) -> bytes:
     reply: dict[str, Any] = {"id": msg_id, "status": err.code, "inc": inc, "msg": err.message}
     if state is not None and state != inc:
         reply["state"] = state
+    if seq is not None:
+        reply["seq"] = seq
     if err.body:
         reply["body"] = err.body
     return pack(reply)
@@ -250,6 +262,20 @@ def get_str(args: dict, key: str, max_len: int, default: Any = _MISSING, pattern
         want = f"a str of 1-{max_len} chars" + (f" matching {pattern.pattern}" if pattern else "")
         raise bad_field(key, want, v)
     return v
+
+
+def check_serve(v: Any) -> dict:
+    """``register.args.serve``: where a worker serves generate requests (PROTOCOL.md section 5)."""
+    if type(v) is not dict:
+        raise bad_field("serve", "a map {endpoint, model, max_model_len}", v)
+    endpoint, model, max_len = v.get("endpoint"), v.get("model"), v.get("max_model_len")
+    if type(endpoint) is not str or not 0 < len(endpoint) <= 512 or not endpoint.startswith(("ipc://", "tcp://")):
+        raise bad_field("serve.endpoint", "an ipc:// or tcp:// address of at most 512 characters", endpoint)
+    if type(model) is not str or not 0 < len(model) <= 512:
+        raise bad_field("serve.model", "a model name of 1-512 characters", model)
+    if type(max_len) is not int or not 1 < max_len <= 1 << 24:
+        raise bad_field("serve.max_model_len", "an int in [2, 2^24]", max_len)
+    return {"endpoint": endpoint, "model": model, "max_model_len": max_len}
 
 
 def get_map(args: dict, key: str) -> dict:

@@ -11,6 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from kvpool.shared.bind import check_bind
 from kvpool.shared.logs import LEVELS
 from kvpool.shared.protocol import default_endpoint
 
@@ -48,7 +49,9 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     sliding_window: int | None = None
-    eos_token_id: int | None = None
+    sliding_layers: tuple[int, ...] | None = None  # the layers the window applies to; None: every layer
+    eos_token_id: int | None = None  # the first of eos_token_ids
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends generation (default: eos_token_id alone)
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -67,6 +70,22 @@ class ModelConfig:
             object.__setattr__(self, "head_size", self.hidden_size // self.num_heads)
         if self.head_size % 2:
             raise ValueError(f"model {self.name}: head_size must be even for RoPE, got {self.head_size}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"model {self.name}: sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.sliding_layers is not None and not all(0 <= i < self.num_layers for i in self.sliding_layers):
+            raise ValueError(f"model {self.name}: sliding_layers {self.sliding_layers} name layers outside "
+                             f"0..{self.num_layers - 1}")
+        if not self.eos_token_ids and self.eos_token_id is not None:
+            object.__setattr__(self, "eos_token_ids", (self.eos_token_id,))
+        if self.eos_token_ids and self.eos_token_id != self.eos_token_ids[0]:
+            raise ValueError(f"model {self.name}: eos_token_id {self.eos_token_id} must be the first of "
+                             f"eos_token_ids {self.eos_token_ids}")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: it attends to the whole context)."""
+        if self.sliding_layers is None or layer in self.sliding_layers:
+            return self.sliding_window
+        return None
 
 
 def check_tp(cfg: ModelConfig, tp_size: int) -> None:
@@ -128,6 +147,7 @@ class WorkerConfig:
     # -- the service (`kvpool worker`; docs/operating.md) --
     manager: str = field(default_factory=default_endpoint)  # manager endpoint(s), comma-separated
     endpoint: str | None = None  # generate endpoint to bind [ipc://$XDG_RUNTIME_DIR/kvpool/worker-POOL.sock]
+    insecure: bool = False  # allow a non-loopback TCP endpoint without CURVE (trusted networks only)
     threads: int = 0  # torch CPU threads (0: torch's default)
     metrics_port: int = 0  # Prometheus /metrics on this TCP port; 0: off
     metrics_host: str = "127.0.0.1"
@@ -170,6 +190,9 @@ class WorkerConfig:
             raise ValueError(f"metrics_port must be a TCP port in 1..65535, or 0 for no metrics; got {self.metrics_port!r}")
         if self.log_level.lower() not in LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LEVELS)}, got {self.log_level!r}")
+        if self.endpoint:  # the generate socket: loopback, ipc, CURVE, or --insecure
+            check_bind(self.endpoint, curve=bool(self.curve_secret_key_file), insecure=self.insecure,
+                       what="worker endpoint")
         if not 1 <= self.tp_size <= 64 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"need 1 <= tp_size <= 64 and 0 <= tp_rank < tp_size, got tp_size "
                              f"{self.tp_size} and tp_rank {self.tp_rank}")

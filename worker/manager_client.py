@@ -13,8 +13,10 @@ Failures, as exceptions (all ``ManagerError``):
   step from its reply cache, so every call, step included, is resent with the same id across
   timeouts, ``store_unavailable`` and ``not_active`` (next endpoint: failover) for up to
   ``failover_s``; only then does ManagerUnavailable reach the caller.
-- ``ManagerRestarted``: the manager's state id changed (without persistence: it restarted), so
-  this session, its registrations and its requests are gone. ``SessionExpired`` (a subclass): the manager timed this session out.
+- ``ManagerRestarted``: the manager's state id changed (without persistence: it restarted), or
+  its commit sequence went below one this client saw in the same state (an older copy of the
+  state is served: acknowledged steps were lost), so this session, its registrations and its
+  requests are gone. ``SessionExpired`` (a subclass): the manager timed this session out.
   Either way the caller aborts its running requests and calls ``register`` again (which says
   hello first). ``on_restart(old, new)`` is called before the exception is raised (``old ==
   new`` for an expired session); ``restarts`` counts incarnation changes.
@@ -88,6 +90,7 @@ class ManagerClient:
         self.session: int | None = None  # the public session number the admin lists show
         self.incarnation: str | None = None  # of the manager process last heard from
         self.state_id: str | None = None  # of the state this session lives in
+        self.commit_seq = 0  # the highest commit sequence seen in that state (durable managers)
         self.durable = False
         self.hello_body: dict = {}
         self.heartbeat_interval_s = 1.0
@@ -111,8 +114,10 @@ class ManagerClient:
         args: dict[str, Any] = {"identity": self.identity, "role": self.role, "versions": [PROTOCOL_VERSION]}
         if self.admin_key is not None:
             args["admin_key"] = self.admin_key
-        body = raise_for_reply(self._roundtrip("hello", args, None, retry=True))
+        reply = self._roundtrip("hello", args, None, retry=True)
+        body = raise_for_reply(reply)
         old = self.state_id
+        self.commit_seq = reply["seq"] if type(reply.get("seq")) is int else 0
         self.sid, self.session, self.incarnation = body["sid"], body["session"], body["incarnation"]
         self.state_id = body.get("state_id", self.incarnation)
         self.durable = bool(body.get("durable", False))
@@ -132,6 +137,7 @@ class ManagerClient:
         spec: dict,
         available_kv_bytes: int,
         wait_s: float = 30.0,
+        serve: dict | None = None,
         replace: bool = False,
     ) -> dict:
         """Registers one shard and waits until every shard of the pool has: returns
@@ -139,6 +145,8 @@ class ManagerClient:
         ``replace``: take the shard over even while another live session holds it."""
         args = {"pool": pool, "shard_rank": shard_rank, "shard_count": shard_count,
                 "incarnation": incarnation, "spec": spec, "available_kv_bytes": available_kv_bytes}
+        if serve is not None:  # {endpoint, model, max_model_len}: front doors find the worker by it
+            args["serve"] = serve
         if replace:
             args["replace"] = True
         deadline = time.monotonic() + wait_s
@@ -188,6 +196,10 @@ class ManagerClient:
 
     def locate(self, hashes: list[bytes]) -> dict[str, int]:
         return self.call("locate", retry=True, hashes=hashes)["pools"]
+
+    def workers(self) -> list[dict]:
+        """Ready pools that serve generate requests: [{pool, model, endpoint, max_model_len, ...}]."""
+        return self.call("workers", retry=True)["workers"]
 
     def heartbeat(self) -> None:
         self.call("heartbeat", retry=True)
@@ -246,18 +258,33 @@ class ManagerClient:
         state = reply.get("state", inc)
         if isinstance(inc, str):
             self.incarnation = inc
-        if state != self.state_id or reply.get("status") == "unknown_session":
+        seen = self.commit_seq
+        went_back = self._went_back(state, reply.get("seq"))
+        if went_back or state != self.state_id or reply.get("status") == "unknown_session":
             old = self.state_id
             self.sid, self.state_id = None, state if isinstance(state, str) else None
-            self._notify(old, state)
+            self._notify(old, state, went_back)
+            if went_back:
+                raise ManagerRestarted(old, state, f"the manager's state {state} went back from commit {seen} to "
+                                       f"{reply['seq']}: acknowledged steps were lost; abort and register again")
             if state != old:
                 raise ManagerRestarted(old, state)
             raise SessionExpired(inc, "the manager expired this session: its requests were freed; register again")
         return raise_for_reply(reply)
 
-    def _notify(self, old: str | None, new: str | None) -> None:
-        """The session is gone (old == new: it expired; else the manager restarted)."""
-        self.restarts += old != new
+    def _went_back(self, state: object, seq: object) -> bool:
+        """Keeps the highest commit sequence seen in the current state; True when ``seq`` of that
+        same state is below it (the manager serves an older copy: PROTOCOL.md section 11)."""
+        if type(seq) is not int:
+            return False
+        went_back = state == self.state_id and seq < self.commit_seq
+        if went_back or state != self.state_id or seq > self.commit_seq:
+            self.commit_seq = seq
+        return went_back
+
+    def _notify(self, old: str | None, new: str | None, went_back: bool = False) -> None:
+        """The session is gone (old == new: it expired, or the state went back; else the manager restarted)."""
+        self.restarts += old != new or went_back
         logger.warning("manager session lost (incarnation %s -> %s): requests must be aborted", old, new)
         if self.on_restart is not None:
             self.on_restart(old, new)
@@ -313,7 +340,7 @@ class ManagerClient:
             self._sock.connect(self.endpoint)
         self._last_call = time.monotonic()
         try:
-            self._sock.send(encode_request(msg_id, op, sid, args), zmq.NOBLOCK)
+            self._sock.send(encode_request(msg_id, op, sid, args, self.commit_seq), zmq.NOBLOCK)
         except zmq.Again:
             self._give_up(op)
 

@@ -2,8 +2,10 @@
 
 Messages are msgpack maps (never pickle). Client -> worker::
 
-    {"op": "generate", "id": str, "prompt": [int...], "params": {max_tokens, temperature, top_p,
-     seed, n, ignore_eos}}                                  -> a stream of token messages
+    {"op": "generate", "id": str, "prompt": [int...], "cache_salt": str (optional),
+     "params": {max_tokens, temperature, top_p, seed, n, ignore_eos, top_k, min_tokens,
+     presence_penalty, frequency_penalty, stop_token_ids, logprobs}}
+                                                            -> a stream of token messages
     {"op": "abort", "id": str}                              -> the request's final messages
     {"op": "stats", "id": str}                              -> {"id", "stats": {...}}
     {"op": "ping", "id": str}                               -> {"id", "pong": pool name}
@@ -11,6 +13,7 @@ Messages are msgpack maps (never pickle). Client -> worker::
 Worker -> client, one per sampled token (``index``: which of the n samples)::
 
     {"id": str, "index": int, "token": int | None, "finished": bool, "reason": str | None}
+    (+ "logprob": float, "top_logprobs": [[token, logprob]...] when params.logprobs is set)
     {"id": str, "error": str, "finished": true}             (refused request or bad message)
     {"id": str, "heartbeat": true, "finished": false, "waiting": str | None}
 
@@ -50,6 +53,7 @@ from kvpool.worker.wire import MAX_MESSAGE_BYTES, client_id, decode, op_of, pars
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 100
 MAX_BATCH = 256  # messages read per iteration: a flood cannot stop the engine from stepping
+DROP_LOG_EVERY_S = 5.0
 MAX_OPEN_REQUESTS = 4096  # client requests queued or running; more are refused until some finish
 HEARTBEAT_S = 1.0  # an open request hears from the worker at least this often
 MAX_BACKOFF_S = 1.0  # the longest pause between steps while the manager refuses admissions
@@ -86,6 +90,8 @@ class WorkerServer:
         self._inode: int | None = None
         self._next_file_check = 0.0
         self._reload = False  # SIGHUP: re-read the allowed CURVE keys at the next iteration
+        self.replies_dropped = 0  # replies to clients that do not read (their queue was full)
+        self._next_drop_log = 0.0
 
     def request_stop(self, *_: object) -> None:
         self._stop = True
@@ -211,7 +217,7 @@ class WorkerServer:
             raise ValueError(f"the worker has {MAX_OPEN_REQUESTS} open requests; retry when some finished")
         eid = f"c{self._next}"
         self._next += 1
-        self.engine.add_request(req.prompt, req.params, request_id=eid)
+        self.engine.add_request(req.prompt, req.params, request_id=eid, cache_salt=req.cache_salt)
         self._clients[eid] = (ident, req.client_id)
         self._open[eid] = req.params.n
         self._last_sent[eid] = time.monotonic()
@@ -227,9 +233,12 @@ class WorkerServer:
             ident, cid = self._clients.get(ev.request_id, (None, ""))
             if ident is None:
                 continue
+            body = {"id": cid, "index": ev.index, "token": ev.token, "finished": ev.finished,
+                    "reason": ev.finish_reason}
+            if ev.logprob is not None:
+                body.update(logprob=ev.logprob, top_logprobs=ev.top_logprobs)
             self._last_sent[ev.request_id] = time.monotonic()
-            self._reply(ident, {"id": cid, "index": ev.index, "token": ev.token,
-                                "finished": ev.finished, "reason": ev.finish_reason})
+            self._reply(ident, body)
             if ev.finished and ev.request_id in self._open:
                 self._open[ev.request_id] -= 1
                 if self._open[ev.request_id] == 0:
@@ -245,7 +254,11 @@ class WorkerServer:
         try:
             self._sock.send_multipart([ident, pack(body)], zmq.NOBLOCK)
         except zmq.Again:
-            logger.warning("client %r is not reading; dropped a reply", ident)
+            self.replies_dropped += 1
+            now = time.monotonic()
+            if now >= self._next_drop_log:  # a flooding client must not flood the log too
+                self._next_drop_log = now + DROP_LOG_EVERY_S
+                logger.warning("client %r is not reading; %d replies dropped so far", ident, self.replies_dropped)
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise

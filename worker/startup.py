@@ -144,7 +144,9 @@ def serve_rank(cfg: WorkerConfig, manager_eps: list[str], endpoint: str, tp_mast
         if cfg.tp_rank == 0:  # before the model loads: a refusal comes at once
             # a stale socket: the previous worker here died; its session may not have expired yet
             replace = claim(endpoint, cfg.pool, replace) == "stale" or replace
+        serve = {"endpoint": endpoint, "model": cfg.model, "max_model_len": cfg.max_model_len}
         bm = RemoteBlockManager(manager_eps, cfg.pool, shard_rank=cfg.tp_rank, shard_count=cfg.tp_size,
+                                serve=serve if cfg.tp_rank == 0 else None,  # front doors find rank 0 by it
                                 replace=replace)
         if cfg.tp_rank == 0:
             engine = build_engine(cfg, bm)

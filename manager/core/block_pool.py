@@ -82,7 +82,7 @@ class BlockPool:
         checks the invariants before using it."""
         bp = cls(len(ref_cnt), enable_caching, enable_events)
         bp.ref_cnt, bp.block_hash, bp._dups, bp.free_queue = ref_cnt, block_hash, dups, free_queue
-        bp.cached = {block_hash[b]: b for b in primary}  # type: ignore[misc]
+        bp.cached = dict(zip(map(block_hash.__getitem__, primary), primary))  # type: ignore[arg-type]
         bp.num_evictions = num_evictions
         return bp
 

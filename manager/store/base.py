@@ -53,6 +53,10 @@ class StateStore(Protocol):
         store can renew its lease); the loop sends no reply before it returns."""
         ...
 
+    def saw(self, state_id: str, seq: int) -> None:
+        """A client saw commit ``seq`` of ``state_id``: a load must not serve it below that."""
+        ...
+
     def stats(self) -> dict: ...
 
     def shutdown(self, registry: Registry | None) -> None:
@@ -80,6 +84,9 @@ class MemoryStore:
     def commit(self, registry: Registry, dirty: set[str]) -> None:
         if dirty:
             self.commits += 1
+
+    def saw(self, state_id: str, seq: int) -> None:
+        pass
 
     def stats(self) -> dict:
         return {"kind": "memory"}

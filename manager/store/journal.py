@@ -99,17 +99,16 @@ def recover(reg: Registry, snap: bytes, blobs: list[bytes], committed: int, what
 
     ``committed`` is the store's record of the last committed batch: the journal must end there.
     """
+    from kvpool.manager.store.checks import gc_paused, verify_registry
     from kvpool.manager.store.state_file import decode_state, load_registry
 
-    snap_seq = load_registry(decode_state(snap, f"snapshot of {what}"), reg, now)
-    seq = replay(reg, blobs, snap_seq, now)
-    if seq != committed:
-        raise CorruptState(f"{what}: the journal ends at batch {seq}, but {committed} were committed "
-                           "(batches are missing)")
-    try:
-        reg.check_invariants()
-    except AssertionError as e:
-        raise CorruptState(f"{what}: the recovered state breaks an invariant: {e}") from None
+    with gc_paused():
+        snap_seq = load_registry(decode_state(snap, f"snapshot of {what}"), reg, now)
+        seq = replay(reg, blobs, snap_seq, now)
+        if seq != committed:
+            raise CorruptState(f"{what}: the journal ends at batch {seq}, but {committed} were committed "
+                               "(batches are missing)")
+        verify_registry(reg, what)
     for entry in reg.pools.values():  # replayed events were published when they happened
         if entry.pool is not None:
             entry.pool.take_events()

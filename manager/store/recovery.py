@@ -11,6 +11,8 @@ store's. Otherwise it keeps answering, with an error and no state change:
 - ``standby``: another manager holds the lease; ``not_active`` tells clients to try their next
   endpoint. Every ``lease_ms / 5`` the loop tries to take the lease (it is free once the active
   one stops renewing it), then loads the state and serves.
+- a client's request says it saw a commit this state lacks (``check_seen``): as a failed
+  commit; the reload then serves a new state id, since the store went back in time.
 - ``fenced``: a commit found another manager's fencing token (this one was paused or cut off
   past its lease and a standby took over): replies become ``not_active`` and the process exits
   with ``EXIT_FENCED``; systemd restarts it, as a standby.
@@ -18,11 +20,14 @@ store's. Otherwise it keeps answering, with an error and no state change:
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
 import socket
 from typing import TYPE_CHECKING
 
 from kvpool.manager.store.base import Fenced, MemoryStore, StateStore, StoreUnavailable
+from kvpool.shared.bind import runtime_dir
 from kvpool.shared.protocol import ManagerError, error_reply, unpack
 
 if TYPE_CHECKING:
@@ -52,8 +57,11 @@ def open_store(cfg: ManagerConfig) -> StateStore:
     from kvpool.manager.store.redis_url import connect
 
     owner = f"{socket.gethostname()}/{cfg.endpoint}"  # stable: a restarted manager takes its lease back at once
+    high_water = cfg.high_water_file or os.path.join(runtime_dir(), f"{cfg.namespace}.seq")
     return RedisStore(connect(cfg.redis_url, cfg.redis_timeout_s), cfg.namespace, owner=owner,
-                      durability=cfg.durability, lease_ms=cfg.lease_ms, snapshot_bytes=cfg.snapshot_bytes)
+                      durability=cfg.durability, lease_ms=cfg.lease_ms, snapshot_bytes=cfg.snapshot_bytes,
+                      high_water_path=high_water, reconnect=lambda: connect(cfg.redis_url, cfg.redis_timeout_s),
+                      min_replicas=cfg.redis_min_replicas)
 
 
 class Recovery:
@@ -73,6 +81,7 @@ class Recovery:
         self.mode = "active" if not store.durable else "starting"
         self.exit_code = 0
         self.next_activate = 0.0
+        self.went_back: str | None = None  # why the state must be reloaded (check_seen)
 
     def activate(self, now: float) -> bool:
         """Takes the lease and loads the state into a fresh registry, which the server's adopts
@@ -99,10 +108,22 @@ class Recovery:
             self._fence(str(e))
             return False
         self.registry.adopt(fresh)
-        self.mode = "active"
+        self.mode, self.went_back = "active", None
+        settle_heap()
         logger.warning("manager %s active: state %s, %d sessions, %d pools, %d requests", self.registry.incarnation,
                        fresh.state_id, len(fresh.sessions), len(fresh.pools), fresh.total_requests())
         return True
+
+    def check_seen(self, seen: object) -> None:
+        """A request says its client saw commit ``seen`` of this state; beyond the last commit, the
+        store went back in time under this manager (Redis restored, a lagging replica promoted):
+        nothing more is acknowledged, and the reload serves a new state (high_water.py)."""
+        reg = self.registry
+        if type(seen) is not int or seen <= reg.seq or not reg.durable:
+            return
+        self.went_back = f"a client saw commit {seen} of state {reg.state_id}, which ends at {reg.seq}"
+        self.store.saw(reg.state_id, seen)
+        raise ManagerError(*INACTIVE["recovering"])
 
     def lost_store(self, err: Exception, replies: list) -> list:
         """A commit failed: nothing of this iteration is acknowledged; stop serving until recovered."""
@@ -137,3 +158,10 @@ class Recovery:
         self.errors[err.code] += 1
         reg = self.registry
         return [*frames[:-1], error_reply(msg_id, reg.incarnation, err, reg.state_id)]
+
+
+def settle_heap() -> None:
+    """Moves the state just loaded out of the garbage collector's sight (``gc.freeze``): the
+    loop's idle collections then traverse only what changed since, never a 1M-block state."""
+    gc.collect()
+    gc.freeze()

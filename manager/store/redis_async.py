@@ -3,7 +3,7 @@
 The loop queues items in commit order; the thread writes them in that order, merging the
 batches waiting in the queue into one script call (one round trip for many iterations):
 
-    ("blobs", first_seq, [batch...])   ("snapshot", data, trim, seq)   ("renew",)
+    ("blobs", first_seq, [batch...])   ("snapshot", data, seq)   ("renew",)
 
 The loss window on a crash is what sits in the queue plus the call in flight: at most
 ``ASYNC_MAX_PENDING`` items (the loop blocks when Redis falls that far behind, which bounds it).
@@ -27,7 +27,7 @@ _MERGE = 512  # batches in one script call at most
 
 class AsyncWriter:
     def __init__(self, write_blobs: Callable[[int, list[bytes]], None],
-                 write_snapshot: Callable[[bytes, int, int], None]) -> None:
+                 write_snapshot: Callable[[bytes, int], None]) -> None:
         self._write_blobs, self._write_snapshot = write_blobs, write_snapshot
         self._q: queue.Queue = queue.Queue(maxsize=ASYNC_MAX_PENDING)
         self.error: Exception | None = None

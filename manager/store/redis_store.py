@@ -8,6 +8,7 @@ one Lua script call, atomic on standalone, Sentinel and Cluster alike::
     kvpool:{NS}:seq      the seq of the last committed batch
     kvpool:{NS}:lease    the active manager's owner id, with a TTL (PX lease_ms)
     kvpool:{NS}:fence    the fencing token: INCR'd by every manager taking the lease
+    kvpool:{NS}:clean    the seq a manager stopped cleanly at (nothing acknowledged past it)
 
 Commit (``--durability sync``): the loop's records of one iteration become one batch, appended
 by one script that first checks the fencing token (a manager that lost its lease can never
@@ -16,10 +17,13 @@ and RPUSHes. The loop sends no reply of the iteration before the script returned
 ``--durability async`` hands the batch to a writer thread (manager/store/redis_async.py) and replies
 at once: a crash loses the batches not yet written, at most ``ASYNC_MAX_PENDING`` iterations
 (typically the one or two of the last Redis round trip), and those clients were acknowledged.
+Every reply carries the commit sequence; a state that lacks acknowledged batches is never served
+as itself (manager/store/high_water.py decides; ``load`` then serves a new, empty state).
 
-Compaction: when the journal outgrows ``snapshot_bytes`` (and the last snapshot), the loop dumps
-the registry and one script sets the snapshot and trims exactly the batches it includes, so a
-half-compacted state can never be loaded. Loading reads snapshot, journal and seq in one script,
+Compaction: when the journal outgrows ``snapshot_bytes`` (and the last snapshot), the loop forks
+a child that dumps the registry as it was and writes it (manager/store/snapshot_child.py: the
+loop pauses only for the fork); one script sets the snapshot and trims exactly the batches it
+includes, however many were appended meanwhile, so a half-compacted state can never be loaded. Loading reads snapshot, journal and seq in one script,
 replays the journal (manager/store/journal.py), checks that it ends at ``seq`` and that every
 invariant holds, or raises ``CorruptState``: nothing is ever half-loaded.
 """
@@ -29,18 +33,27 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from kvpool.manager.core.snapshot import CorruptState
 from kvpool.manager.registry import Registry
 from kvpool.manager.store.base import Fenced, StoreUnavailable
+from kvpool.manager.store.high_water import HighWater, Mark, start_over_reason
 from kvpool.manager.store.journal import encode_batch, recover
+from kvpool.manager.store.lease import renewing
 from kvpool.manager.store.redis_async import ASYNC_MAX_PENDING, AsyncWriter
+from kvpool.manager.store.snapshot_child import (
+    Child,
+    fork_snapshot,
+    kill,
+    reap,
+    write_when_journal_ready,
+)
 from kvpool.manager.store.state_file import dump_registry, encode_state
 
 logger = logging.getLogger(__name__)
 DURABILITY = ("sync", "async")
-LOAD_LEASE_MS = 120_000  # the lease while a state loads (a 1M-block pool takes seconds): no standby
-#                          takes over from a manager still loading, unless it dies meanwhile
 __all__ = ["ASYNC_MAX_PENDING", "RedisStore", "namespace_keys"]
 
 _LEASE_CHECK = """
@@ -61,11 +74,17 @@ redis.call('RPUSH', KEYS[3], unpack(ARGV, 5))
 redis.call('SET', KEYS[4], first + n - 1)
 return n
 """
-# KEYS fence lease snap journal seq; ARGV token owner lease_ms snapshot trim seq
+# KEYS fence lease snap journal seq; ARGV token owner lease_ms snapshot seq. The journal holds
+# batches (last - LLEN + 1 .. last): exactly those up to the snapshot's seq are trimmed, however
+# many the loop appended meanwhile; a journal that has not reached seq yet is refused (BEHIND).
 SNAPSHOT = _LEASE_CHECK + """
+local want = tonumber(ARGV[5])
+local last = tonumber(redis.call('GET', KEYS[5]) or ARGV[5])
+if last < want then return redis.error_reply('BEHIND: the journal is at ' .. last) end
+local drop = want - (last - redis.call('LLEN', KEYS[4]))
+if drop > 0 then redis.call('LTRIM', KEYS[4], drop, -1) end
 redis.call('SET', KEYS[3], ARGV[4])
-redis.call('LTRIM', KEYS[4], ARGV[5], -1)
-redis.call('SET', KEYS[5], ARGV[6])
+redis.call('SET', KEYS[5], last)
 return 1
 """
 # KEYS lease fence; ARGV owner lease_ms -> the new fencing token, or nil while another holds it
@@ -75,12 +94,18 @@ if h and h ~= ARGV[1] then return false end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return redis.call('INCR', KEYS[2])
 """
-READ = "return {redis.call('GET', KEYS[1]) or '', redis.call('LRANGE', KEYS[2], 0, -1), redis.call('GET', KEYS[3]) or ''}"
-RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+READ = ("return {redis.call('GET', KEYS[1]) or '', redis.call('LRANGE', KEYS[2], 0, -1), "
+        "redis.call('GET', KEYS[3]) or '', redis.call('GET', KEYS[4]) or ''}")
+# KEYS lease clean; ARGV owner seq: a clean stop says that nothing past ``seq`` was acknowledged
+RELEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[2])
+return redis.call('DEL', KEYS[1])
+"""
 
 
 def namespace_keys(namespace: str) -> dict[str, str]:
-    return {k: f"kvpool:{{{namespace}}}:{k}" for k in ("snap", "journal", "seq", "lease", "fence")}
+    return {k: f"kvpool:{{{namespace}}}:{k}" for k in ("snap", "journal", "seq", "lease", "fence", "clean")}
 
 
 def store_error(e: Exception) -> Exception:
@@ -93,7 +118,8 @@ class RedisStore:
     durable = True
 
     def __init__(self, client, namespace: str, *, owner: str, durability: str = "sync",
-                 lease_ms: int = 3000, snapshot_bytes: int = 32 << 20) -> None:
+                 lease_ms: int = 3000, snapshot_bytes: int = 32 << 20, high_water_path: str | None = None,
+                 reconnect: Callable[[], Any] | None = None, min_replicas: int = 0) -> None:
         if durability not in DURABILITY:
             raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
         self.r, self.namespace, self.owner = client, namespace, owner
@@ -105,7 +131,17 @@ class RedisStore:
         self.token: str | None = None
         self.seq = self.snap_seq = 0
         self.journal_bytes = self.snap_bytes = 0
-        self.counts = {"commits": 0, "snapshots": 0, "failures": 0}
+        self.counts = {"commits": 0, "snapshots": 0, "failures": 0, "start_overs": 0, "snapshot_failures": 0}
+        # Replicas that must confirm each commit (WAIT) before it is acknowledged: a Sentinel
+        # failover then loses nothing acknowledged. The wait stays inside the socket timeout.
+        self.min_replicas = min_replicas
+        timeout = client.get_connection_kwargs().get("socket_timeout") if hasattr(client, "get_connection_kwargs") else None
+        self.wait_ms = max(10, int(float(timeout or 2.0) * 500))
+        self._reconnect = reconnect  # a fresh client, for a forked snapshot child (None: snapshot on the loop)
+        self._child: Child | None = None
+        self._child_bytes = 0
+        self.high_water = HighWater(high_water_path)
+        self._acked: Mark | None = None
         self._last_write = 0.0
         self._writer: AsyncWriter | None = None
 
@@ -123,24 +159,38 @@ class RedisStore:
     # -- loading ---------------------------------------------------------------------------
 
     def load(self, reg: Registry, now: float) -> bool:
-        """Fills the empty ``reg`` from Redis (call ``acquire`` first); False for a new namespace."""
+        """Fills the empty ``reg`` from Redis (call ``acquire`` first); False for a new namespace.
+
+        The lease is renewed in small steps while a large state loads (a thread), so a manager
+        that dies mid-load holds it for at most ``lease_ms``. A state older than one this
+        manager acknowledged (high_water.py) is replaced by a new, empty one with a new state id.
+        """
         self._stop_writer()
-        snap, blobs, seq = self._run("read", self.read_keys(), [])
+        self._abandon_child()
         t0 = time.perf_counter()
-        if not snap:
-            if blobs or seq:
-                raise CorruptState(f"namespace {self.namespace!r}: a journal without a snapshot (partial state)")
-            reg.state_id = uuid.uuid4().hex
-            self.seq = self.snap_seq = 0
-            self._snapshot_now(reg, trim=0)
-            loaded = False
-        else:
-            self._renew(LOAD_LEASE_MS)
-            self.snap_seq, self.seq = recover(reg, snap, blobs, int(seq or -1), f"namespace {self.namespace!r}", now)
-            self.snap_bytes, self.journal_bytes = len(snap), sum(map(len, blobs))
-            self._renew(self.lease_ms)
-            loaded = True
-        reg.durable, reg.log, reg.dirty = True, [], set()
+        with self._lease_kept():
+            snap, blobs, seq, clean = self._run("read", self.read_keys(), [])
+            if not snap:
+                if blobs or seq:
+                    raise CorruptState(f"namespace {self.namespace!r}: a journal without a snapshot (partial state)")
+                reg.state_id = uuid.uuid4().hex
+                self.seq = self.snap_seq = 0
+                self._snapshot_now(reg)
+                loaded = False
+            else:
+                self.snap_seq, self.seq = recover(reg, snap, blobs, int(seq or -1), f"namespace {self.namespace!r}", now)
+                self.snap_bytes, self.journal_bytes = len(snap), sum(map(len, blobs))
+                why = start_over_reason(reg.state_id, self.seq, [self._acked, self.high_water.read()],
+                                        int(clean) if clean else None, self.durability)
+                if why is not None:
+                    self._start_over(reg, why)
+                loaded = True
+            if self.min_replicas:  # what is served now must be on the replicas too (a write, then WAIT)
+                k = self.keys
+                self._run_replicated("commit", [k["fence"], k["lease"], k["journal"], k["seq"]],
+                                     [self.token, self.owner, self.lease_ms, 0])
+        reg.durable, reg.log, reg.dirty, reg.seq = True, [], set(), self.seq
+        self._ack(reg)
         if self.durability == "async":
             self._writer = AsyncWriter(self._write_blobs, self._write_snapshot)
         logger.info("namespace %s: %s state %s at batch %d (%d journal batches replayed) in %.2fs",
@@ -148,9 +198,33 @@ class RedisStore:
                     self.seq - self.snap_seq, time.perf_counter() - t0)
         return loaded
 
+    def _start_over(self, reg: Registry, why: str) -> None:
+        """Serves a new empty state instead of one that went back in time: every client's next
+        call sees another state id (ManagerRestarted: abort, register again, recompute)."""
+        old = reg.state_id
+        reg.sessions, reg.pools, reg.draining = {}, {}, False
+        reg.state_id = uuid.uuid4().hex
+        logger.error("namespace %s: %s; serving a new empty state %s instead of %s (clients are told: they abort, "
+                     "register again and recompute)", self.namespace, why, reg.state_id, old)
+        self.counts["start_overs"] += 1
+        self._snapshot_now(reg)
+
+    def _ack(self, reg: Registry) -> None:
+        """``reg``'s state at ``self.seq`` is what replies from now on say (before they go out)."""
+        self._acked = Mark(reg.state_id, self.seq)
+        self.high_water.note(reg.state_id, self.seq)
+
+    def saw(self, state_id: str, seq: int) -> None:
+        if self._acked is None or self._acked.state_id != state_id or self._acked.seq < seq:
+            self._acked = Mark(state_id, seq)
+
     def read_keys(self) -> list[str]:
         k = self.keys
-        return [k["snap"], k["journal"], k["seq"]]
+        return [k["snap"], k["journal"], k["seq"], k["clean"]]
+
+    def _lease_kept(self):
+        """Renews the lease every ``lease_ms / 3`` from a thread while the body runs."""
+        return renewing(lambda: self._renew(self.lease_ms), self.lease_ms / 3000, f"namespace {self.namespace}")
 
     # -- the loop's commit -----------------------------------------------------------------
 
@@ -168,45 +242,114 @@ class RedisStore:
             else:
                 self._write_blobs(self.seq, [blob])
             self.counts["commits"] += 1
-            if self.journal_bytes >= max(self.snapshot_bytes, self.snap_bytes):
-                self.compact(reg)
+            reg.seq = self.seq
+            self._ack(reg)
+            if self.journal_bytes >= max(self.snapshot_bytes, self.snap_bytes) and self._child is None:
+                self._compact_in_background(reg)
         elif time.monotonic() - self._last_write >= self.lease_ms / 3000:
             if self._writer is not None:
                 self._writer.put(("renew",))
             else:
                 self._write_blobs(self.seq + 1, [])
             self._last_write = time.monotonic()
+        if self._child is not None:
+            self._reap_child()
 
     def compact(self, reg: Registry) -> None:
-        """Snapshot now, dropping the journal batches it includes."""
-        self._snapshot_now(reg, trim=self.seq - self.snap_seq)
+        """Snapshot now, on this thread, dropping the journal batches it includes."""
+        self.wait_for_snapshot()
+        self._snapshot_now(reg)
 
-    def _snapshot_now(self, reg: Registry, trim: int) -> None:
+    def _snapshot_now(self, reg: Registry) -> None:
         data = encode_state(dump_registry(reg, self.seq))
         if self._writer is not None:
-            self._writer.put(("snapshot", data, trim, self.seq))
+            self._writer.put(("snapshot", data, self.seq))
         else:
-            self._write_snapshot(data, trim, self.seq)
+            self._write_snapshot(data, self.seq)
         self.snap_seq, self.snap_bytes, self.journal_bytes = self.seq, len(data), 0
         self.counts["snapshots"] += 1
+
+    def _compact_in_background(self, reg: Registry) -> None:
+        """A forked child writes the snapshot (snapshot_child.py); the loop carries on."""
+        if self._reconnect is None:
+            self.compact(reg)
+            return
+        seq, token = self.seq, self.token
+        child = fork_snapshot(lambda: encode_state(dump_registry(reg, seq)),
+                              lambda data: self._child_write(data, seq, token))
+        if child is None:
+            self.compact(reg)
+            return
+        child.seq, self._child = seq, child
+        self._child_bytes, self.journal_bytes = self.journal_bytes, 0
+
+    def _child_write(self, data: bytes, seq: int, token: str | None) -> None:
+        """In the child: its own connection; waits while the journal is behind ``seq``."""
+        k = self.keys
+        write_when_journal_ready(self._reconnect(), SNAPSHOT,  # type: ignore[misc]
+                                 [k["fence"], k["lease"], k["snap"], k["journal"], k["seq"]],
+                                 [token, self.owner, self.lease_ms, data, seq])
+
+    def _reap_child(self, block: bool = False) -> None:
+        out = reap(self._child, block)  # type: ignore[arg-type]
+        if out is None:
+            return
+        self._child = None
+        if out.ok:
+            self.snap_seq, self.snap_bytes = out.seq, out.size
+            self.counts["snapshots"] += 1
+        else:  # the journal still holds every batch: the next commit tries again
+            logger.warning("namespace %s: background snapshot at batch %d failed: %s", self.namespace, out.seq, out.why)
+            self.counts["snapshot_failures"] += 1
+            self.journal_bytes += self._child_bytes
+
+    def wait_for_snapshot(self) -> None:
+        """Blocks until a background snapshot (if one is running) is written and counted."""
+        if self._child is not None:
+            self._reap_child(block=True)
+
+    def _abandon_child(self) -> None:
+        if self._child is not None:
+            kill(self._child)
+            self._child = None
 
     # -- Redis calls (the loop's, or the async writer's thread) ------------------------------
 
     def _write_blobs(self, first_seq: int, blobs: list[bytes]) -> None:
         k = self.keys
-        self._run("commit", [k["fence"], k["lease"], k["journal"], k["seq"]],
-                  [self.token, self.owner, self.lease_ms, first_seq, *blobs])
+        run = self._run_replicated if self.min_replicas and blobs else self._run
+        run("commit", [k["fence"], k["lease"], k["journal"], k["seq"]],
+            [self.token, self.owner, self.lease_ms, first_seq, *blobs])
         self._last_write = time.monotonic()
+
+    def _run_replicated(self, name: str, keys: list[str], args: list):
+        """The script, then WAIT for ``min_replicas`` in the same round trip; StoreUnavailable
+        (nothing acknowledged) when fewer replicas confirm it in time."""
+        import redis
+
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            self._scripts[name](keys=keys, args=args, client=pipe)
+            pipe.execute_command("WAIT", self.min_replicas, self.wait_ms)
+            result, acked = pipe.execute()
+        except redis.RedisError as e:
+            self.counts["failures"] += 1
+            raise store_error(e) from None
+        if acked < self.min_replicas:
+            self.counts["failures"] += 1
+            raise StoreUnavailable(f"{acked} of {self.min_replicas} replicas (redis_min_replicas) confirmed the "
+                                   f"commit within {self.wait_ms} ms")
+        return result
 
     def _renew(self, lease_ms: int) -> None:
         k = self.keys
         self._run("commit", [k["fence"], k["lease"], k["journal"], k["seq"]], [self.token, self.owner, lease_ms, 0])
         self._last_write = time.monotonic()
 
-    def _write_snapshot(self, data: bytes, trim: int, seq: int) -> None:
+    def _write_snapshot(self, data: bytes, seq: int) -> None:
         k = self.keys
         self._run("snapshot", [k["fence"], k["lease"], k["snap"], k["journal"], k["seq"]],
-                  [self.token, self.owner, self.lease_ms, data, trim, seq])
+                  [self.token, self.owner, self.lease_ms, data, seq])
 
     def _run(self, name: str, keys: list[str], args: list):
         import redis
@@ -241,50 +384,12 @@ class RedisStore:
             if reg is not None and self.token is not None and self.seq > self.snap_seq:
                 self.compact(reg)
             if self.token is not None:
-                self._run("release", [self.keys["lease"]], [self.owner])
+                self._run("release", [self.keys["lease"], self.keys["clean"]], [self.owner, self.seq])
         except (StoreUnavailable, Fenced) as e:
             logger.warning("namespace %s: no final snapshot (%s); the journal has every commit", self.namespace, e)
 
     def close(self) -> None:
         self._stop_writer()
+        self._abandon_child()
+        self.high_water.close()
         self.r.close()
-
-
-# -- offline access (kvpool snapshot / restore) ----------------------------------------------
-
-# KEYS lease fence snap journal seq; ARGV snapshot seq force
-RESTORE = """
-local h = redis.call('GET', KEYS[1])
-if h and ARGV[3] ~= '1' then return redis.error_reply('LEASED: ' .. h) end
-redis.call('INCR', KEYS[2])
-redis.call('DEL', KEYS[1], KEYS[4])
-redis.call('SET', KEYS[3], ARGV[1])
-redis.call('SET', KEYS[5], ARGV[2])
-return 1
-"""
-
-
-def read_state(client, namespace: str, reg: Registry, now: float) -> int:
-    """Loads a namespace's state into the empty ``reg`` (one atomic read; no lease needed, so it
-    works beside a running manager); returns its last batch seq. CorruptState when it is not whole."""
-    k = namespace_keys(namespace)
-    snap, blobs, seq = client.register_script(READ)(keys=[k["snap"], k["journal"], k["seq"]], args=[])
-    if not snap:
-        raise CorruptState(f"namespace {namespace!r} holds no state" + (" but a journal" if blobs else ""))
-    return recover(reg, snap, blobs, int(seq or -1), f"namespace {namespace!r}", now)[1]
-
-
-def write_state(client, namespace: str, snapshot: bytes, seq: int, force: bool) -> None:
-    """Replaces a namespace's state by ``snapshot``, fencing out any manager (its next commit
-    fails). Raises ValueError while a manager holds the lease, unless ``force``."""
-    import redis
-
-    k = namespace_keys(namespace)
-    try:
-        client.register_script(RESTORE)(keys=[k["lease"], k["fence"], k["snap"], k["journal"], k["seq"]],
-                                        args=[snapshot, seq, "1" if force else "0"])
-    except redis.ResponseError as e:
-        if str(e).startswith("LEASED"):
-            raise ValueError(f"a manager holds the lease of namespace {namespace!r} ({str(e)[8:]}): stop it "
-                             "first, or pass --force to fence it out (it exits and restarts on the new state)") from None
-        raise

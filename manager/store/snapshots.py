@@ -45,11 +45,13 @@ def load_file(path: str) -> tuple[Registry, int]:
 
 
 def save_file(reg: Registry, seq: int, path: str) -> int:
-    """Writes ``reg`` to ``path`` atomically (never a half-written file under that name); returns
-    the bytes written."""
+    """Writes ``reg`` to ``path`` atomically (never a half-written file under that name), mode
+    0600 whatever the umask (it holds every session's bearer sid); returns the bytes written."""
     data = encode_state(dump_registry(reg, seq))
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as fh:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
@@ -61,7 +63,7 @@ def load_namespace(redis_url: str, namespace: str) -> tuple[Registry, int]:
     """A namespace's state (snapshot + journal, one atomic read beside a running manager), verified."""
     import redis
 
-    from kvpool.manager.store.redis_store import read_state
+    from kvpool.manager.store.offline import read_state
     from kvpool.manager.store.redis_url import connect
 
     reg = _offline_registry()
@@ -83,7 +85,7 @@ def restore_namespace(reg: Registry, seq: int, redis_url: str, namespace: str, *
     Without ``keep_state_id`` the state gets a new id, so clients see a restart and recompute."""
     import redis
 
-    from kvpool.manager.store.redis_store import write_state
+    from kvpool.manager.store.offline import write_state
     from kvpool.manager.store.redis_url import connect
 
     if not keep_state_id:

@@ -45,9 +45,15 @@ def new_namespace() -> str:
 
 
 def drop_namespace(r, ns: str) -> None:
+    """The namespace's keys, and the high-water mark file a manager of it left on this host."""
+    from kvpool.shared.bind import runtime_dir
+
     keys = list(r.scan_iter(f"kvpool:{{{ns}}}:*"))
     if keys:
         r.delete(*keys)
+    mark = os.path.join(runtime_dir(), f"{ns}.seq")
+    if os.path.exists(mark):
+        os.unlink(mark)
 
 
 def call(srv: Server, op: str, sid: str | None = None, now: float | None = None, msg_id: int | None = None,
@@ -190,3 +196,55 @@ class Daemon:
                     pass
             time.sleep(0.05)
         raise AssertionError(f"the manager at {self.endpoint} did not become active in {timeout}s")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server(spawn, directory: str, *extra: str, port: int | None = None):
+    """A private redis-server on a free 127.0.0.1 port (killed by ``spawn``'s fixture); (proc, port).
+    A port taken between choosing and binding it (other tests run beside) means another try."""
+    import shutil
+    import subprocess
+
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("needs redis-server and redis-cli on PATH")
+    for _ in range(5):
+        use = port or free_port()
+        cmd = ["redis-server", "--port", str(use), "--bind", "127.0.0.1", "--dir", directory, "--save", "",
+               "--appendonly", "no", *extra]
+        proc = spawn(cmd, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while proc.poll() is None and time.monotonic() < deadline:
+            ping = subprocess.run(["redis-cli", "-p", str(use), "ping"], capture_output=True)
+            if ping.stdout.strip() == b"PONG":
+                return proc, use
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+    raise AssertionError(f"redis-server would not start in {directory} ({' '.join(extra)})")
+
+
+def seed_big_state(namespace: str, blocks: int, redis_url: str = REDIS_URL) -> None:
+    """Writes a state with one pool of ``blocks`` blocks into ``namespace`` (a clean stop), so a
+    manager takes a while to load it."""
+    from helpers.manager import SPEC
+    from kvpool.manager.store.redis_store import RedisStore
+    from kvpool.manager.store.redis_url import connect
+    from kvpool.shared.protocol import KVSpec
+
+    store = RedisStore(connect(redis_url, 30.0), namespace, owner="seeder", lease_ms=60_000)
+    reg = Registry("seeder", session_timeout_s=60.0, max_blocks=blocks)
+    if not store.acquire():
+        raise AssertionError(f"namespace {namespace} is leased")
+    store.load(reg, 0.0)
+    sess = reg.open_session("seeder", "worker", False, 1, 0.0)
+    reg.register(sess, "big", 0, 1, "i", KVSpec.from_wire(SPEC), blocks * KVSpec.from_wire(SPEC).block_bytes)
+    store.commit(reg, set())
+    store.shutdown(reg)
+    store.close()

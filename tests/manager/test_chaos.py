@@ -61,6 +61,7 @@ def test_sigkill_the_manager_at_random_under_load(procs, sock_dir, namespace):
             outs.append(json.loads(out.splitlines()[-1]))
         assert all(o["event"] == "done" and o["steps"] > 20 and o["managers_seen"] > KILLS // 2 for o in outs), outs
         assert len({o["state_id"] for o in outs}) == 1  # every client kept its state across the kills
+        assert all(o["told"] == 0 for o in outs), outs  # sync: no acknowledged step was ever lost
         pool = admin.stats()["pools"]["chaos"]
         assert pool["requests"] == 0 and pool["used_blocks"] == 0 and pool["free_blocks"] == pool["num_blocks"] - 1
         admin.call("check")

@@ -186,3 +186,46 @@ def test_a_second_worker_waits_for_the_shards_session_then_takes_over(live_serve
     first.close()  # the first worker stops talking: its session expires, the shard is free
     assert reg(second, inc="b", wait_s=10)["epoch"] == 2
     second.close()
+
+
+def test_a_reply_below_the_commit_sequence_seen_is_a_lost_manager(sock_dir):
+    """Defence in depth for a manager that does not check the ``seq`` clients send (PROTOCOL.md
+    section 3): the client itself treats a lower ``seq`` under the same state id as a new state.
+    The peer is a ROUTER socket answering as such a manager would."""
+    import zmq
+
+    from kvpool.shared.protocol import ok_reply, unpack
+
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"ipc://{sock_dir}/fake.sock")
+    seqs = iter([10, 12, 11, 11])
+    seen: list[dict] = []
+
+    def serve() -> None:
+        for _ in range(4):
+            ident, payload = router.recv_multipart()
+            msg = unpack(payload)
+            seen.append(msg)
+            body = {"sid": "x", "session": 1, "incarnation": "i", "state_id": "s", "durable": True} \
+                if msg["op"] == "hello" else {}
+            router.send_multipart([ident, ok_reply(msg["id"], "i", body, "s", next(seqs))])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    c = ManagerClient(f"ipc://{sock_dir}/fake.sock", timeout_s=5.0)
+    restarts: list[tuple] = []
+    c.on_restart = lambda old, new: restarts.append((old, new))
+    try:
+        c.hello()
+        c.heartbeat()
+        assert c.commit_seq == 12 and seen[1]["seq"] == 10  # each request says what it saw
+        with pytest.raises(ManagerRestarted, match="went back from commit 12 to 11"):
+            c.heartbeat()
+        assert c.sid is None and restarts == [("s", "s")] and c.restarts == 1
+        c.hello()  # joins again: the lower sequence is now the one it knows
+        assert c.commit_seq == 11
+        t.join(5)
+    finally:
+        c.close()
+        router.close(linger=0)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.manager.core.pool import Pool
+from kvpool.manager.core.verify import verify_pool
 from kvpool.shared.hashing import hash_blocks
 
 BS = 4
@@ -109,6 +110,7 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def invariants_hold(self):
         self.pool.check_invariants()
+        verify_pool(self.pool)  # the bulk check recovery runs agrees on every reachable state
 
     @invariant()
     def every_request_reads_its_own_tokens(self):

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from helpers.durable import Daemon, redis_or_skip
+from helpers.durable import Daemon, redis_or_skip, seed_big_state
 from helpers.manager import CLI, HELPERS, SPEC, kv_bytes, wait_until
 
 from kvpool.shared.protocol import encode_request, unpack
@@ -70,6 +70,29 @@ def test_a_standby_takes_over_and_a_paused_old_active_is_fenced(procs, sock_dir,
     c.call("check")
     c.close()
     print(f"standby took over (the client's step answered) {takeover:.2f}s after the active one hung")
+
+
+def test_a_standby_killed_while_loading_holds_the_lease_only_briefly(procs, sock_dir, namespace):
+    """The lease is renewed in small steps while a state loads: a standby that dies mid-load
+    stops renewing it, and the next standby serves within seconds (it once held 120 s)."""
+    r = redis_or_skip()
+    seed_big_state(namespace, 1 << 22)  # 4M blocks: seconds to load
+    b = Daemon(procs, sock_dir, namespace, name="b", lease_ms=600, redis_timeout_s=0.3)
+    c = Daemon(procs, sock_dir, namespace, name="c", lease_ms=600, redis_timeout_s=0.3)
+    b.start()
+    lease = f"kvpool:{{{namespace}}}:lease"
+    wait_until(lambda: (r.get(lease) or b"").endswith(b.endpoint.encode()), 30, "b to take the lease")
+    c.start()  # a standby beside the loading one
+    time.sleep(0.9)  # longer than lease_ms: b renewed while loading, so c still waits
+    assert (r.get(lease) or b"").endswith(b.endpoint.encode())
+    assert raw(b.endpoint, "hello", None, timeout_s=0.05) is None  # b is still loading: no answer yet
+    b.kill()
+    t0 = time.monotonic()
+    c.wait_active(30)
+    took = time.monotonic() - t0
+    assert took < 10.0, took  # lease 0.6 s + standby poll 0.12 s + c's own load
+    assert raw(c.endpoint, "hello", None)["status"] == "ok"
+    print(f"a standby killed mid-load: the next one served {took:.2f}s later")
 
 
 def test_redis_stopped_then_killed_answers_errors_and_recovers(procs, sock_dir, namespace, tmp_path):
