@@ -76,6 +76,9 @@ def manager_ops_options(f: Callable) -> Callable:
         click.option("--metrics-host", default=None, help="Address of the metrics endpoint [127.0.0.1]."),
         click.option("--events-endpoint", default=None, help="KV events PUB socket, e.g. tcp://*:5557 [off]."),
         click.option("--events-replay-endpoint", default=None, help="KV events replay socket, e.g. tcp://*:5558."),
+        click.option("--events-format", default=None,
+                     help="KV-event wire format, as the named vLLM release sends it: vllm-0.33 or vllm-0.11 "
+                          "[vllm-0.33]."),
         click.option("--curve-secret-key-file", default=None,
                      help="The manager's NAME.key_secret: CURVE on the control socket (`kvpool keygen`)."),
         click.option("--curve-allowed-keys-dir", default=None,

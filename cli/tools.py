@@ -36,37 +36,42 @@ def config_show(service: str, config_path: str | None, as_json: bool) -> None:
 # -- KV events -----------------------------------------------------------------------------
 
 
-def _hex(events: list) -> list:
-    """Events with their bytes as hex (JSON output)."""
-    def conv(v: object) -> object:
-        if isinstance(v, bytes):
-            return v.hex()
-        if isinstance(v, list):
-            return [conv(x) for x in v]
-        return v
+def _hex(v: object) -> object:
+    """Bytes as hex, inside lists and maps (JSON output)."""
+    if isinstance(v, bytes):
+        return v.hex()
+    if isinstance(v, list):
+        return [_hex(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _hex(x) for k, x in v.items()}
+    return v
 
-    return [conv(ev) for ev in events]
 
-
-def _summary(events: list) -> str:
+def _summary(events: list[dict]) -> str:
     parts = []
     for ev in events:
-        if ev[0] == "BlockStored":
-            parent = ev[2].hex()[:8] if ev[2] else "-"
-            parts.append(f"stored {len(ev[1])} [{ev[1][0].hex()[:8]}..] parent {parent}")
-        elif ev[0] == "BlockRemoved":
-            parts.append(f"removed {len(ev[1])} [{ev[1][0].hex()[:8]}..]")
+        hashes = ev.get("block_hashes") or [b""]
+        first = hashes[0].hex()[:8] if isinstance(hashes[0], bytes) else str(hashes[0])
+        if ev["type"] == "BlockStored":
+            parent = ev.get("parent_block_hash")
+            parent = "-" if parent is None else parent.hex()[:8] if isinstance(parent, bytes) else str(parent)
+            parts.append(f"stored {len(hashes)} [{first}..] parent {parent}")
+        elif ev["type"] == "BlockRemoved":
+            parts.append(f"removed {len(hashes)} [{first}..]")
         else:
-            parts.append(str(ev[0]))
+            parts.append(str(ev["type"]))
     return ", ".join(parts)
 
 
 def _print_batch(batch, as_json: bool) -> None:
-    if as_json:
-        click.echo(json.dumps({"pool": batch.topic, "seq": batch.seq, "ts": batch.ts, "events": _hex(batch.events)}))
+    if batch.error is not None:
+        click.echo(f"#{batch.seq} {batch.topic}: undecodable batch ({batch.error})", err=True)
+    elif as_json:
+        click.echo(json.dumps({"pool": batch.topic, "seq": batch.seq, "ts": batch.ts, "format": batch.format,
+                               "events": _hex(batch.events)}))
     else:
         stamp = time.strftime("%H:%M:%S", time.localtime(batch.ts))
-        click.echo(f"{stamp} #{batch.seq} {batch.topic}: {_summary(batch.events)}")
+        click.echo(f"{stamp} #{batch.seq} {batch.topic} [{batch.format}]: {_summary(batch.events)}")
 
 
 @click.command("events")
@@ -81,7 +86,10 @@ def _print_batch(batch, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per batch, hashes in hex.")
 def events(endpoint: str, replay_endpoint: str | None, replay_from: int | None, pools: tuple[str, ...],
            count: int | None, timeout_s: float, as_json: bool) -> None:
-    """Tail the manager's KV events (BlockStored / BlockRemoved / AllBlocksCleared batches)."""
+    """Tail the manager's KV events (BlockStored / BlockRemoved / AllBlocksCleared batches).
+
+    Decodes both formats the manager can send (events_format): vllm-0.33, vLLM 0.33.0's tagged
+    maps, and vllm-0.11, vLLM 0.11.0's arrays; each batch shows the format it came in."""
     from kvpool.manager.event_client import EventTail
 
     if replay_from is not None and not replay_endpoint:

@@ -11,6 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from kvpool.manager.events import check_format
 from kvpool.shared.bind import check_bind, read_secret_file
 from kvpool.shared.logs import check_level
 from kvpool.shared.protocol import MAX_MESSAGE_BYTES, MAX_MODEL_LEN, MAX_SUB_OPS, default_endpoint
@@ -42,6 +43,7 @@ class ManagerConfig:
     events_endpoint: str | None = None  # KV events PUB socket (vLLM wire format), e.g. tcp://*:5557
     events_replay_endpoint: str | None = None  # replay ROUTER for missed event batches
     events_buffer: int = 10_000  # event batches kept for replay
+    events_format: str = "vllm-0.33"  # vllm-0.33 (tagged maps) or vllm-0.11 (arrays): manager/events.py
     curve_secret_key_file: str | None = None  # the manager's NAME.key_secret: CURVE on the control socket
     curve_allowed_keys_dir: str | None = None  # one NAME.key per allowed client (SIGHUP reloads it)
     insecure: bool = False  # allow binding a non-loopback TCP address without CURVE (trusted networks only)
@@ -123,6 +125,7 @@ class ManagerConfig:
                 raise ValueError(f"{name} must be ipc://PATH or tcp://HOST:PORT, got {ep!r}")
         if self.events_replay_endpoint and not self.events_endpoint:
             raise ValueError("events_replay_endpoint needs events_endpoint: set both, or neither")
+        check_format(self.events_format)
         key, allowed = self.curve_secret_key_file, self.curve_allowed_keys_dir
         if bool(key) != bool(allowed):
             raise ValueError("CURVE needs both curve_secret_key_file (the manager's NAME.key_secret) and "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import msgpack
 import zmq
 
 from kvpool.manager.events import END_SEQ, decode_batch
@@ -17,10 +18,21 @@ from kvpool.manager.events import END_SEQ, decode_batch
 
 @dataclass(frozen=True)
 class EventBatch:
-    topic: str  # the pool's name; "(replay)" for a replayed batch (the replay socket sends no topic)
+    topic: str  # the pool's name; "(replay)" for a vllm-0.11 replay answer (which sends no topic)
     seq: int
     ts: float
-    events: list  # vLLM event arrays: ["BlockStored", ...], ["BlockRemoved", ...], ["AllBlocksCleared"]
+    events: list[dict]  # vLLM 0.33 event maps ({"type": "BlockStored", ...}), whatever the format sent
+    format: str  # the format it came in: "vllm-0.33" or "vllm-0.11" (manager/events.py)
+    error: str | None = None  # why the payload did not decode (then ts is 0 and events empty)
+
+
+def read_batch(topic: str, seq: int, payload: bytes) -> EventBatch:
+    """One published payload, in either format; an undecodable one is reported, not raised."""
+    try:
+        batch = decode_batch(payload)
+    except (ValueError, msgpack.UnpackException) as e:  # a publisher that is neither kvpool nor vLLM
+        return EventBatch(topic, seq, 0.0, [], "?", error=str(e))
+    return EventBatch(topic, seq, batch.ts, batch.events, batch.format)
 
 
 class EventTail:
@@ -50,14 +62,15 @@ class EventTail:
                 seq = int.from_bytes(frames[-2], "big")
                 if seq == END_SEQ:
                     return out
-                out.append(EventBatch("(replay)", seq, *decode_batch(frames[-1])))
+                topic = frames[-3].decode(errors="replace") if len(frames) == 4 else "(replay)"  # vllm-0.33: a topic
+                out.append(read_batch(topic, seq, frames[-1]))
         finally:
             sock.close()
 
     def next(self) -> EventBatch:
         """The next live batch (blocks until one arrives)."""
         topic, seq, payload = self.sub.recv_multipart()
-        return EventBatch(topic.decode(errors="replace"), int.from_bytes(seq, "big"), *decode_batch(payload))
+        return read_batch(topic.decode(errors="replace"), int.from_bytes(seq, "big"), payload)
 
     def close(self) -> None:
         self.sub.close()

@@ -1,21 +1,32 @@
 """KV events in vLLM's wire format: a PUB socket plus a replay socket.
 
 Every published message has three frames: ``topic`` (the pool name, UTF-8), an 8-byte big-endian
-sequence number (one counter per publisher, starting at 0), and a msgpack ``KVEventBatch``::
+sequence number (one counter per publisher, starting at 0), and a msgpack ``KVEventBatch``. Two
+formats (``events_format``), each checked against that vLLM release's own struct definitions
+(tests/helpers/vllm_structs.py):
+
+``vllm-0.33`` (default), vLLM 0.33.0: an array-like batch of tagged maps (fields at their
+default are left out, as vLLM's ``omit_defaults`` does; ``lora_id``, ``medium`` and ``lora_name``
+have no default, so they are always there)::
 
     [ts: float, events: [event, ...]]
-    event = ["BlockStored", block_hashes: [bin32...], parent_block_hash: bin32 | nil,
-             token_ids: [], block_size: int, lora_id: nil, medium: "GPU"]
-          | ["BlockRemoved", block_hashes: [bin32...], medium: "GPU"]
-          | ["AllBlocksCleared"]
+    event = {"type": "BlockStored", "block_hashes": [bin32...], "parent_block_hash": bin32 | nil,
+             "token_ids": [], "block_size": int, "lora_id": nil, "medium": "GPU", "lora_name": nil}
+          | {"type": "BlockRemoved", "block_hashes": [bin32...], "medium": "GPU"}
+          | {"type": "AllBlocksCleared"}
 
-That is the array-like, tagged encoding vLLM's publisher produces, so existing KV-aware routers
-can subscribe. The manager never sees token ids, so ``token_ids`` is empty.
+``vllm-0.11``, vLLM 0.11.0 and the releases around it: the same batch, each event a tagged array
+``["BlockStored", hashes, parent, [], block_size, nil, "GPU"]``, ``["BlockRemoved", hashes,
+"GPU"]``, ``["AllBlocksCleared"]``.
+
+The manager never sees token ids, so ``token_ids`` is empty; it sends no data-parallel rank.
 
 Replay: a ROUTER socket. A client (DEALER, or REQ) sends one frame, the 8-byte big-endian first
-sequence number it wants; the publisher answers with one message ``[seq, payload]`` per buffered
-batch from there on, then ``[seq = 2**64 - 1, b""]`` as the end marker. The buffer keeps the last
-``buffer_size`` batches.
+sequence number it wants; the publisher answers with one message per buffered batch from there
+on, then an end marker with ``seq = 2**64 - 1`` (vLLM's ``-1``). As vLLM 0.33.0 does, a
+``vllm-0.33`` publisher answers ``[topic, seq, payload]`` and ends with ``[b"", END, b""]``; a
+``vllm-0.11`` publisher answers ``[seq, payload]`` and ends with ``[END, b""]``, as 0.11.0 did.
+The buffer keeps the last ``buffer_size`` batches.
 
 The publisher is driven by the manager loop (single-threaded): ``publish`` once per iteration
 per pool that has events, ``serve_replay`` when the replay socket is readable or a replay is
@@ -44,26 +55,76 @@ log = logging.getLogger(__name__)
 END_SEQ = (1 << 64) - 1
 REPLAY_TIMEOUT_S = 30.0
 MEDIUM = "GPU"
+FORMATS = ("vllm-0.33", "vllm-0.11")  # events_format values: the vLLM release whose format is sent
+DEFAULT_FORMAT = "vllm-0.33"
+_ORDER = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+          "BlockRemoved": ("block_hashes", "medium"), "AllBlocksCleared": ()}  # vllm-0.11 array positions
 
 
-def encode_events(events: list[KVEvent], block_size: int) -> list:
-    """Turns block-pool events (manager/core/kv_events.py) into vLLM event arrays."""
-    out = []
-    for ev in events:
-        if isinstance(ev, BlockStored):
-            out.append(["BlockStored", ev.hashes, ev.parent, [], block_size, None, MEDIUM])
-        elif isinstance(ev, BlockRemoved):
-            out.append(["BlockRemoved", ev.hashes, MEDIUM])
-        elif isinstance(ev, AllBlocksCleared):
-            out.append(["AllBlocksCleared"])
-        else:
-            raise ValueError(f"unknown block-pool event {ev!r:.80}")
+def check_format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise ValueError(f"events_format must be one of {', '.join(FORMATS)} (the vLLM release whose KV-event "
+                         f"format subscribers decode), got {fmt!r}")
+    return fmt
+
+
+def _event_map(ev: KVEvent, block_size: int) -> dict:
+    """One block-pool event (manager/core/kv_events.py) as vLLM 0.33's tagged map."""
+    if isinstance(ev, BlockStored):
+        return {"type": "BlockStored", "block_hashes": ev.hashes, "parent_block_hash": ev.parent, "token_ids": [],
+                "block_size": block_size, "lora_id": None, "medium": MEDIUM, "lora_name": None}
+    if isinstance(ev, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": ev.hashes, "medium": MEDIUM}
+    if isinstance(ev, AllBlocksCleared):
+        return {"type": "AllBlocksCleared"}
+    raise ValueError(f"unknown block-pool event {ev!r:.80}")
+
+
+def encode_events(events: list[KVEvent], block_size: int, fmt: str = DEFAULT_FORMAT) -> list:
+    """Block-pool events as the events of a vLLM ``KVEventBatch`` in format ``fmt``."""
+    maps = [_event_map(ev, block_size) for ev in events]
+    if fmt == "vllm-0.33":
+        return maps
+    check_format(fmt)
+    return [[m["type"], *(m[k] for k in _ORDER[m["type"]])] for m in maps]
+
+
+def encode_batch(events: list[KVEvent], block_size: int, fmt: str = DEFAULT_FORMAT, ts: float | None = None) -> bytes:
+    return msgpack.packb([time.time() if ts is None else ts, encode_events(events, block_size, fmt)],
+                         use_bin_type=True)
+
+
+@dataclass
+class DecodedBatch:
+    ts: float
+    events: list[dict]  # every event as a vllm-0.33 map, whatever the format it came in
+    format: str  # "vllm-0.33" or "vllm-0.11" (an empty batch reads as the default)
+    data_parallel_rank: int | None = None
+
+
+def decode_batch(payload: bytes) -> DecodedBatch:
+    """A batch in either format (a subscriber's view: ``kvpool events``, tests)."""
+    batch = msgpack.unpackb(payload, raw=False)
+    if not isinstance(batch, list) or not 2 <= len(batch) <= 3 or not isinstance(batch[1], list):
+        raise ValueError("not a KV-event batch: expected [ts, events] or [ts, events, data_parallel_rank]")
+    arrays = [ev for ev in batch[1] if isinstance(ev, list)]
+    if arrays and len(arrays) != len(batch[1]):
+        raise ValueError("a KV-event batch mixes array (vllm-0.11) and map (vllm-0.33) events")
+    events = [_array_to_map(ev) for ev in arrays] if arrays else batch[1]
+    if not all(isinstance(ev, dict) and isinstance(ev.get("type"), str) for ev in events):
+        raise ValueError("not a KV-event batch: every event must be a map with a 'type' or a tagged array")
+    return DecodedBatch(batch[0], events, "vllm-0.11" if arrays else "vllm-0.33",
+                        batch[2] if len(batch) == 3 else None)
+
+
+def _array_to_map(ev: list) -> dict:
+    keys = _ORDER.get(ev[0]) if ev else None
+    if keys is None or len(ev) != 1 + len(keys):
+        raise ValueError(f"not a vllm-0.11 KV event: {ev[:1]!r} with {len(ev) - 1} fields")
+    out = {"type": ev[0], **dict(zip(keys, ev[1:]))}
+    if ev[0] == "BlockStored":
+        out["lora_name"] = None  # a 0.33 field 0.11 did not have
     return out
-
-
-def decode_batch(payload: bytes) -> tuple[float, list]:
-    ts, events = msgpack.unpackb(payload, raw=False)[:2]
-    return ts, events
 
 
 @dataclass
@@ -78,8 +139,9 @@ class Replay:
 class EventPublisher:
     def __init__(
         self, ctx: zmq.Context, pub_endpoint: str, replay_endpoint: str | None = None, buffer_size: int = 10_000,
-        *, replay_budget: int = 256, replay_rate: float = 20.0, max_replays: int = 16,
+        fmt: str = DEFAULT_FORMAT, *, replay_budget: int = 256, replay_rate: float = 20.0, max_replays: int = 16,
     ) -> None:
+        self.format = check_format(fmt)
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
@@ -104,7 +166,7 @@ class EventPublisher:
 
     def publish(self, pool: str, events: list[KVEvent], block_size: int) -> int:
         """Sends one batch; returns its sequence number."""
-        payload = msgpack.packb([time.time(), encode_events(events, block_size)], use_bin_type=True)
+        payload = encode_batch(events, block_size, self.format)
         seq = self.next_seq
         self.next_seq += 1
         topic = pool.encode()
@@ -162,10 +224,10 @@ class EventPublisher:
             index = max(rep.next_seq, first) - first
             try:
                 if index >= len(self.buffer):
-                    self.replay.send_multipart([*rep.envelope, END_SEQ.to_bytes(8, "big"), b""], zmq.NOBLOCK)  # type: ignore[union-attr]
+                    self.replay.send_multipart([*rep.envelope, *self._frames(b"", END_SEQ, b"")], zmq.NOBLOCK)  # type: ignore[union-attr]
                     continue
-                seq, _topic, payload = self.buffer[index]
-                self.replay.send_multipart([*rep.envelope, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)  # type: ignore[union-attr]
+                seq, topic, payload = self.buffer[index]
+                self.replay.send_multipart([*rep.envelope, *self._frames(topic, seq, payload)], zmq.NOBLOCK)  # type: ignore[union-attr]
             except zmq.Again:
                 waiting.append(rep)  # its client's queue is full: later
                 continue
@@ -178,9 +240,16 @@ class EventPublisher:
         self.replays.extend(waiting)
         self._stalled = sent == 0
 
+    def _frames(self, topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+        """One replay answer: vLLM 0.33.0 sends [topic, seq, payload] (the end marker's topic is
+        empty); 0.11.0 sent [seq, payload]."""
+        if self.format == "vllm-0.33":
+            return [topic, seq.to_bytes(8, "big"), payload]
+        return [seq.to_bytes(8, "big"), payload]
+
     def _end(self, envelope: list[bytes]) -> None:
         try:
-            self.replay.send_multipart([*envelope, END_SEQ.to_bytes(8, "big"), b""], zmq.NOBLOCK)  # type: ignore[union-attr]
+            self.replay.send_multipart([*envelope, *self._frames(b"", END_SEQ, b"")], zmq.NOBLOCK)  # type: ignore[union-attr]
         except zmq.ZMQError:
             pass  # the client is gone or not reading: nothing to tell it
 

@@ -53,12 +53,14 @@ class LoopHooks:
         cfg = self.cfg
         if cfg.events_endpoint and isinstance(publisher, NullSink):
             try:
-                pub = EventPublisher(ctx, cfg.events_endpoint, cfg.events_replay_endpoint, cfg.events_buffer)
+                pub = EventPublisher(ctx, cfg.events_endpoint, cfg.events_replay_endpoint, cfg.events_buffer,
+                                     cfg.events_format)
             except zmq.ZMQError as e:
                 raise RuntimeError(f"cannot bind the KV events sockets {cfg.events_endpoint} / "
                                    f"{cfg.events_replay_endpoint}: {e}; change events_endpoint") from None
             publisher = self.events = LoopPublisher(pub, self._block_size)
-            logger.info("KV events on %s (replay: %s)", cfg.events_endpoint, cfg.events_replay_endpoint or "off")
+            logger.info("KV events on %s (replay: %s) in the %s format", cfg.events_endpoint,
+                        cfg.events_replay_endpoint or "off", cfg.events_format)
             if self.events.replay_socket is not None:
                 self._poller = zmq.Poller()
                 self._poller.register(sock, zmq.POLLIN)

@@ -11,6 +11,7 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
     ["open", sid, identity, role, admin, version]           SessionOpened (hello)
     ["end", sid]                                            SessionEnded (deregister or expiry)
     ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools]
+                                                            (+ serve, only when the worker announced one)
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]
 """
@@ -50,6 +51,7 @@ class ShardRegistered:
     available_kv_bytes: int
     max_blocks: int
     max_pools: int
+    serve: dict | None = None  # {endpoint, model, max_model_len}: where rank 0 takes generate requests
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,8 @@ def to_wire(rec: Mutation) -> list:
     wire = [kind, *(getattr(rec, name) for name in names)]
     if type(rec) is ShardRegistered:
         wire[6] = rec.spec.to_wire()
+        if rec.serve is None:
+            wire.pop()  # records without serve keep their original layout
     return wire
 
 

@@ -7,8 +7,9 @@
 - ``extra_i`` is the canonical encoding of the extra keys of block ``i`` (empty when there are
   none): a sequence of items ``tag (1 byte) || u32le(len(payload)) || payload``, in tag order:
   ``0x01`` cache salt (UTF-8; block 0 only), ``0x02`` LoRA name (UTF-8; every block),
-  ``0x03`` a multimodal input's identifier (UTF-8; every block the input's placeholder tokens
-  overlap, in input order).
+  ``0x03`` a multimodal input's offset from the block's first token (int32 little-endian,
+  negative when the input began in an earlier block) followed by its identifier (UTF-8); every
+  block the input's placeholder tokens overlap, in input order.
 
 Only full blocks are hashed. The exact byte layout and test vectors are in PROTOCOL.md, so an
 engine in another language produces identical hashes. Stdlib only: never ``hash()``, never pickle.
@@ -66,7 +67,8 @@ def extra_keys(
     start, end = block_index * block_size, (block_index + 1) * block_size
     for mm in mm_inputs:
         if mm.offset < end and mm.offset + mm.length > start:
-            parts.append(_item(TAG_MM, mm.identifier.encode()))
+            # the item's offset from the block's first token (< 0: it began in an earlier block)
+            parts.append(_item(TAG_MM, struct.pack("<i", mm.offset - start) + mm.identifier.encode()))
     return b"".join(parts)
 
 

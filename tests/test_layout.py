@@ -7,10 +7,16 @@ Every ``import`` statement counts, wherever it is (module level, inside a functi
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("cli", "shared", "manager", "worker", "kernels")  # folder name == kvpool.<name>
+# Every top-level folder pyproject.toml maps to kvpool.<name> (a new package is checked too).
+PACKAGES = tuple(sorted(
+    folder for name, folder in
+    tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].items()
+    if name.count(".") == 1 and "/" not in folder
+))
 
 # What the CLI may import from the manager besides kvpool.manager.core: its public entry points.
 # (README "How it fits together" lists the same.)
@@ -207,8 +213,15 @@ MAY_IMPORT = {
                       "kvpool.manager.config"},
     "manager": {"shared", "manager.core", "manager.store"},
     "worker": {"shared", "kernels", "manager.core"},
-    "cli": {"shared", "worker", "manager.core", *CLI_ENTRY_POINTS},
+    "frontend": {"shared", "worker", "manager.core"},
+    "cli": {"shared", "worker", "manager.core", "frontend", *CLI_ENTRY_POINTS},
 }
+
+
+def test_every_package_has_a_row_in_the_import_table():
+    assert {"cli", "shared", "manager", "worker", "kernels"} <= set(PACKAGES)
+    missing = sorted(set(PACKAGES) - set(MAY_IMPORT))
+    assert missing == [], "add the new package to MAY_IMPORT and to the README's table"
 
 
 def test_each_part_imports_only_what_the_readme_table_allows():

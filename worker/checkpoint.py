@@ -1,5 +1,6 @@
 """Models by name: a preset with seeded random weights, or a local Hugging Face-format checkpoint
 directory (config.json + *.safetensors) of a Llama, Mistral or Qwen2 model. Nothing is downloaded.
+The configs are read by worker/hf_config.py; the weights follow ``model.safetensors.index.json``.
 """
 
 from __future__ import annotations
@@ -11,49 +12,48 @@ import torch
 from safetensors import safe_open
 
 from kvpool.worker.config import PRESETS, ModelConfig
+from kvpool.worker.hf_config import config_from_hf
 from kvpool.worker.model import LlamaForCausalLM, build_model, empty_model
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+INDEX = "model.safetensors.index.json"
 
 
-def config_from_hf(hf: dict, name: str = "checkpoint") -> ModelConfig:
-    """A ModelConfig from a Hugging Face config.json dict."""
-    arch = (hf.get("architectures") or ["?"])[0]
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"{name}: architecture {arch!r} is not supported; supported: {ARCHITECTURES}")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError(f"{name}: attention_bias/mlp_bias on o_proj or the MLP is not supported")
-    eos = hf.get("eos_token_id")
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "MistralForCausalLM") else None
-    return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        head_size=hf.get("head_dim") or 0,
-        rope_theta=float(hf.get("rope_theta", 10_000.0)),
-        rope_scaling=hf.get("rope_scaling"),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position=hf.get("max_position_embeddings", 4096),
-        qkv_bias=arch == "Qwen2ForCausalLM",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        sliding_window=window,
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        name=name,
-    )
+def read_config(path: Path) -> ModelConfig:
+    """config.json (+ generation_config.json) of a checkpoint directory (worker/hf_config.py)."""
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{path} has no config.json: not a Hugging Face-format checkpoint")
+    gen_file = path / "generation_config.json"
+    generation = json.loads(gen_file.read_text()) if gen_file.is_file() else None
+    return config_from_hf(json.loads(cfg_file.read_text()), name=path.name, generation=generation)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files transformers would load: those ``model.safetensors.index.json`` names
+    when it exists, else ``model.safetensors``, else every ``*.safetensors`` (other files such as a
+    ``consolidated.safetensors`` in another layout are left alone)."""
+    index = path / INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map: rewrite it or remove it")
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} names files that are not there: {missing}")
+        return files
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors files (.bin checkpoints are not supported)")
+    return files
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"{path} has no config.json: not a Hugging Face-format checkpoint")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path} has no *.safetensors files (.bin checkpoints are not supported)")
-    cfg = config_from_hf(json.loads(cfg_file.read_text()), name=path.name)
+    cfg = read_config(path)
+    files = weight_files(path)
     model = empty_model(cfg, dtype, device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -91,8 +91,7 @@ def load_config(name_or_path: str) -> ModelConfig:
     """The shape of a preset or a checkpoint directory, without loading any weights."""
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
-    cfg_file = Path(name_or_path) / "config.json"
-    if cfg_file.is_file():
-        return config_from_hf(json.loads(cfg_file.read_text()), name=Path(name_or_path).name)
+    if (Path(name_or_path) / "config.json").is_file():
+        return read_config(Path(name_or_path))
     raise ValueError(f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
                      f"nor a checkpoint directory")

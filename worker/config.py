@@ -48,7 +48,9 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     sliding_window: int | None = None
-    eos_token_id: int | None = None
+    sliding_layers: tuple[int, ...] | None = None  # the layers the window applies to; None: every layer
+    eos_token_id: int | None = None  # the first of eos_token_ids
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends generation (default: eos_token_id alone)
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -67,6 +69,22 @@ class ModelConfig:
             object.__setattr__(self, "head_size", self.hidden_size // self.num_heads)
         if self.head_size % 2:
             raise ValueError(f"model {self.name}: head_size must be even for RoPE, got {self.head_size}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"model {self.name}: sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.sliding_layers is not None and not all(0 <= i < self.num_layers for i in self.sliding_layers):
+            raise ValueError(f"model {self.name}: sliding_layers {self.sliding_layers} name layers outside "
+                             f"0..{self.num_layers - 1}")
+        if not self.eos_token_ids and self.eos_token_id is not None:
+            object.__setattr__(self, "eos_token_ids", (self.eos_token_id,))
+        if self.eos_token_ids and self.eos_token_id != self.eos_token_ids[0]:
+            raise ValueError(f"model {self.name}: eos_token_id {self.eos_token_id} must be the first of "
+                             f"eos_token_ids {self.eos_token_ids}")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: it attends to the whole context)."""
+        if self.sliding_layers is None or layer in self.sliding_layers:
+            return self.sliding_window
+        return None
 
 
 def check_tp(cfg: ModelConfig, tp_size: int) -> None:

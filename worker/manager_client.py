@@ -136,11 +136,14 @@ class ManagerClient:
         spec: dict,
         available_kv_bytes: int,
         wait_s: float = 30.0,
+        serve: dict | None = None,
     ) -> dict:
         """Registers one shard and waits until every shard of the pool has: returns
         {"num_blocks", "block_size", "epoch", ...}. Idempotent for the same incarnation."""
         args = {"pool": pool, "shard_rank": shard_rank, "shard_count": shard_count,
                 "incarnation": incarnation, "spec": spec, "available_kv_bytes": available_kv_bytes}
+        if serve is not None:  # {endpoint, model, max_model_len}: front doors find the worker by it
+            args["serve"] = serve
         deadline = time.monotonic() + wait_s
         pause = 0.02
         while True:
@@ -188,6 +191,10 @@ class ManagerClient:
 
     def locate(self, hashes: list[bytes]) -> dict[str, int]:
         return self.call("locate", retry=True, hashes=hashes)["pools"]
+
+    def workers(self) -> list[dict]:
+        """Ready pools that serve generate requests: [{pool, model, endpoint, max_model_len, ...}]."""
+        return self.call("workers", retry=True)["workers"]
 
     def heartbeat(self) -> None:
         self.call("heartbeat", retry=True)

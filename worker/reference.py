@@ -4,6 +4,8 @@ against. One request at a time, one K/V slab per layer, attention by explicit so
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from kvpool.worker.model import AttendFn, LlamaForCausalLM
@@ -18,7 +20,7 @@ class ContiguousKV:
         shape = (cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_size)
         self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        self.window = cfg.sliding_window
+        self.windows = [cfg.window_of(i) for i in range(cfg.num_layers)]
         self.scale = cfg.head_size**-0.5
 
     def attend_at(self, start: int) -> AttendFn:
@@ -35,8 +37,9 @@ class ContiguousKV:
             q_pos = torch.arange(start, end, device=q.device)[:, None]
             k_pos = torch.arange(end, device=q.device)[None, :]
             allowed = k_pos <= q_pos
-            if self.window is not None:
-                allowed &= k_pos > q_pos - self.window
+            window = self.windows[layer]
+            if window is not None:
+                allowed &= k_pos > q_pos - window
             scores = scores.masked_fill(~allowed, float("-inf"))
             out = torch.einsum("kgtl,lkd->tkgd", scores.softmax(-1), values)
             return out.reshape(t, num_heads, d).to(q.dtype)
@@ -46,9 +49,11 @@ class ContiguousKV:
 
 @torch.no_grad()
 def reference_generate(
-    model: LlamaForCausalLM, prompt: list[int], max_tokens: int, eos_token_id: int | None = None
+    model: LlamaForCausalLM, prompt: list[int], max_tokens: int, eos_token_id: int | Collection[int] | None = None
 ) -> list[int]:
-    """Greedy decoding with a contiguous KV slab: prefill the prompt, then one token per step."""
+    """Greedy decoding with a contiguous KV slab: prefill the prompt, then one token per step, up
+    to an id of ``eos_token_id`` (one id or several)."""
+    stops = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     device = next(model.parameters()).device
     cache = ContiguousKV(model, len(prompt) + max_tokens)
     tokens, out = list(prompt), []
@@ -60,7 +65,7 @@ def reference_generate(
         tok = int(model.compute_logits(hidden[-1:]).argmax(-1))
         out.append(tok)
         tokens.append(tok)
-        if tok == eos_token_id:
+        if tok in stops:
             break
         start, new = len(tokens) - 1, [tok]
     return out

@@ -58,7 +58,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = next(model.parameters()).device
         self.scale = model.config.head_size**-0.5
-        self.window = model.config.sliding_window
+        self.windows = [model.config.window_of(i) for i in range(model.config.num_layers)]
 
     @property
     def kv_bytes(self) -> int:
@@ -72,13 +72,15 @@ class ModelRunner:
         if plan.copies:  # copy-on-write orders from the manager, before any write of this step
             mapping = torch.tensor(plan.copies, dtype=torch.int64, device=self.device)
             copy_blocks(self.kv_caches, mapping)
-        meta = build_metadata(plan, self.block_size, self.device, self.scale, self.window)
+        meta = build_metadata(plan, self.block_size, self.device, self.scale, self.windows[0])
         attn = meta.attn
+        # Qwen2 slides its window on some layers only: one checked record per distinct window
+        by_window = {w: attn if w == self.windows[0] else attn.with_options(sliding_window=w) for w in self.windows}
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache = self.kv_caches[layer]
             reshape_and_cache(k, v, cache, attn.slot_mapping)
-            return paged_attention(q, cache, attn)
+            return paged_attention(q, cache, by_window[self.windows[layer]])
 
         hidden = self.model(meta.input_ids, meta.positions, attend)
         if not sample:

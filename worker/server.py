@@ -2,8 +2,10 @@
 
 Messages are msgpack maps (never pickle). Client -> worker::
 
-    {"op": "generate", "id": str, "prompt": [int...], "params": {max_tokens, temperature, top_p,
-     seed, n, ignore_eos}}                                  -> a stream of token messages
+    {"op": "generate", "id": str, "prompt": [int...], "cache_salt": str (optional),
+     "params": {max_tokens, temperature, top_p, seed, n, ignore_eos, top_k, min_tokens,
+     presence_penalty, frequency_penalty, stop_token_ids, logprobs}}
+                                                            -> a stream of token messages
     {"op": "abort", "id": str}                              -> the request's final messages
     {"op": "stats", "id": str}                              -> {"id", "stats": {...}}
     {"op": "ping", "id": str}                               -> {"id", "pong": pool name}
@@ -11,6 +13,7 @@ Messages are msgpack maps (never pickle). Client -> worker::
 Worker -> client, one per sampled token (``index``: which of the n samples)::
 
     {"id": str, "index": int, "token": int | None, "finished": bool, "reason": str | None}
+    (+ "logprob": float, "top_logprobs": [[token, logprob]...] when params.logprobs is set)
     {"id": str, "error": str, "finished": true}             (refused request or bad message)
 
 The loop is single-threaded: drain the socket, run one engine step, send its tokens, heartbeat
@@ -38,6 +41,7 @@ from kvpool.worker.wire import MAX_MESSAGE_BYTES, client_id, decode, op_of, pars
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 100
 MAX_BATCH = 256  # messages read per iteration: a flood cannot stop the engine from stepping
+DROP_LOG_EVERY_S = 5.0
 MAX_OPEN_REQUESTS = 4096  # client requests queued or running; more are refused until some finish
 
 
@@ -66,6 +70,8 @@ class WorkerServer:
         self._next = 0
         self._stop = False
         self._reload = False  # SIGHUP: re-read the allowed CURVE keys at the next iteration
+        self.replies_dropped = 0  # replies to clients that do not read (their queue was full)
+        self._next_drop_log = 0.0
 
     def request_stop(self, *_: object) -> None:
         self._stop = True
@@ -144,7 +150,7 @@ class WorkerServer:
             raise ValueError(f"the worker has {MAX_OPEN_REQUESTS} open requests; retry when some finished")
         eid = f"c{self._next}"
         self._next += 1
-        self.engine.add_request(req.prompt, req.params, request_id=eid)
+        self.engine.add_request(req.prompt, req.params, request_id=eid, cache_salt=req.cache_salt)
         self._clients[eid] = (ident, req.client_id)
         self._open[eid] = req.params.n
 
@@ -159,8 +165,11 @@ class WorkerServer:
             ident, cid = self._clients.get(ev.request_id, (None, ""))
             if ident is None:
                 continue
-            self._reply(ident, {"id": cid, "index": ev.index, "token": ev.token,
-                                "finished": ev.finished, "reason": ev.finish_reason})
+            body = {"id": cid, "index": ev.index, "token": ev.token, "finished": ev.finished,
+                    "reason": ev.finish_reason}
+            if ev.logprob is not None:
+                body.update(logprob=ev.logprob, top_logprobs=ev.top_logprobs)
+            self._reply(ident, body)
             if ev.finished:
                 self._open[ev.request_id] -= 1
                 if self._open[ev.request_id] == 0:
@@ -170,7 +179,11 @@ class WorkerServer:
         try:
             self._sock.send_multipart([ident, pack(body)], zmq.NOBLOCK)
         except zmq.Again:
-            logger.warning("client %r is not reading; dropped a reply", ident)
+            self.replies_dropped += 1
+            now = time.monotonic()
+            if now >= self._next_drop_log:  # a flooding client must not flood the log too
+                self._next_drop_log = now + DROP_LOG_EVERY_S
+                logger.warning("client %r is not reading; %d replies dropped so far", ident, self.replies_dropped)
 
     def shutdown(self) -> None:
         self.notifier.stopping()

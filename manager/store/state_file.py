@@ -30,7 +30,8 @@ def dump_registry(reg: Registry, seq: int) -> dict:
                 for s in reg.sessions.values()]
     pools = []
     for e in reg.pools.values():
-        shards = [[s.rank, s.incarnation, s.spec.to_wire(), s.available_kv_bytes, s.num_blocks, s.sid]
+        shards = [[s.rank, s.incarnation, s.spec.to_wire(), s.available_kv_bytes, s.num_blocks, s.sid,
+                   *([s.serve] if s.serve is not None else [])]
                   for s in e.shards.values()]
         pools.append([e.name, e.shard_count, e.epoch, shards, dump_pool(e.pool) if e.pool is not None else None])
     return {"format": FORMAT, "state_id": reg.state_id, "seq": seq, "next_num": reg.next_num,
@@ -90,12 +91,12 @@ def _sessions(rows: list, now: float) -> list[Session]:
 def _pool(row: list) -> PoolEntry:
     name, shard_count, epoch, shard_rows, dump = row
     shards = {}
-    for rank, inc, spec, available, num_blocks, sid in shard_rows:
+    for rank, inc, spec, available, num_blocks, sid, *serve in shard_rows:
         try:
             kv_spec = KVSpec.from_wire(spec)
         except ManagerError as e:
             raise CorruptState(f"pool {name!r:.40}, shard {rank!r:.10}: {e}") from None
-        shards[rank] = Shard(rank, inc, kv_spec, available, num_blocks, sid)
+        shards[rank] = Shard(rank, inc, kv_spec, available, num_blocks, sid, *serve[:1])
     # verify=False: every caller checks the whole registry's invariants once it is complete
     # (journal.recover after the replay, kvpool snapshot/restore), instead of each pool twice
     pool = load_pool(dump, enable_events=True, verify=False) if dump is not None else None

@@ -33,6 +33,12 @@ def test_config_show_prints_each_value_and_its_source(tmp_path):
     assert rows["session_timeout_s"]["source"] == "env KVPOOL_MANAGER_SESSION_TIMEOUT_S"
     assert rows["metrics_port"]["value"] == 9500 and rows["max_pools"]["source"] == "default"
     assert rows["admin_key"]["value"] == "********", "secrets are masked"
+    assert rows["events_format"] == {"field": "events_format", "value": "vllm-0.33", "source": "default"}
+    env11 = {**env, "KVPOOL_MANAGER_EVENTS_FORMAT": "vllm-0.11"}
+    rows11 = {r["field"]: r for r in json.loads(run("config", "show", "manager", "--config", str(f), "--json",
+                                                      env=env11))}
+    assert rows11["events_format"]["value"] == "vllm-0.11"
+    assert rows11["events_format"]["source"] == "env KVPOOL_MANAGER_EVENTS_FORMAT"
     table = run("config", "show", "manager", "--config", str(f), env=env).splitlines()
     assert table[0].split() == ["FIELD", "VALUE", "SOURCE"]
     assert "metrics_port            9500" in "\n".join(table)
@@ -47,6 +53,8 @@ def test_config_show_prints_each_value_and_its_source(tmp_path):
         ("[manager]\ncurve_secret_key_file = '/nonexistent/k'\n", {}, "needs both curve_secret_key_file"),
         ("[manager]\nevents_replay_endpoint = 'tcp://*:5558'\n", {}, "needs events_endpoint"),
         ("[manager]\nlog_level = 'loud'\n", {}, "log_level must be one of"),
+        ("[manager]\nevents_format = 'vllm-0.9'\n", {}, "events_format must be one of vllm-0.33, vllm-0.11"),
+        ("", {"KVPOOL_MANAGER_EVENTS_FORMAT": "msgpack"}, "events_format must be one of"),
     ],
 )
 def test_invalid_config_is_refused_with_what_to_change(tmp_path, toml, env, match):
@@ -57,6 +65,13 @@ def test_invalid_config_is_refused_with_what_to_change(tmp_path, toml, env, matc
     assert re.search(match, out), out
     out = run("manager", "--config", str(f), env=env, code=1)  # the daemon refuses the same way
     assert re.search(match, out), out
+
+
+def test_events_format_flag_is_validated_by_the_config(tmp_path):
+    f = tmp_path / "m.toml"
+    f.write_text("[manager]\n")
+    out = run("manager", "--config", str(f), "--events-format", "vllm-0.9", code=1)
+    assert "events_format must be one of vllm-0.33, vllm-0.11" in out
 
 
 def test_worker_sizes_accept_units_in_files_and_env(tmp_path):

@@ -125,12 +125,12 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int:
     return proc.wait(timeout)
 
 
-def apply(cached: set, events: list) -> None:
-    """What a KV-aware router does with vLLM-format events."""
+def apply(cached: set, events: list[dict]) -> None:
+    """What a KV-aware router does with vLLM-format events (as ``decode_batch`` gives them)."""
     for ev in events:
-        if ev[0] == "BlockStored":
-            cached.update(ev[1])
-        elif ev[0] == "BlockRemoved":
-            cached.difference_update(ev[1])
-        elif ev[0] == "AllBlocksCleared":
+        if ev["type"] == "BlockStored":
+            cached.update(ev["block_hashes"])
+        elif ev["type"] == "BlockRemoved":
+            cached.difference_update(ev["block_hashes"])
+        elif ev["type"] == "AllBlocksCleared":
             cached.clear()

@@ -29,7 +29,7 @@ def make_prompt(n: int, seed: int) -> list[int]:
 
 
 def reference(engine: Engine, prompt: list[int], max_tokens: int) -> list[int]:
-    return reference_generate(engine.model, prompt, max_tokens, engine.model.config.eos_token_id)
+    return reference_generate(engine.model, prompt, max_tokens, engine.model.config.eos_token_ids)
 
 
 def greedy(max_tokens: int, n: int = 1) -> SamplingParams:

@@ -1,25 +1,117 @@
+import re
 import time
 
 import msgpack
+import msgspec
+import pytest
 import zmq
 from helpers.manager import apply
+from helpers.vllm_structs import V011, V033, load_vllm_structs, vllm_sources
 
-from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvpool.manager.core.pool import Pool
-from kvpool.manager.events import END_SEQ, EventPublisher, decode_batch, encode_events
+from kvpool.manager.events import END_SEQ, EventPublisher, decode_batch, encode_batch, encode_events
 from kvpool.shared.hashing import hash_blocks
 
+FORMAT_STRUCTS = {"vllm-0.33": V033, "vllm-0.11": V011}
 
-def test_encoding_is_vllm_array_like_tagged():
+
+def pool_events() -> tuple[list[bytes], list[KVEvent]]:
+    """Stores (a chain and its continuation), an eviction, a reset: every kind of event."""
+    pool = Pool(8, 4, enable_events=True)
+    h = hash_blocks(list(range(12)), 4)
+    pool.allocate(1, h[:2], 9, 9)
+    pool.free(1)
+    pool.allocate(2, h, 13, 13)  # hits h[0..1], stores h[2] with parent h[1]
+    pool.free(2)
+    pool.evict(1)
+    pool.reset_prefix_cache()
+    return h, pool.take_events()
+
+
+def test_default_format_decodes_with_vllm_0_33_structs():
+    h, events = pool_events()
+    assert [type(e) for e in events] == [BlockStored, BlockStored, BlockRemoved, AllBlocksCleared]
+    batch = msgspec.msgpack.decode(encode_batch(events, 4, ts=12.5), type=V033.KVEventBatch)
+    assert (batch.ts, batch.data_parallel_rank) == (12.5, None)
+    first, second, removed, cleared = batch.events
+    assert first == V033.BlockStored(block_hashes=h[:2], parent_block_hash=None, token_ids=[], block_size=4,
+                                     lora_id=None, medium="GPU", lora_name=None)
+    assert (second.block_hashes, second.parent_block_hash) == ([h[2]], h[1])
+    assert removed == V033.BlockRemoved(block_hashes=[h[2]], medium="GPU")
+    assert isinstance(cleared, V033.AllBlocksCleared)
+    # fields at their default are left out, as vLLM's omit_defaults does
+    raw = msgpack.unpackb(encode_batch(events, 4))
+    assert raw[1][0].keys() == {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+                                "lora_id", "medium", "lora_name"}
+    assert raw[1][3] == {"type": "AllBlocksCleared"} and len(raw) == 2
+
+
+def test_each_format_decodes_only_with_its_release_structs():
+    """vLLM 0.33 rejects the array events of 0.11 (kvpool's payload before this format), and back."""
+    _, events = pool_events()
+    for fmt, own in FORMAT_STRUCTS.items():
+        payload = encode_batch(events, 4, fmt)
+        assert len(msgspec.msgpack.decode(payload, type=own.KVEventBatch).events) == 4
+        other = V011 if own is V033 else V033
+        with pytest.raises(msgspec.ValidationError, match=r"Expected `(object|array)`, got `(array|object)`"):
+            msgspec.msgpack.decode(payload, type=other.KVEventBatch)
+        batch = decode_batch(payload)  # kvpool's own reader (`kvpool events`) takes both
+        assert batch.format == fmt and [e["type"] for e in batch.events] == [
+            "BlockStored", "BlockStored", "BlockRemoved", "AllBlocksCleared"]
+        assert batch.events == decode_batch(encode_batch(events, 4)).events
+
+
+def _fields(struct: type) -> list[tuple]:
+    """(name, type without module paths, default) of each field."""
+    return [(f.name, re.sub(r"[\w.<>]+\.(?=\w)", "", str(f.type)), f.default) for f in msgspec.structs.fields(struct)]
+
+
+def test_vllm_0_33_own_struct_classes_decode_the_default_format():
+    """The struct classes of the vLLM 0.33.0 wheel itself (its class statements, run unmodified)."""
+    sources = vllm_sources("0.33.0")
+    if sources is None:
+        pytest.skip("pip could not fetch vllm==0.33.0 (no package index); the declared structs still ran")
+    real = load_vllm_structs(*sources)
+    h, events = pool_events()
+    batch = msgspec.msgpack.decode(encode_batch(events, 4, ts=1.0), type=real.KVEventBatch)
+    assert [type(e).__name__ for e in batch.events] == ["BlockStored", "BlockStored", "BlockRemoved",
+                                                        "AllBlocksCleared"]
+    assert batch.events[1].block_hashes == [h[2]] and batch.events[1].parent_block_hash == h[1]
+    for name in ("BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch"):  # the declared copies agree
+        ours, theirs = getattr(V033, name), getattr(real, name)
+        assert _fields(ours) == _fields(theirs), name
+        for opt in ("array_like", "omit_defaults", "tag"):
+            assert getattr(ours.__struct_config__, opt) == getattr(theirs.__struct_config__, opt), (name, opt)
+    with pytest.raises(msgspec.ValidationError, match="Expected `object`, got `array`"):
+        msgspec.msgpack.decode(encode_batch(events, 4, "vllm-0.11"), type=real.KVEventBatch)
+
+
+@pytest.mark.parametrize("batch, match", [
+    ({"ts": 1}, "expected \\[ts, events\\]"),
+    ([1.0, [["BlockStored", []]]], "not a vllm-0.11 KV event"),
+    ([1.0, [{"type": "AllBlocksCleared"}, ["AllBlocksCleared"]]], "mixes array"),
+    ([1.0, [{"block_hashes": []}]], "a map with a 'type'"),
+    ([1.0, [7]], "a map with a 'type'"),
+])
+def test_decode_refuses_what_no_publisher_sends(batch, match):
+    with pytest.raises(ValueError, match=match):
+        decode_batch(msgpack.packb(batch))
+
+
+def test_encoding_in_the_older_vllm_0_11_format():
     h = hash_blocks(list(range(8)), 4)
-    enc = encode_events([BlockStored(h, None), BlockRemoved([h[1]]), AllBlocksCleared()], 4)
+    enc = encode_events([BlockStored(h, None), BlockRemoved([h[1]]), AllBlocksCleared()], 4, "vllm-0.11")
     assert enc == [["BlockStored", h, None, [], 4, None, "GPU"], ["BlockRemoved", [h[1]], "GPU"], ["AllBlocksCleared"]]
+    with pytest.raises(ValueError, match="events_format must be one of vllm-0.33, vllm-0.11"):
+        encode_events([], 4, "vllm-0.20")
 
 
-def test_subscriber_rebuilds_cached_set_and_replay(tmp_path):
+@pytest.mark.parametrize("fmt", ["vllm-0.33", "vllm-0.11"])
+def test_subscriber_rebuilds_cached_set_and_replay(tmp_path, fmt):
     ctx = zmq.Context()
     pub_ep, replay_ep = f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/replay.sock"
-    publisher = EventPublisher(ctx, pub_ep, replay_ep)
+    publisher = EventPublisher(ctx, pub_ep, replay_ep, fmt=fmt)
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(pub_ep)
@@ -43,7 +135,8 @@ def test_subscriber_rebuilds_cached_set_and_replay(tmp_path):
         seq = int.from_bytes(seq, "big")
         assert seq == last + 1
         last = seq
-        apply(cached, decode_batch(payload)[1])
+        msgspec.msgpack.decode(payload, type=FORMAT_STRUCTS[fmt].KVEventBatch)  # as vLLM's subscribers do
+        apply(cached, decode_batch(payload).events)
         seen.append(payload)
         if seq == publisher.next_seq - 1:
             break
@@ -51,8 +144,8 @@ def test_subscriber_rebuilds_cached_set_and_replay(tmp_path):
     # replay from seq 3 on
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(replay_ep)
-    dealer.send_multipart([b"", (3).to_bytes(8, "big")])
-    got = []
+    dealer.send_multipart([b"", (3).to_bytes(8, "big")])  # as a REQ socket frames it (vLLM's subscribers)
+    got, ends = [], []
     for _ in range(200):
         if publisher.replay.poll(10) or publisher.replay_pending:
             publisher.serve_replay()
@@ -60,8 +153,12 @@ def test_subscriber_rebuilds_cached_set_and_replay(tmp_path):
             frames = dealer.recv_multipart()
             seq = int.from_bytes(frames[-2], "big")
             if seq == END_SEQ:
+                ends.append(frames)
                 break
+            # vLLM 0.33.0 replies [topic, seq, payload]; 0.11.0 replied [seq, payload]
+            assert frames[:-2] == ([b"", b"pool-a"] if fmt == "vllm-0.33" else [b""])
             got.append((seq, frames[-1]))
+    assert ends == [[b"", b"", b"\xff" * 8, b""] if fmt == "vllm-0.33" else [b"", b"\xff" * 8, b""]]
     assert [s for s, _ in got] == list(range(3, publisher.next_seq))
     assert [p for _, p in got] == seen[3:]
     assert isinstance(msgpack.unpackb(got[0][1])[0], float)
@@ -98,10 +195,24 @@ def test_a_multi_shard_pool_losing_a_shard_publishes_its_clear_and_the_loop_surv
         srv.run_once(0)  # was: AttributeError on the dropped Pool's block size, killing the loop
         assert sub.poll(2000)
         topic, _, payload = sub.recv_multipart()
-        assert topic == b"p" and decode_batch(payload)[1] == [["AllBlocksCleared"]]
+        assert topic == b"p" and decode_batch(payload).events == [{"type": "AllBlocksCleared"}]
     finally:
         sub.close(0)
         srv.close()
+
+
+@pytest.mark.parametrize("fmt", ["vllm-0.33", "vllm-0.11"])
+def test_kvpool_events_names_the_format_of_each_batch(capsys, fmt):
+    from kvpool.cli.tools import _print_batch
+    from kvpool.manager.event_client import read_batch
+
+    h, events = pool_events()
+    _print_batch(read_batch("pool-a", 3, encode_batch(events, 4, fmt)), as_json=False)
+    line = capsys.readouterr().out
+    assert f"#3 pool-a [{fmt}]: stored 2 [{h[0].hex()[:8]}..] parent -, stored 1" in line
+    assert line.rstrip().endswith("removed 1 [" + h[2].hex()[:8] + "..], AllBlocksCleared")
+    _print_batch(read_batch("pool-a", 4, msgpack.packb([1.0, [7]])), as_json=False)
+    assert "undecodable batch" in capsys.readouterr().err
 
 
 def test_replay_never_holds_the_loop_and_a_burst_of_requests_is_rate_limited(tmp_path):
@@ -123,7 +234,7 @@ def test_replay_never_holds_the_loop_and_a_burst_of_requests_is_rate_limited(tmp
         publisher.serve_replay()
         n = 0
         while dealer.poll(20):
-            received.append(int.from_bytes(dealer.recv_multipart()[0], "big"))
+            received.append(int.from_bytes(dealer.recv_multipart()[-2], "big"))  # [topic,] seq, payload
             n += 1
         per_call.append(n)
         if not publisher.replays and not publisher.replay.poll(0):

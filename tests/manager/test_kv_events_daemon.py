@@ -7,9 +7,11 @@ import random
 import subprocess
 import time
 
+import msgspec
 import pytest
 import zmq
 from helpers.manager import CLI, SPEC, apply, kv_bytes, shared_prefix_allocs, wait_until
+from helpers.vllm_structs import V011
 
 from kvpool.manager.events import END_SEQ, decode_batch
 from kvpool.worker.manager_client import ManagerClient, ManagerUnavailable
@@ -23,9 +25,10 @@ def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes
     sock.send(start.to_bytes(8, "big"))
     out = []
     while sock.poll(5000):
-        seq_b, payload = sock.recv_multipart()
+        *topic, seq_b, payload = sock.recv_multipart()  # vllm-0.33: [topic, seq, payload]
         if int.from_bytes(seq_b, "big") == END_SEQ:
             break
+        assert topic in ([b"p"], [b"q"])
         out.append((int.from_bytes(seq_b, "big"), payload))
     sock.close(0)
     return out
@@ -80,8 +83,8 @@ def test_subscriber_rebuilds_the_cached_set_from_events_alone(procs, sock_dir):
             topic, seq_b, payload = sub.recv_multipart()
             seqs.append(int.from_bytes(seq_b, "big"))
             batches[seqs[-1]] = payload
-            events = decode_batch(payload)[1]
-            kinds.update(e[0] for e in events)
+            events = decode_batch(payload).events
+            kinds.update(e["type"] for e in events)
             apply(cached[topic], events)
         assert seqs == list(range(total)), "one sequence, no gaps"
         assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
@@ -98,10 +101,50 @@ def test_subscriber_rebuilds_the_cached_set_from_events_alone(procs, sock_dir):
         assert out.returncode == 0, out.stderr
         lines = [json.loads(line) for line in out.stdout.splitlines()]
         assert [x["seq"] for x in lines] == list(range(total))
-        stored = [e for x in lines for e in x["events"] if e[0] == "BlockStored"]
-        assert stored[0][4] == SPEC["block_size"] and len(bytes.fromhex(stored[0][1][0])) == 32
+        assert {x["format"] for x in lines} == {"vllm-0.33"}
+        stored = [e for x in lines for e in x["events"] if e["type"] == "BlockStored"]
+        assert stored[0]["block_size"] == SPEC["block_size"] and len(bytes.fromhex(stored[0]["block_hashes"][0])) == 32
     finally:
         for c in (a, b):
             c.close()
+        sub.close(0)
+        ctx.term()
+
+
+def test_events_format_flag_selects_vllm_0_11_arrays(procs, sock_dir):
+    """`--events-format vllm-0.11`: vLLM 0.11.0's structs decode the batches, `kvpool events` names it."""
+    ep, ev_ep = f"ipc://{sock_dir}/m.sock", f"ipc://{sock_dir}/ev.sock"
+    procs([*CLI, "manager", "-m", ep, "--events-endpoint", ev_ep, "--events-format", "vllm-0.11"])
+    tail = procs([*CLI, "events", "-e", ev_ep, "--count", "2", "--json"], stdout=subprocess.PIPE, text=True)
+    c = ManagerClient(ep, identity="a", timeout_s=0.5)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(ev_ep)
+    try:
+        def up() -> bool:
+            try:
+                return bool(c.hello())
+            except ManagerUnavailable:
+                return False
+
+        wait_until(up, 30, "the daemon to answer")
+        c.timeout_s = 10
+        time.sleep(1.0)  # both subscriptions reach the publisher
+        epoch = c.register("p", shard_rank=0, shard_count=1, incarnation="i", spec=SPEC,
+                           available_kv_bytes=kv_bytes(24))["epoch"]
+        ops = shared_prefix_allocs(random.Random(2), 0, n=2)
+        assert all(r["ok"] for r in c.step("p", epoch, ops))
+        c.step("p", epoch, [{"op": "free", "req": op["req"]} for op in ops])
+        assert c.call("reset_cache", pool="p")["reset"]
+        kinds = []
+        while sub.poll(2000):
+            batch = msgspec.msgpack.decode(sub.recv_multipart()[2], type=V011.KVEventBatch)
+            kinds += [type(e).__name__ for e in batch.events]
+        assert {"BlockStored", "AllBlocksCleared"} <= set(kinds)
+        out, _ = tail.communicate(timeout=30)
+        assert [json.loads(line)["format"] for line in out.splitlines()] == ["vllm-0.11", "vllm-0.11"]
+    finally:
+        c.close()
         sub.close(0)
         ctx.term()

@@ -39,7 +39,7 @@ def test_seed_and_vectors():
     assert salted[0].hex() == "0c87f63e5001cc565d0d35b83c4bcdc3e52d888c46cd70d9f979667823c65b1f"
     assert salted[1].hex() == "c04c6eaf17498c2c074abd4d81f80ae1b32e1087a092cd0056abf26748199c90"
     lm = hash_blocks(list(range(16)), 16, lora="sql-lora", mm_inputs=[MMInput("img-0", 4, 8)])
-    assert lm[0].hex() == "ec6d5149132a0820ce1f39ce554974c2219227f01d415c1b678ef46230fc10f2"
+    assert lm[0].hex() == "59e3c49b8399c990053107d333ead4d9171f0912bed0baf4ed5010a3f72f2e47"
     assert tokens_to_bytes([1, 2, 70000]).hex() == "010000000200000070110100"
 
 
@@ -68,8 +68,22 @@ def test_salt_only_in_block_zero_but_changes_whole_chain():
 def test_multimodal_overlap():
     mm = [MMInput("img", 20, 4)]
     assert extra_keys(0, 16, mm_inputs=mm) == b""
-    assert extra_keys(1, 16, mm_inputs=mm) == b"\x03\x03\x00\x00\x00img"
+    assert extra_keys(1, 16, mm_inputs=mm) == b"\x03\x07\x00\x00\x00" + struct.pack("<i", 4) + b"img"
     assert extra_keys(2, 16, mm_inputs=mm) == b""
+
+
+def test_multimodal_key_carries_the_items_offset_within_the_block():
+    """As vLLM 0.33's ("mm", identifier, offset - block start): the same item at another place in
+    otherwise identical placeholder blocks is another key; an item begun in an earlier block is < 0."""
+    long = [MMInput("img", 20, 30)]
+    assert extra_keys(2, 16, mm_inputs=long) == b"\x03\x07\x00\x00\x00" + struct.pack("<i", -12) + b"img"
+    pad = [7] * 48  # placeholder tokens only
+    at20 = hash_blocks(pad, 16, mm_inputs=[MMInput("img", 20, 28)])
+    at22 = hash_blocks(pad, 16, mm_inputs=[MMInput("img", 22, 26)])
+    assert at20[0] == at22[0] and at20[1] != at22[1] and at20[2] != at22[2]
+    extras = {1: extra_keys(1, 16, mm_inputs=[MMInput("img", 20, 28)]),
+              2: extra_keys(2, 16, mm_inputs=[MMInput("img", 20, 28)])}
+    assert at20 == naive_chain(pad, 16, extras)
 
 
 def test_incremental_hasher_equals_one_shot():
