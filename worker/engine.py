@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.shared.protocol import ManagerError
 from kvpool.worker.block_manager import BlockManager, ManagerReset
 from kvpool.worker.kv_cache import kv_spec
 from kvpool.worker.model import LlamaForCausalLM
@@ -156,6 +157,9 @@ class Engine:
         except ManagerReset as e:
             self._reset(e)
             return []
+        except ManagerError:
+            sched.abandon(plan)
+            raise
         batch = plan.batch(results)
         outputs = self._run(batch)
         errored = sched.update(plan, results, outputs)
@@ -176,6 +180,9 @@ class Engine:
             except ManagerReset as e:
                 self._reset(e)
                 return []
+            except ManagerError:
+                sched.abandon(plan)
+                raise
             ready = (plan, results, plan.batch(results))
         plan, results, batch = ready
         following = sched.schedule()  # step N+1
@@ -184,12 +191,19 @@ class Engine:
         except ManagerReset as e:
             self._reset(e)
             return []
+        except ManagerError:
+            sched.abandon(following)  # step N's batch was made on it too: it starts over as well
+            raise
         outputs = self._run(batch)
         events = self._end_with_error(sched.update(plan, results, outputs)) + self._token_events(outputs)
         try:
             answers = self._wait(ticket) if ticket is not None else []
         except ManagerReset as e:
             self._reset(e)
+            return events
+        except ManagerError as e:
+            logger.warning("the manager refused a step (%s): its requests start over", e)
+            sched.abandon(following)
             return events
         if following.ops or following.seqs:
             self._ready = (following, answers, following.batch(answers))
