@@ -9,11 +9,12 @@ registration was checked against).
 On the wire (inside journal batches) a record is a msgpack list, its kind first::
 
     ["open", sid, identity, role, admin, version]           SessionOpened (hello)
-    ["end", sid]                                            SessionEnded (deregister or expiry)
+    ["end", sid, cause]                                     SessionEnded ("deregister" or "expired";
+                                                            absent in older journals: deregister)
     ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools]
                                                             (+ serve, only when the worker announced one)
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
-    ["reset", pool]   ["evict", pool, n]   ["drain", enable]
+    ["reset", pool]   ["evict", pool, n]   ["drain", enable]   ["drop", pool] (PoolDropped)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class SessionOpened:
 @dataclass(frozen=True)
 class SessionEnded:
     sid: str
+    cause: str = "deregister"  # or "expired": the shards it held keep its sid (their worker died)
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,13 @@ class DrainingSet:
     enable: bool
 
 
-Mutation = SessionOpened | SessionEnded | ShardRegistered | StepRan | CacheReset | BlocksEvicted | DrainingSet
+@dataclass(frozen=True)
+class PoolDropped:
+    pool: str
+
+
+Mutation = (SessionOpened | SessionEnded | ShardRegistered | StepRan | CacheReset | BlocksEvicted | DrainingSet
+            | PoolDropped)
 
 KINDS: dict[str, type] = {
     "open": SessionOpened,
@@ -88,6 +96,7 @@ KINDS: dict[str, type] = {
     "reset": CacheReset,
     "evict": BlocksEvicted,
     "drain": DrainingSet,
+    "drop": PoolDropped,
 }
 _LAYOUT = {cls: (kind, tuple(f.name for f in fields(cls))) for kind, cls in KINDS.items()}
 
