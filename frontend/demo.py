@@ -9,6 +9,8 @@ pool; tenants are kept apart by their cache salt) -> paged KV blocks -> streamed
 from __future__ import annotations
 
 import asyncio
+import sys
+import time
 from dataclasses import asdict, dataclass
 
 from kvpool.frontend.loadgen import ChatTraceConfig, Result, chat_trace, drive, summarize
@@ -45,9 +47,19 @@ def worker_stats(fd: FrontDoorServer) -> list[dict]:
     return out
 
 
+def say(progress: bool, text: str) -> None:
+    if progress:
+        print(text, file=sys.stderr, flush=True)
+
+
 def run_text_demo(cfg: TextDemoConfig, progress: bool = True) -> dict:
+    """Runs the demo; with ``progress`` says on stderr what starts and how far it got."""
     cluster = LocalCluster(prefix="kvpool-demo-")
     fd = None
+    say(progress, f"starting a manager, {cfg.num_workers} CPU workers (model {cfg.model!r}: seeded random weights, "
+                  f"{cfg.kv_blocks} KV blocks each) and the HTTP front door ({cfg.policy} routing)")
+    say(progress, "waiting for the workers to load the model and register their pools (about 10 s)...")
+    t0 = time.monotonic()
     try:
         manager = cluster.manager()
         for k in range(cfg.num_workers):
@@ -59,6 +71,8 @@ def run_text_demo(cfg: TextDemoConfig, progress: bool = True) -> dict:
             cluster.check_alive()
             raise
         trace = chat_trace(cfg.trace)
+        say(progress, f"ready in {time.monotonic() - t0:.1f}s; sending {len(trace)} chat requests over HTTP, up to "
+                      f"{cfg.max_inflight} at once")
         results, elapsed = asyncio.run(drive(fd.url, cfg.model, trace, max_inflight=cfg.max_inflight,
                                              progress=progress))
         return report(cfg, trace, results, elapsed, fd)
@@ -100,4 +114,15 @@ def format_report(r: dict) -> str:
     for p in r["pools"]:
         lines.append(f"pool {p['pool']:<10} peak {p['peak_blocks']} of {p['num_blocks'] - 1} blocks in use for "
                      f"{p['peak_running']} running; {p['preemptions']} preemptions")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *EXPLAIN])
+
+
+EXPLAIN = [
+    "what the figures mean:",
+    "  tokens/s            tokens sampled per second by all workers together, on CPU with a tiny model",
+    "  time to first token from sending a request to its first streamed token, as a client sees it",
+    "  prefix-cache hits   prompt tokens whose KV blocks were found cached (shared prompts) and not recomputed",
+    "  routing             why the front door chose each worker (cached prefix, load, ...) and how many each got",
+    "  peak ... blocks     the most KV blocks in use at once out of the pool; preemptions: requests paused and "
+    "recomputed because their pool ran out of blocks",
+]
