@@ -9,6 +9,7 @@ pool; tenants are kept apart by their cache salt) -> paged KV blocks -> streamed
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -60,6 +61,9 @@ def run_text_demo(cfg: TextDemoConfig, progress: bool = True) -> dict:
                   f"{cfg.kv_blocks} KV blocks each) and the HTTP front door ({cfg.policy} routing)")
     say(progress, "waiting for the workers to load the model and register their pools (about 10 s)...")
     t0 = time.monotonic()
+    # The front door runs in this process: streams cut by a Ctrl-C make asyncio warn once per write
+    # to a closed socket while it shuts down, noise for a demo that is stopping anyway.
+    logging.getLogger("asyncio").setLevel(logging.ERROR)
     try:
         manager = cluster.manager()
         for k in range(cfg.num_workers):
