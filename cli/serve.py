@@ -76,6 +76,8 @@ def worker_service_options(f):
 @click.option("--kv-cache-memory", default=None, callback=_bytes, help="KV bytes (e.g. 64MiB); skips profiling.")
 @click.option("--cpu-memory-budget", default="2GiB", show_default=True, callback=_bytes,
               help="Host memory treated as the device on CPU.")
+@click.option("--host-kv-memory", default="0", show_default=True, callback=_bytes,
+              help="Host memory for the pool's host KV tier (e.g. 4GiB); 0: none.")
 @click.option("--no-prefix-caching", is_flag=True, help="Send no block hashes (no prefix reuse).")
 @click.option("--no-overlap", is_flag=True, help="Wait for the manager before each forward pass "
               "(default: send step N+1 while step N computes).")
@@ -94,7 +96,7 @@ def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: s
            endpoint: str | None, dtype: str, device: str,
            block_size: int, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
            memory_utilization: float, kv_cache_memory: int | None, cpu_memory_budget: int,
-           no_prefix_caching: bool, no_overlap: bool, seed: int, threads: int, tp_size: int, tp_rank: int | None,
+           host_kv_memory: int, no_prefix_caching: bool, no_overlap: bool, seed: int, threads: int, tp_size: int, tp_rank: int | None,
            tp_master: str, tp_timeout: float, **_: object) -> None:
     """Serve generate requests from paged KV memory whose blocks the manager hands out.
 

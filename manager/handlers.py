@@ -36,7 +36,7 @@ U63 = (1 << 63) - 1
 
 def pool_info(entry: PoolEntry) -> dict:
     pool = entry.pool
-    return {
+    info = {
         "pool": entry.name,
         "state": entry.state,
         "epoch": entry.epoch,
@@ -45,6 +45,9 @@ def pool_info(entry: PoolEntry) -> dict:
         "num_blocks": pool.blocks.num_blocks if pool else 0,
         "block_size": entry.spec["block_size"],
     }
+    if entry.pool is not None and entry.host_num_blocks:  # a pool without a host tier: as before
+        info["host_num_blocks"] = entry.host_num_blocks
+    return info
 
 
 class Handlers:
@@ -127,11 +130,12 @@ class Handlers:
         if spec.max_model_len is not None and spec.max_model_len > self.bounds.max_model_len:
             raise bad_field("max_model_len", f"an int in [1, {self.bounds.max_model_len}]", spec.max_model_len)
         available = get_int(args, "available_kv_bytes", 0, U63)
+        host_kv_bytes = get_int(args, "host_kv_bytes", 0, U63) if "host_kv_bytes" in args else 0
         replace = args.get("replace", False)
         if type(replace) is not bool:
             raise bad_field("replace", "a bool", replace)
         check_register(self.reg, self.bounds, sess, name, rank, incarnation, available // spec.block_bytes, replace)
-        entry = self.reg.register(sess, name, rank, count, incarnation, spec, available)
+        entry = self.reg.register(sess, name, rank, count, incarnation, spec, available, host_kv_bytes)
         return {**pool_info(entry), "max_model_len": max_model_len(self.bounds, entry)}
 
     def step(self, sess: Session, args: dict, now: float) -> dict:
@@ -198,7 +202,8 @@ class Handlers:
                 cached_blocks=len(pool.blocks.cached) if pool else 0,
                 requests=len(pool.requests) if pool else 0,
                 shards=[{"rank": s.rank, "incarnation": s.incarnation, "num_blocks": s.num_blocks,
-                         "num_kv_heads": s.spec.num_kv_heads, "session": live[s.sid].num if s.sid in live else None}
+                         "num_kv_heads": s.spec.num_kv_heads, "session": live[s.sid].num if s.sid in live else None,
+                         **({"host_num_blocks": s.host_num_blocks} if s.host_kv_bytes else {})}
                         for s in sorted(entry.shards.values(), key=lambda s: s.rank)],
             )
             out.append(info)

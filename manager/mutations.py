@@ -10,7 +10,8 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
 
     ["open", sid, identity, role, admin, version]           SessionOpened (hello)
     ["end", sid]                                            SessionEnded (deregister or expiry)
-    ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools]
+    ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools,
+     host_kv_bytes]                                         (host_kv_bytes only when > 0)
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]
 """
@@ -50,6 +51,7 @@ class ShardRegistered:
     available_kv_bytes: int
     max_blocks: int
     max_pools: int
+    host_kv_bytes: int = 0  # host memory offered for the pool's host tier (0: none)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,8 @@ def to_wire(rec: Mutation) -> list:
     wire = [kind, *(getattr(rec, name) for name in names)]
     if type(rec) is ShardRegistered:
         wire[6] = rec.spec.to_wire()
+        if not rec.host_kv_bytes:  # no host tier: the layout of journals from before it
+            wire.pop()
     return wire
 
 

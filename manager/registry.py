@@ -66,6 +66,11 @@ class Shard:
     available_kv_bytes: int
     num_blocks: int
     sid: str | None  # the session that registered it; None once that session is gone
+    host_kv_bytes: int = 0  # host memory offered for the host tier (0: none)
+
+    @property
+    def host_num_blocks(self) -> int:
+        return self.host_kv_bytes // self.spec.block_bytes
 
 
 @dataclass
@@ -85,6 +90,11 @@ class PoolEntry:
     @property
     def state(self) -> str:
         return "ready" if self.pool is not None else "pending"
+
+    @property
+    def host_num_blocks(self) -> int:
+        """Blocks of the pool's host tier: the fewest any shard's host memory holds (0: no tier)."""
+        return min((s.host_num_blocks for s in self.shards.values()), default=0)
 
 
 class Registry:
@@ -238,10 +248,12 @@ class Registry:
     # -- pools -----------------------------------------------------------------------------
 
     def register(
-        self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: KVSpec, available: int
+        self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: KVSpec, available: int,
+        host_kv_bytes: int = 0,
     ) -> PoolEntry:
         """Registers one shard (idempotent for the same incarnation); see the module docstring."""
-        rec = ShardRegistered(sess.sid, name, rank, count, incarnation, spec, available, self.max_blocks, self.max_pools)
+        rec = ShardRegistered(sess.sid, name, rank, count, incarnation, spec, available, self.max_blocks,
+                              self.max_pools, host_kv_bytes)
         return self.apply(rec, 0.0)  # type: ignore[return-value]
 
     def _register(self, rec: ShardRegistered) -> PoolEntry:
@@ -270,7 +282,7 @@ class Registry:
             entry = self.pools[name] = PoolEntry(name, count, epoch=entry.epoch)
         old = entry.shards.get(rank)
         if old is not None and old.incarnation == incarnation:
-            if old.spec != spec or old.available_kv_bytes != available:
+            if old.spec != spec or old.available_kv_bytes != available or old.host_kv_bytes != rec.host_kv_bytes:
                 raise ManagerError(
                     "shard_conflict",
                     f"shard {rank} of pool {name!r} is registered as incarnation {incarnation!r} with "
@@ -278,7 +290,7 @@ class Registry:
                 )
             old.sid = sess.sid
             return entry
-        entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid)
+        entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid, rec.host_kv_bytes)
         if len(entry.shards) == entry.shard_count:
             self._new_epoch(entry, rec.max_blocks)
         self.dirty.add(name)

@@ -53,11 +53,13 @@ class TokenEvent:
 class Engine:
     def __init__(self, model: LlamaForCausalLM, block_manager: BlockManager, scheduler: Scheduler,
                  available_kv_bytes: int, *, seed: int = 0, tp: TPLeader | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, host_kv_bytes: int = 0) -> None:
         self.model = model
         self.bm = block_manager
         self.scheduler = scheduler
         self.available_kv_bytes = available_kv_bytes
+        self.host_kv_bytes = host_kv_bytes  # host memory offered for the pool's host tier
+        self.host_num_blocks = 0  # what the manager made of it
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.block_size = scheduler.block_size
@@ -85,8 +87,9 @@ class Engine:
         """(Re-)registers with the manager; allocates the KV tensors when their size changes."""
         if self.tp is not None:
             self.tp.register()  # the other shards register alongside: the pool needs them all
-        info = self.bm.register(self.spec, self.available_kv_bytes)
+        info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes)
         num_blocks = int(info["num_blocks"])
+        self.host_num_blocks = int(info.get("host_num_blocks", 0))
         check_fits(num_blocks, self.block_size, self.scheduler.max_model_len)
         if num_blocks != self.num_blocks:
             self.runner = None  # drop the old tensors before allocating new ones

@@ -135,12 +135,15 @@ class ManagerClient:
         incarnation: str,
         spec: dict,
         available_kv_bytes: int,
+        host_kv_bytes: int = 0,
         wait_s: float = 30.0,
     ) -> dict:
         """Registers one shard and waits until every shard of the pool has: returns
         {"num_blocks", "block_size", "epoch", ...}. Idempotent for the same incarnation."""
         args = {"pool": pool, "shard_rank": shard_rank, "shard_count": shard_count,
                 "incarnation": incarnation, "spec": spec, "available_kv_bytes": available_kv_bytes}
+        if host_kv_bytes:  # optional: a host tier for the pool (PROTOCOL.md, register)
+            args["host_kv_bytes"] = host_kv_bytes
         deadline = time.monotonic() + wait_s
         pause = 0.02
         while True:

@@ -102,6 +102,11 @@ def load_rank(cfg: WorkerConfig) -> tuple[LlamaForCausalLM, int]:
     return model, kv_bytes
 
 
+def host_kv_share(cfg: WorkerConfig) -> int:
+    """This rank's share of ``--host-kv-memory`` (each shard keeps its slice of every host block)."""
+    return cfg.host_kv_memory // cfg.tp_size
+
+
 def build_engine(cfg: WorkerConfig, block_manager: BlockManager) -> Engine:
     """The engine of a single worker, or of tensor-parallel rank 0 (which registers every shard)."""
     if cfg.tp_rank != 0:
@@ -112,7 +117,8 @@ def build_engine(cfg: WorkerConfig, block_manager: BlockManager) -> Engine:
                       enable_chunked_prefill=cfg.enable_chunked_prefill,
                       static_prealloc=cfg.static_prealloc)
     tp = TPLeader(Channel(rank_device(cfg)), cfg.tp_size) if cfg.tp_size > 1 else None
-    return Engine(model, block_manager, sched, kv_bytes, seed=cfg.seed, tp=tp, overlap=cfg.overlap)
+    return Engine(model, block_manager, sched, kv_bytes, seed=cfg.seed, tp=tp, overlap=cfg.overlap,
+                  host_kv_bytes=host_kv_share(cfg))
 
 
 def build_follower(cfg: WorkerConfig, block_manager: BlockManager) -> TPFollower:
@@ -121,7 +127,8 @@ def build_follower(cfg: WorkerConfig, block_manager: BlockManager) -> TPFollower
         raise ValueError("rank 0 runs the scheduler: use build_engine")
     model, kv_bytes = load_rank(cfg)
     return TPFollower(model, block_manager, Channel(rank_device(cfg)), block_size=cfg.block_size,
-                      available_kv_bytes=kv_bytes, max_model_len=cfg.max_model_len)
+                      available_kv_bytes=kv_bytes, max_model_len=cfg.max_model_len,
+                      host_kv_bytes=host_kv_share(cfg))
 
 
 def serve_rank(cfg: WorkerConfig, manager_eps: list[str], endpoint: str, tp_master: str, tp_timeout: float) -> None:

@@ -123,10 +123,12 @@ class TPFollower:
     """
 
     def __init__(self, model: LlamaForCausalLM, bm: BlockManager, channel: Channel, *, block_size: int,
-                 available_kv_bytes: int, max_model_len: int, stop_grace_s: float = 5.0) -> None:
+                 available_kv_bytes: int, max_model_len: int, stop_grace_s: float = 5.0,
+                 host_kv_bytes: int = 0) -> None:
         self.model, self.bm, self.channel = model, bm, channel
         self.block_size, self.max_model_len = block_size, max_model_len
         self.available_kv_bytes = available_kv_bytes
+        self.host_kv_bytes = host_kv_bytes
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.spec = kv_spec(model.config, block_size, self.dtype, model.tp_size)
@@ -179,9 +181,9 @@ class TPFollower:
         the pool's num_blocks. A failure is logged: rank 0's registration fails with it."""
         try:
             try:
-                info = self.bm.register(self.spec, self.available_kv_bytes)
+                info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes)
             except ManagerRestarted:  # our session had expired: the retry opens a new one
-                info = self.bm.register(self.spec, self.available_kv_bytes)
+                info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes)
         except ManagerError as e:
             logger.warning("rank %d could not register its shard: %s", self.model.tp_rank, e)
             return
