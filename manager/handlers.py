@@ -45,8 +45,8 @@ def pool_info(entry: PoolEntry) -> dict:
         "num_blocks": pool.blocks.num_blocks if pool else 0,
         "block_size": entry.spec["block_size"],
     }
-    if entry.pool is not None and entry.host_num_blocks:  # a pool without a host tier: as before
-        info["host_num_blocks"] = entry.host_num_blocks
+    if pool is not None and pool.host is not None:  # a pool without a host tier: as before
+        info["host_num_blocks"] = pool.host.num_blocks
     return info
 
 

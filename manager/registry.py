@@ -334,7 +334,8 @@ class Registry:
             num_blocks = max_blocks
         restarted = entry.epoch > 0  # an earlier Pool of this name had cached hashes
         entry.epoch += 1
-        entry.pool = Pool(num_blocks, entry.spec["block_size"], enable_events=True)
+        entry.pool = Pool(num_blocks, entry.spec["block_size"], enable_events=True,
+                          host_blocks=min(entry.host_num_blocks, max_blocks))
         if restarted:
             entry.pool.blocks.restate_events()  # the new pool is empty: a clear
             logger.warning("pool %s: a shard restarted; epoch %d, cache and requests dropped", entry.name, entry.epoch)

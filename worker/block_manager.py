@@ -67,7 +67,8 @@ class LocalBlockManager:
         num_blocks = spec_num_blocks(spec, available_kv_bytes)
         if self.max_blocks is not None:
             num_blocks = min(num_blocks, self.max_blocks)
-        self._pool = Pool(num_blocks, spec.block_size, enable_caching=self.enable_caching)
+        host_blocks = host_kv_bytes // spec.block_bytes
+        self._pool = Pool(num_blocks, spec.block_size, enable_caching=self.enable_caching, host_blocks=host_blocks)
         self.epoch += 1
         info = {"num_blocks": num_blocks, "block_size": spec.block_size, "epoch": self.epoch}
         if host_kv_bytes // spec.block_bytes:  # as the manager answers (PROTOCOL.md, register)

@@ -91,13 +91,19 @@ class HostTier:
         self.stats.saves += 1
         return Copy(device_block, hb)
 
-    def load(self, host_blocks: Sequence[int], device_blocks: Sequence[int]) -> list[Copy]:
-        """Load orders for ``host_blocks`` (from ``lookup``) into fresh ``device_blocks``; the
-        host blocks stay pinned until ``end_step``, so nothing in this step overwrites them."""
-        if len(host_blocks) != len(device_blocks):
-            raise ValueError(f"{len(host_blocks)} host blocks to load into {len(device_blocks)} device blocks")
+    def pin(self, host_blocks: Sequence[int]) -> None:
+        """Pins ``host_blocks`` (from ``lookup``) until ``end_step``: no demotion of this step
+        overwrites them. Pin before taking the device blocks to load into (that may demote)."""
         self.blocks.touch(host_blocks)
         self.pinned.extend(host_blocks)
+
+    def load(self, host_blocks: Sequence[int], device_blocks: Sequence[int]) -> list[Copy]:
+        """Load orders for pinned ``host_blocks`` into fresh ``device_blocks``."""
+        if len(host_blocks) != len(device_blocks):
+            raise ValueError(f"{len(host_blocks)} host blocks to load into {len(device_blocks)} device blocks")
+        for hb in host_blocks:
+            if self.blocks.ref_cnt[hb] == 0:
+                raise InvariantBroken(f"host block {hb} loaded without a pin: a demotion could overwrite it")
         self.stats.loads += len(host_blocks)
         self.stats.hit_tokens += len(host_blocks) * self.block_size
         return [Copy(hb, d) for hb, d in zip(host_blocks, device_blocks)]

@@ -44,7 +44,8 @@ def test_no_save_reuses_a_host_block_a_load_of_the_same_step_reads():
     t.demote(1, h(1), None)
     t.demote(2, h(2), None)
     t.end_step()
-    assert t.load(t.lookup([h(1)]), [9]) == [Copy(1, 9)]
+    t.pin(t.lookup([h(1)]))
+    assert t.load([1], [9]) == [Copy(1, 9)]
     assert t.demote(3, h(3), None) == Copy(3, 2)  # h(2)'s block, never the pinned one
     assert t.demote(4, h(4), None) is None and t.stats.saves_dropped == 1  # all pinned: lost
     t.check_invariants()
@@ -71,6 +72,8 @@ def test_a_pin_the_step_forgot_breaks_the_invariants():
         t.check_invariants()
     with pytest.raises(ValueError, match="device blocks"):
         t.load([1], [])
+    with pytest.raises(InvariantBroken, match="without a pin"):
+        t.load([2], [5])
 
 
 class HostTierMachine(RuleBasedStateMachine):
@@ -102,6 +105,7 @@ class HostTierMachine(RuleBasedStateMachine):
     def allocate_with_host_hits(self, chain: list[int]) -> None:
         hashes = [h(i) for i in chain]
         hits = self.tier.lookup(hashes)
+        self.tier.pin(hits)
         dst = [self._fresh_device_block(None) for _ in hits]
         for copy, hb in zip(self.tier.load(hits, dst), hits):
             self.loads.append((copy, self.tier.blocks.block_hash[hb]))
