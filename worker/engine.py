@@ -95,6 +95,9 @@ class Engine:
             self.runner = None  # drop the old tensors before allocating new ones
             self.runner = allocate_runner(self.model, num_blocks, self.block_size)
             self.num_blocks = num_blocks
+        host = self.runner.host_caches
+        if (host[0].shape[1] if host else 0) != self.host_num_blocks:  # same size: keep the tensors
+            self.runner.attach_host(self.host_num_blocks)
         self.scheduler.num_blocks = num_blocks
         self.registrations += 1
         logger.info("registered pool %s: %d blocks of %d tokens, %d KV bytes on tensor-parallel rank 0 of %d",
@@ -226,11 +229,13 @@ class Engine:
     def _run(self, batch: Batch) -> list[Output]:
         """The forward pass over ``batch`` and its sampled tokens (a new parallel sample of an
         n > 1 request comes with its parent)."""
-        if not batch.seqs:
+        if not batch.seqs and not batch.saves and not batch.loads:
             return []
         if self.tp is not None:
             self.tp.run(batch)
         logits = self.runner.execute(batch)
+        if not batch.seqs:  # only the host tier's copies ran
+            return []
         sampling = [req for req, seq in zip(batch.reqs, batch.seqs) if seq.sample]
         keys, owners = [], []
         for row, req in enumerate(sampling):

@@ -44,12 +44,14 @@ HEAD = 4096
 
 def encode_plan(plan: Batch) -> dict:
     return {"op": "step", "seqs": [[s.token_ids, s.start, s.block_table, s.sample] for s in plan.seqs],
-            "copies": [list(c) for c in plan.copies]}
+            "copies": [list(c) for c in plan.copies], "saves": [list(c) for c in plan.saves],
+            "loads": [list(c) for c in plan.loads]}
 
 
 def decode_plan(msg: dict) -> Batch:
     return Batch([BatchSeq(ids, start, table, sample) for ids, start, table, sample in msg["seqs"]],
-                    [(src, dst) for src, dst in msg["copies"]])
+                 [(src, dst) for src, dst in msg["copies"]],
+                 saves=[(s, d) for s, d in msg.get("saves", ())], loads=[(s, d) for s, d in msg.get("loads", ())])
 
 
 class Channel:
@@ -193,6 +195,7 @@ class TPFollower:
             self.runner = None  # drop the old tensors before allocating new ones
             self.runner = allocate_runner(self.model, num_blocks, self.block_size)
             self.num_blocks = num_blocks
+        self.runner.attach_host(int(info.get("host_num_blocks", 0)))  # type: ignore[union-attr]
         logger.info("rank %d registered its shard of pool %s: %d blocks, %d KV bytes", self.model.tp_rank,
                     self.bm.pool, num_blocks, self.runner.kv_bytes)  # type: ignore[union-attr]
 
