@@ -46,6 +46,10 @@ cli.add_command(tools.config)
 cli.add_command(tools.events)
 cli.add_command(tools.keygen)
 
+from kvpool.cli import frontdoor  # noqa: E402  (serve: the HTTP front door)
+
+cli.add_command(frontdoor.serve)
+
 from kvpool.cli import bench as _bench  # noqa: E402
 
 cli.add_command(_bench.bench)

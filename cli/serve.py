@@ -1,4 +1,5 @@
-"""Worker commands: `kvpool worker` serves a model, `kvpool generate` asks it, `kvpool demo`."""
+"""Worker commands: `kvpool worker` serves a model, `kvpool generate` asks it, `kvpool demo` (text
+through the front door: frontend/demo.py)."""
 
 from __future__ import annotations
 
@@ -208,15 +209,21 @@ def generate(prompt_ids: tuple[int, ...], endpoint: str | None, pool: str, max_t
 @click.option("--requests", "num_requests", default=200, show_default=True)
 @click.option("--max-inflight", default=32, show_default=True)
 @click.option("--kv-blocks", default=128, show_default=True, help="KV blocks per worker.")
+@click.option("--tenants", default=4, show_default=True, help="Tenants, each with its own system prompt and salt.")
+@click.option("--policy", type=click.Choice(["kv-aware", "round-robin", "least-loaded"]), default="kv-aware",
+              show_default=True, help="The front door's routing policy.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def demo(num_requests: int, max_inflight: int, kv_blocks: int, seed: int, as_json: bool) -> None:
-    """A manager and two CPU workers serving a shared-prefix workload; prints a report."""
-    from kvpool.worker.demo import DemoConfig, format_report, run_demo
+def demo(num_requests: int, max_inflight: int, kv_blocks: int, tenants: int, policy: str, seed: int,
+         as_json: bool) -> None:
+    """A manager, two CPU workers and the HTTP front door serving a multi-tenant chat trace."""
+    from kvpool.frontend.demo import TextDemoConfig, format_report, run_text_demo
+    from kvpool.frontend.loadgen import ChatTraceConfig
 
-    cfg = DemoConfig(num_requests=num_requests, max_inflight=max_inflight, kv_blocks=kv_blocks, seed=seed)
     try:
-        result = run_demo(cfg, progress=not as_json)
-    except RuntimeError as e:
+        cfg = TextDemoConfig(ChatTraceConfig(num_requests=num_requests, num_tenants=tenants, seed=seed),
+                             max_inflight=max_inflight, kv_blocks=kv_blocks, policy=policy)
+        result = run_text_demo(cfg, progress=not as_json)
+    except (RuntimeError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(json.dumps(result, indent=2) if as_json else format_report(result))
+    click.echo(json.dumps(result, indent=2, ensure_ascii=False) if as_json else format_report(result))

@@ -24,6 +24,7 @@ from kvpool.shared.protocol import (
     KVSpec,
     ManagerError,
     bad_field,
+    check_serve,
     get_hashes,
     get_int,
     get_map,
@@ -134,8 +135,9 @@ class Handlers:
         replace = args.get("replace", False)
         if type(replace) is not bool:
             raise bad_field("replace", "a bool", replace)
+        serve = check_serve(args["serve"]) if "serve" in args else None  # where rank 0 takes generate requests
         check_register(self.reg, self.bounds, sess, name, rank, incarnation, available // spec.block_bytes, replace)
-        entry = self.reg.register(sess, name, rank, count, incarnation, spec, available, host_kv_bytes)
+        entry = self.reg.register(sess, name, rank, count, incarnation, spec, available, serve, host_kv_bytes)
         return {**pool_info(entry), "max_model_len": max_model_len(self.bounds, entry)}
 
     def step(self, sess: Session, args: dict, now: float) -> dict:
@@ -163,6 +165,20 @@ class Handlers:
         epoch = get_int(args, "epoch", 1, U63) if "epoch" in args else None
         _, pool = self.reg.ready_pool(args.get("pool"), epoch)
         return {"blocks": pool.lookup(get_hashes(args))}
+
+    def workers(self, sess: Session, args: dict, now: float) -> dict:
+        """Ready pools whose rank-0 shard announced a generate endpoint and is still connected:
+        what a front door routes to."""
+        out = []
+        for entry in self.reg.pools.values():
+            lead = entry.shards.get(0)
+            if entry.pool is None or lead is None or lead.serve is None or lead.sid not in self.reg.sessions:
+                continue
+            blocks = entry.pool.blocks
+            out.append({**lead.serve, "pool": entry.name, "epoch": entry.epoch, "num_blocks": blocks.num_blocks,
+                        "block_size": entry.spec["block_size"], "free_blocks": blocks.num_free,
+                        "requests": len(entry.pool.requests)})
+        return {"workers": out}
 
     def locate(self, sess: Session, args: dict, now: float) -> dict:
         hashes = get_hashes(args)

@@ -10,8 +10,10 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
 
     ["open", sid, identity, role, admin, version]           SessionOpened (hello)
     ["end", sid]                                            SessionEnded (deregister or expiry)
-    ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools,
-     host_kv_bytes]                                         (host_kv_bytes only when > 0)
+    ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools]
+                                                            (+ serve, only when the worker announced one
+                                                             or host_kv_bytes follows; + host_kv_bytes,
+                                                             only when > 0)
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]
 """
@@ -51,6 +53,7 @@ class ShardRegistered:
     available_kv_bytes: int
     max_blocks: int
     max_pools: int
+    serve: dict | None = None  # {endpoint, model, max_model_len}: where rank 0 takes generate requests
     host_kv_bytes: int = 0  # host memory offered for the pool's host tier (0: none)
 
 
@@ -100,6 +103,8 @@ def to_wire(rec: Mutation) -> list:
         wire[6] = rec.spec.to_wire()
         if not rec.host_kv_bytes:  # no host tier: the layout of journals from before it
             wire.pop()
+            if rec.serve is None:
+                wire.pop()  # records without serve keep their original layout
     return wire
 
 

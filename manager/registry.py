@@ -66,6 +66,7 @@ class Shard:
     available_kv_bytes: int
     num_blocks: int
     sid: str | None  # the session that registered it; None once that session is gone
+    serve: dict | None = None  # where this shard takes generate requests (register's optional field)
     host_kv_bytes: int = 0  # host memory offered for the host tier (0: none)
 
     @property
@@ -249,11 +250,12 @@ class Registry:
 
     def register(
         self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: KVSpec, available: int,
+        serve: dict | None = None,
         host_kv_bytes: int = 0,
     ) -> PoolEntry:
         """Registers one shard (idempotent for the same incarnation); see the module docstring."""
         rec = ShardRegistered(sess.sid, name, rank, count, incarnation, spec, available, self.max_blocks,
-                              self.max_pools, host_kv_bytes)
+                              self.max_pools, serve, host_kv_bytes)
         return self.apply(rec, 0.0)  # type: ignore[return-value]
 
     def _register(self, rec: ShardRegistered) -> PoolEntry:
@@ -289,8 +291,10 @@ class Registry:
                     "another spec or size; a restarted shard must register with a new incarnation",
                 )
             old.sid = sess.sid
+            old.serve = rec.serve
             return entry
-        entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid, rec.host_kv_bytes)
+        entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid, rec.serve,
+                                   rec.host_kv_bytes)
         if len(entry.shards) == entry.shard_count:
             self._new_epoch(entry, rec.max_blocks)
         self.dirty.add(name)

@@ -54,6 +54,7 @@ OPS: dict[str, tuple[str, bool, bool]] = {
     "step": ("step", True, False),
     "lookup": ("lookup", True, False),
     "locate": ("locate", True, False),
+    "workers": ("workers", True, False),
     "heartbeat": ("heartbeat", True, False),
     "stats": ("stats", True, False),
     "deregister": ("deregister", True, False),

@@ -37,7 +37,7 @@ import torch
 
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
-from kvpool.shared.protocol import block_bytes
+from kvpool.shared.protocol import KVSpec
 from kvpool.worker.block_manager import LocalBlockManager, RemoteBlockManager
 from kvpool.worker.config import PRESETS, WorkerConfig
 from kvpool.worker.kv_cache import kv_spec
@@ -48,7 +48,7 @@ from kvpool.worker.scheduler import Output, Scheduler
 from kvpool.worker.startup import build_engine
 
 BS = 16
-SPEC = {"block_size": BS, "num_layers": 2, "num_kv_heads": 2, "head_size": 16, "dtype": "float32"}
+SPEC = KVSpec(BS, 2, 2, 16, "float32")
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -125,8 +125,8 @@ def message_part(sizes: list[int], steps: int, endpoint: str, seed: int) -> list
             c = ManagerClient(endpoint, timeout_s=30)
             clients.append(c)
             name = f"bench-{num_reqs}-{int(dense)}"
-            epoch = c.register(name, shard_rank=0, shard_count=1, incarnation="bench", spec=SPEC,
-                               available_kv_bytes=blocks * block_bytes(SPEC))["epoch"]
+            epoch = c.register(name, shard_rank=0, shard_count=1, incarnation="bench", spec=SPEC.to_wire(),
+                               available_kv_bytes=blocks * SPEC.block_bytes)["epoch"]
             drivers[(dense, "daemon")] = StepDriver(num_reqs, dense,
                                                     lambda ops, c=c, n=name, e=epoch: c.step(n, e, ops), seed)
         for _ in range(steps):
@@ -150,7 +150,7 @@ MODES = ("in-process", "daemon, overlap", "daemon, no overlap")
 def build_worker(mode: str, endpoint: str, running: int, max_steps: int, seed: int):
     tiny = PRESETS["tiny"]
     blocks = running * (64 + max_steps + 32) // BS + 64
-    bb = block_bytes(kv_spec(tiny, BS, torch.float32))
+    bb = kv_spec(tiny, BS, torch.float32).block_bytes
     cfg = WorkerConfig(model="tiny", dtype="float32", device="cpu", block_size=BS, max_model_len=1024,
                        max_num_seqs=running, max_num_batched_tokens=4096, kv_cache_memory=blocks * bb,
                        overlap=mode != "daemon, no overlap", pool=f"w{MODES.index(mode)}", seed=seed)

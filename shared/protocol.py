@@ -264,6 +264,20 @@ def get_str(args: dict, key: str, max_len: int, default: Any = _MISSING, pattern
     return v
 
 
+def check_serve(v: Any) -> dict:
+    """``register.args.serve``: where a worker serves generate requests (PROTOCOL.md section 5)."""
+    if type(v) is not dict:
+        raise bad_field("serve", "a map {endpoint, model, max_model_len}", v)
+    endpoint, model, max_len = v.get("endpoint"), v.get("model"), v.get("max_model_len")
+    if type(endpoint) is not str or not 0 < len(endpoint) <= 512 or not endpoint.startswith(("ipc://", "tcp://")):
+        raise bad_field("serve.endpoint", "an ipc:// or tcp:// address of at most 512 characters", endpoint)
+    if type(model) is not str or not 0 < len(model) <= 512:
+        raise bad_field("serve.model", "a model name of 1-512 characters", model)
+    if type(max_len) is not int or not 1 < max_len <= 1 << 24:
+        raise bad_field("serve.max_model_len", "an int in [2, 2^24]", max_len)
+    return {"endpoint": endpoint, "model": model, "max_model_len": max_len}
+
+
 def get_map(args: dict, key: str) -> dict:
     v = args.get(key)
     if type(v) is not dict:

@@ -213,7 +213,8 @@ MAY_IMPORT = {
                       "kvpool.manager.config"},
     "manager": {"shared", "manager.core", "manager.store"},
     "worker": {"shared", "kernels", "manager.core"},
-    "cli": {"shared", "worker", "manager.core", *CLI_ENTRY_POINTS},
+    "frontend": {"shared", "worker", "manager.core"},
+    "cli": {"shared", "worker", "manager.core", "frontend", *CLI_ENTRY_POINTS},
 }
 
 

@@ -124,8 +124,9 @@ class RemoteBlockManager:
 
     def __init__(self, endpoints: str | list[str], pool: str, *, shard_rank: int = 0, shard_count: int = 1,
                  incarnation: str | None = None, timeout_s: float = 5.0, register_wait_s: float = 30.0,
-                 identity: str | None = None) -> None:
+                 identity: str | None = None, serve: dict | None = None) -> None:
         self.client = ManagerClient(endpoints, role="worker", identity=identity, timeout_s=timeout_s)
+        self.serve = serve  # announced at registration: where this pool takes generate requests
         self.pool = pool
         self.shard_rank, self.shard_count = shard_rank, shard_count
         self.incarnation = incarnation or uuid.uuid4().hex  # new tensors, new incarnation
@@ -140,7 +141,7 @@ class RemoteBlockManager:
         info = self.client.register(self.pool, shard_rank=self.shard_rank, shard_count=self.shard_count,
                                     incarnation=self.incarnation, spec=spec.to_wire(),
                                     available_kv_bytes=available_kv_bytes, host_kv_bytes=host_kv_bytes,
-                                    wait_s=self.register_wait_s)
+                                    wait_s=self.register_wait_s, serve=self.serve)
         self.epoch = int(info["epoch"])
         return info
 

@@ -28,13 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.shared.protocol import ManagerError
 from kvpool.worker.block_manager import BlockManager, ManagerReset
 from kvpool.worker.kv_cache import kv_spec
 from kvpool.worker.model import LlamaForCausalLM
 from kvpool.worker.profiler import check_fits
 from kvpool.worker.request import Request
 from kvpool.worker.runner import ModelRunner, allocate_runner
-from kvpool.worker.sampler import SampleKey, SamplingParams, sample
+from kvpool.worker.sampler import SampleKey, SamplingParams, sample_rows
 from kvpool.worker.scheduler import Batch, Output, Scheduler, StepPlan
 from kvpool.worker.tp import TPLeader
 
@@ -47,7 +48,9 @@ class TokenEvent:
     index: int  # which of the request's n samples
     token: int | None  # None: the request ended without a token (error, abort)
     finished: bool = False
-    finish_reason: str | None = None  # "stop" (EOS), "length", "abort", "error: ..."
+    finish_reason: str | None = None  # "stop" (EOS, a stop id), "length", "abort", "error: ..."
+    logprob: float | None = None  # of the token, when the request asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class Engine:
@@ -106,7 +109,7 @@ class Engine:
     # -- requests --------------------------------------------------------------------------
 
     def add_request(self, prompt: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._rids)}"
         vocab = self.model.config.vocab_size
@@ -118,8 +121,10 @@ class Engine:
         if any(type(t) is not int or not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
         seed = params.seed if params.seed is not None else self._rng.randrange(1 << 31)
+        if cache_salt is not None and (type(cache_salt) is not str or not 0 < len(cache_salt) <= 256):
+            raise ValueError("cache_salt must be a string of 1-256 characters")
         req = Request(next(self._rids), request_id, 0, list(prompt), len(prompt), params, seed,
-                      self.block_size)
+                      self.block_size, cache_salt)
         self._requests[request_id] = [req]
         self.scheduler.add(req)
         return request_id
@@ -158,6 +163,9 @@ class Engine:
         except ManagerReset as e:
             self._reset(e)
             return []
+        except ManagerError:
+            sched.abandon(plan)
+            raise
         batch = plan.batch(results)
         outputs = self._run(batch)
         errored = sched.update(plan, results, outputs)
@@ -178,6 +186,9 @@ class Engine:
             except ManagerReset as e:
                 self._reset(e)
                 return []
+            except ManagerError:
+                sched.abandon(plan)
+                raise
             ready = (plan, results, plan.batch(results))
         plan, results, batch = ready
         following = sched.schedule()  # step N+1
@@ -186,12 +197,19 @@ class Engine:
         except ManagerReset as e:
             self._reset(e)
             return []
+        except ManagerError:
+            sched.abandon(following)  # step N's batch was made on it too: it starts over as well
+            raise
         outputs = self._run(batch)
         events = self._end_with_error(sched.update(plan, results, outputs)) + self._token_events(outputs)
         try:
             answers = self._wait(ticket) if ticket is not None else []
         except ManagerReset as e:
             self._reset(e)
+            return events
+        except ManagerError as e:
+            logger.warning("the manager refused a step (%s): its requests start over", e)
+            sched.abandon(following)
             return events
         if following.ops or following.seqs:
             self._ready = (following, answers, following.batch(answers))
@@ -244,24 +262,34 @@ class Engine:
             count = 1 if req.forked else req.params.n
             for i in range(count):
                 index = req.index if req.forked else i
-                keys.append(SampleKey(req.params, req.seed, index, req.num_output))
+                keys.append(self._key(req, index))
                 owners.append((row, req, i))
         if not owners:
             return []
         rows = [row for row, _, _ in owners]
         if rows != list(range(len(sampling))):  # an unforked n > 1 request draws n rows; aborted ones none
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-        tokens = sample(logits, keys)
+        drawn = sample_rows(logits, keys)
         outputs = []
-        for (_, req, i), tok in zip(owners, tokens):
-            outputs.append(Output(req, tok) if i == 0 else Output(self._child(req, i), tok, req))
+        for (_, req, i), got in zip(owners, drawn):
+            target, parent = (req, None) if i == 0 else (self._child(req, i), req)
+            outputs.append(Output(target, got.token, parent, got.logprob, got.top_logprobs))
             if i == 0:
                 req.forked = True
         return outputs
 
+    def _key(self, req: Request, index: int) -> SampleKey:
+        p = req.params
+        output = req.tokens[req.num_prompt:] if p.penalized else ()
+        banned: tuple[int, ...] = ()
+        if req.num_output < p.min_tokens:
+            eos = self.model.config.eos_token_id
+            banned = p.stop_token_ids + ((eos,) if eos is not None else ())
+        return SampleKey(p, req.seed, index, req.num_output, output, banned)
+
     def _child(self, parent: Request, index: int) -> Request:
         child = Request(next(self._rids), parent.client_id, index, parent.tokens[: parent.num_prompt],
-                        parent.num_prompt, parent.params, parent.seed, self.block_size)
+                        parent.num_prompt, parent.params, parent.seed, self.block_size, parent.hasher.cache_salt)
         child.forked = True
         self._requests.setdefault(parent.client_id, []).append(child)  # the parent may have ended
         return child
@@ -275,7 +303,7 @@ class Engine:
             if req.finish_reason is not None:
                 self._forget(req)
             events.append(TokenEvent(req.client_id, req.index, out.token, req.finish_reason is not None,
-                                     req.finish_reason))
+                                     req.finish_reason, out.logprob, out.top_logprobs))
         return events
 
     def _forget(self, req: Request) -> None:

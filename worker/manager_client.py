@@ -137,6 +137,7 @@ class ManagerClient:
         available_kv_bytes: int,
         host_kv_bytes: int = 0,
         wait_s: float = 30.0,
+        serve: dict | None = None,
     ) -> dict:
         """Registers one shard and waits until every shard of the pool has: returns
         {"num_blocks", "block_size", "epoch", ...}. Idempotent for the same incarnation."""
@@ -144,6 +145,8 @@ class ManagerClient:
                 "incarnation": incarnation, "spec": spec, "available_kv_bytes": available_kv_bytes}
         if host_kv_bytes:  # optional: a host tier for the pool (PROTOCOL.md, register)
             args["host_kv_bytes"] = host_kv_bytes
+        if serve is not None:  # {endpoint, model, max_model_len}: front doors find the worker by it
+            args["serve"] = serve
         deadline = time.monotonic() + wait_s
         pause = 0.02
         while True:
@@ -191,6 +194,10 @@ class ManagerClient:
 
     def locate(self, hashes: list[bytes]) -> dict[str, int]:
         return self.call("locate", retry=True, hashes=hashes)["pools"]
+
+    def workers(self) -> list[dict]:
+        """Ready pools that serve generate requests: [{pool, model, endpoint, max_model_len, ...}]."""
+        return self.call("workers", retry=True)["workers"]
 
     def heartbeat(self) -> None:
         self.call("heartbeat", retry=True)

@@ -25,7 +25,7 @@ class Request:
                  "synced_tokens", "num_slots", "must_sync")
 
     def __init__(self, rid: int, client_id: str, index: int, tokens: list[int], num_prompt: int,
-                 params: SamplingParams, seed: int, block_size: int) -> None:
+                 params: SamplingParams, seed: int, block_size: int, cache_salt: str | None = None) -> None:
         self.rid = rid
         self.client_id = client_id
         self.index = index  # which of the client request's n samples
@@ -33,7 +33,7 @@ class Request:
         self.num_prompt = num_prompt
         self.num_computed = 0
         self.block_table: list[int] = []
-        self.hasher = BlockHasher(block_size)
+        self.hasher = BlockHasher(block_size, cache_salt=cache_salt)  # a salt keeps tenants apart
         self.hasher.append(tokens)
         self.num_hashes_sent = 0  # hashes the manager knows for this request
         self.params = params

@@ -56,6 +56,8 @@ class Output:
     req: Request
     token: int
     parent: Request | None = None
+    logprob: float | None = None  # when the request asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -124,8 +126,8 @@ class Scheduler:
         budget = self.token_budget
         for req in self.running:
             n = min(req.num_remaining, budget)
-            if n == 0 or req.admitting or (req.num_pending_samples and not req.forked):
-                continue  # its next step depends on answers still in flight (cached count, forks)
+            if n == 0 or (req.admitting and not req.num_pending_samples) or (req.num_pending_samples and not req.forked):
+                continue  # its next step depends on answers in flight (a chunk's cached count, forks)
             self._schedule_running(plan, req, n)
             budget -= n
         if not self.hold_admissions:
@@ -188,8 +190,12 @@ class Scheduler:
             hashes = list(req.hasher.hashes) if self.caching else []
             op = plan.add({"op": "alloc", "req": req.rid, "hashes": hashes, "prompt_len": len(req.tokens),
                            "max_new": n, "lookahead": self._lookahead(n)}, SubOp("alloc", req, req.generation, n))
-            plan.seqs.append(ScheduledSeq(req, req.generation, n, 0, op))
-            req.num_slots = blocks * self.block_size  # an estimate until the answer comes
+            sample = n == len(req.tokens)  # the whole prompt: computed after it, whatever is cached
+            plan.seqs.append(ScheduledSeq(req, req.generation, n, 0, op, sample))
+            req.num_slots = blocks * self.block_size  # at most what the manager gives
+            req.synced_tokens = n
+            req.num_hashes_sent = len(hashes)
+            req.num_scheduled, req.num_pending_samples = n, int(sample)
             admitted.append(req)
             budget -= n
             slots -= 1
@@ -281,21 +287,19 @@ class Scheduler:
         req = sub.req
         req.admitting = False
         if res.get("ok"):
-            cached = res["cached"]
+            cached = res["cached"]  # a later step in flight may have moved the counts on: max
             req.num_computed, req.block_table = cached, list(res["blocks"])
-            req.num_slots = len(req.block_table) * self.block_size
-            req.synced_tokens = cached + min(len(req.tokens) - cached, sub.num_tokens)
-            req.num_hashes_sent = len(req.hasher.hashes) if self.caching else 0
+            req.num_slots = max(req.num_slots, len(req.block_table) * self.block_size)
+            req.synced_tokens = max(req.synced_tokens, cached + min(len(req.tokens) - cached, sub.num_tokens))
             self.stats.prompt_tokens += len(req.tokens)
             self.stats.cached_tokens += cached
             return True
         self.running.remove(req)
-        req.num_slots = 0
+        req.reset_kv()  # a step built on this admission (overlap) no longer counts
         if res.get("code") in ("no_space", "draining"):
             refused.append(req)
             return True
         req.finish_reason = f"error: {res.get('msg', res.get('code'))}"
-        req.generation += 1
         return False
 
     def _blocks_short(self, req: Request, n: int) -> int:
@@ -334,7 +338,7 @@ class Scheduler:
         """The plan's sequences are no longer in flight; the ones that ran are computed."""
         for s in plan.seqs:
             req = s.req
-            if req.generation == s.generation and (s.op < 0 or plan.subops[s.op].kind != "alloc"):
+            if req.generation == s.generation:
                 req.num_scheduled -= s.num_tokens
                 req.num_pending_samples -= s.sample
         for req, start, n in ran:
@@ -350,6 +354,8 @@ class Scheduler:
         req.append(out.token)
         reason = None
         if out.token in self.eos_token_ids and not req.params.ignore_eos:
+            reason = "stop"
+        elif out.token in req.params.stop_token_ids:
             reason = "stop"
         elif req.num_output >= req.params.max_tokens or len(req.tokens) >= self.max_model_len:
             reason = "length"
@@ -412,6 +418,15 @@ class Scheduler:
         child.num_hashes_sent = parent.num_hashes_sent
         self.running.append(child)
         self.pending_forks.append((parent, child))
+
+    def abandon(self, plan: StepPlan) -> None:
+        """The manager refused ``plan`` as a whole (nothing of it ran): its frees go out again,
+        and every running request starts over, freeing whatever the manager holds for it (the
+        plan's in-flight assumptions can no longer be reconciled)."""
+        self.pending_frees[:0] = [op["req"] for op in plan.ops if op["op"] == "free"]
+        self.pending_forks = []
+        for req in reversed(list(self.running)):
+            self._lose(req)
 
     def reset(self) -> list[Request]:
         """The manager lost every request: all recompute; returns them (running first)."""

@@ -2,8 +2,10 @@
 
 Messages are msgpack maps (never pickle). Client -> worker::
 
-    {"op": "generate", "id": str, "prompt": [int...], "params": {max_tokens, temperature, top_p,
-     seed, n, ignore_eos}}                                  -> a stream of token messages
+    {"op": "generate", "id": str, "prompt": [int...], "cache_salt": str (optional),
+     "params": {max_tokens, temperature, top_p, seed, n, ignore_eos, top_k, min_tokens,
+     presence_penalty, frequency_penalty, stop_token_ids, logprobs}}
+                                                            -> a stream of token messages
     {"op": "abort", "id": str}                              -> the request's final messages
     {"op": "stats", "id": str}                              -> {"id", "stats": {...}}
     {"op": "ping", "id": str}                               -> {"id", "pong": pool name}
@@ -11,6 +13,7 @@ Messages are msgpack maps (never pickle). Client -> worker::
 Worker -> client, one per sampled token (``index``: which of the n samples)::
 
     {"id": str, "index": int, "token": int | None, "finished": bool, "reason": str | None}
+    (+ "logprob": float, "top_logprobs": [[token, logprob]...] when params.logprobs is set)
     {"id": str, "error": str, "finished": true}             (refused request or bad message)
 
 The loop is single-threaded: drain the socket, run one engine step, send its tokens, heartbeat
@@ -147,7 +150,7 @@ class WorkerServer:
             raise ValueError(f"the worker has {MAX_OPEN_REQUESTS} open requests; retry when some finished")
         eid = f"c{self._next}"
         self._next += 1
-        self.engine.add_request(req.prompt, req.params, request_id=eid)
+        self.engine.add_request(req.prompt, req.params, request_id=eid, cache_salt=req.cache_salt)
         self._clients[eid] = (ident, req.client_id)
         self._open[eid] = req.params.n
 
@@ -162,8 +165,11 @@ class WorkerServer:
             ident, cid = self._clients.get(ev.request_id, (None, ""))
             if ident is None:
                 continue
-            self._reply(ident, {"id": cid, "index": ev.index, "token": ev.token,
-                                "finished": ev.finished, "reason": ev.finish_reason})
+            body = {"id": cid, "index": ev.index, "token": ev.token, "finished": ev.finished,
+                    "reason": ev.finish_reason}
+            if ev.logprob is not None:
+                body.update(logprob=ev.logprob, top_logprobs=ev.top_logprobs)
+            self._reply(ident, body)
             if ev.finished:
                 self._open[ev.request_id] -= 1
                 if self._open[ev.request_id] == 0:

@@ -139,7 +139,9 @@ def serve_rank(cfg: WorkerConfig, manager_eps: list[str], endpoint: str, tp_mast
         if cfg.tp_size > 1:  # refuse a bad split before any rank waits for the others
             check_tp(load_config(cfg.model), cfg.tp_size)
             init_group(cfg.tp_rank, cfg.tp_size, tp_master, rank_device(cfg), tp_timeout)
-        bm = RemoteBlockManager(manager_eps, cfg.pool, shard_rank=cfg.tp_rank, shard_count=cfg.tp_size)
+        serve = {"endpoint": endpoint, "model": cfg.model, "max_model_len": cfg.max_model_len}
+        bm = RemoteBlockManager(manager_eps, cfg.pool, shard_rank=cfg.tp_rank, shard_count=cfg.tp_size,
+                                serve=serve if cfg.tp_rank == 0 else None)  # front doors find rank 0 by it
         if cfg.tp_rank == 0:
             engine = build_engine(cfg, bm)
             curve = (cfg.curve_secret_key_file, cfg.curve_allowed_keys_dir) if cfg.curve_secret_key_file else None

@@ -20,6 +20,7 @@ from kvpool.worker.sampler import SamplingParams
 MAX_MESSAGE_BYTES = 4 << 20
 MAX_PROMPT_TOKENS = 1 << 20  # longer than any max_model_len we accept; the engine checks the real one
 MAX_ID_LEN = 128
+MAX_SALT_LEN = 256
 MAX_CONTAINERS = 64  # maps and arrays in one message: a generate message has 3
 OPS = ("generate", "abort", "stats", "ping")
 
@@ -69,6 +70,7 @@ class GenerateMessage:
     client_id: str
     prompt: list[int]
     params: SamplingParams
+    cache_salt: str | None = None  # a tenant's own prefix-cache space (shared/hashing.py)
 
 
 def parse_generate(msg: dict) -> GenerateMessage:
@@ -77,4 +79,7 @@ def parse_generate(msg: dict) -> GenerateMessage:
     prompt = msg.get("prompt")
     if type(prompt) is not list:
         raise ValueError(f"prompt must be a list of token ids, got {type(prompt).__name__}")
-    return GenerateMessage(client_id(msg), prompt, SamplingParams.from_wire(msg.get("params")))
+    salt = msg.get("cache_salt")
+    if salt is not None and (type(salt) is not str or not 0 < len(salt) <= MAX_SALT_LEN):
+        raise ValueError(f"cache_salt must be a str of 1-{MAX_SALT_LEN} chars, got {type(salt).__name__}")
+    return GenerateMessage(client_id(msg), prompt, SamplingParams.from_wire(msg.get("params")), salt)

@@ -68,11 +68,12 @@ def test_the_same_incarnation_with_other_host_memory_is_a_conflict():
 def test_host_memory_survives_a_state_snapshot_and_an_old_snapshot_row_reads_as_none():
     r = Registry("inc", session_timeout_s=10.0)
     s = r.open_session("w", "worker", True, 1, 0.0)
-    r.register(s, "p", 0, 1, "a", KVSpec(**SPEC), kv_bytes(16), kv_bytes(40))
+    r.register(s, "p", 0, 1, "a", KVSpec(**SPEC), kv_bytes(16), host_kv_bytes=kv_bytes(40))
     d = dump_registry(r, 7)
     back = Registry("inc", session_timeout_s=10.0)
     load_registry(d, back, 0.0)
     assert back.pools["p"].host_num_blocks == 40
+    assert d["pools"][0][3][0][6:] == [None, kv_bytes(40)]
     d["pools"][0][3][0] = d["pools"][0][3][0][:6]  # a row written before the host tier
     old = Registry("inc", session_timeout_s=10.0)
     load_registry(d, old, 0.0)
@@ -80,9 +81,12 @@ def test_host_memory_survives_a_state_snapshot_and_an_old_snapshot_row_reads_as_
 
 
 def test_a_register_record_keeps_host_bytes_and_an_old_record_replays_without():
-    rec = ShardRegistered("s", "p", 0, 1, "a", KVSpec(**SPEC), 100, 64, 8, 4096)
-    assert from_wire(to_wire(rec)) == rec and to_wire(rec)[-1] == 4096
-    assert from_wire(to_wire(rec)[:-1]).host_kv_bytes == 0  # journaled before the host tier
+    rec = ShardRegistered("s", "p", 0, 1, "a", KVSpec(**SPEC), 100, 64, 8, host_kv_bytes=4096)
+    assert from_wire(to_wire(rec)) == rec and to_wire(rec)[-2:] == [None, 4096]
+    assert from_wire(to_wire(rec)[:-2]).host_kv_bytes == 0  # journaled before the host tier
+    served = ShardRegistered("s", "p", 0, 1, "a", KVSpec(**SPEC), 100, 64, 8, {"endpoint": "ipc:///x"}, 4096)
+    assert from_wire(to_wire(served)) == served
+    assert len(to_wire(ShardRegistered("s", "p", 0, 1, "a", KVSpec(**SPEC), 100, 64, 8))) == 10
 
 
 def test_the_worker_client_offers_host_memory_over_a_real_socket(live_server):

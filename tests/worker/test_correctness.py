@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers.worker import assert_drained, greedy, make_engine, make_prompt, reference
 
+from kvpool.shared.protocol import ManagerError
 from kvpool.worker import runner
 
 
@@ -171,4 +172,35 @@ def test_aborting_parallel_samples_whose_first_sample_is_in_flight_spawns_nothin
     while engine.has_work():
         events += engine.step()
     assert events == [] and engine._requests == {}
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("refused_at", [2, 3])
+def test_a_step_the_manager_refuses_whole_starts_its_requests_over(overlap, refused_at):
+    """A step refused as a whole (say store_unavailable past the failover window) ran nothing:
+    its frees go out again, the running requests are freed and recomputed, outputs unchanged."""
+    engine = make_engine(overlap=overlap)
+    real, sent = engine.bm.send_step, []
+
+    def send(ops):
+        sent.append(ops)
+        if len(sent) == refused_at:
+            raise ManagerError("store_unavailable", "the store did not answer")
+        return real(ops)
+
+    engine.bm.send_step = send
+    prompts = [make_prompt(20 + 11 * i, 60 + i) for i in range(3)]
+    ids = [engine.add_request(p, greedy(12)) for p in prompts]
+    out = {rid: [] for rid in ids}
+    while engine.has_work():
+        try:
+            events = engine.step()
+        except ManagerError:
+            continue  # the server logs it and steps again
+        for ev in events:
+            out[ev.request_id].append(ev.token)
+    assert len(sent) > refused_at
+    assert [out[rid] for rid in ids] == [reference(engine, p, 12) for p in prompts]
+    assert engine.stats()["resets"] == 0
     assert_drained(engine)

@@ -280,12 +280,13 @@ def test_overlap_a_refused_request_keeps_its_blocks_and_its_step_in_flight_is_vo
     for r in reqs:
         sched.add(r)
     sent = pipelined(sched, pool, 4)
-    assert [r["code"] for r in sent[2][1]] == ["no_space"] * 3  # token 9 needs a third block
-    assert sent[3] == ([], [])  # token 10 would fit the block token 9 asked for: nothing to send
+    # the whole prompts' allocs are in flight when token 9's extends leave, built on them (base 8)
+    assert [(o["num_tokens"], o["base"], r["code"]) for o, r in zip(*sent[1])] == [(9, 8, "no_space")] * 3
+    assert sent[2] == ([], [])  # token 10 would fit the block token 9 asked for: nothing to send
     # newest preempted; the other two were rewound (their in-flight step voided) and retry
-    assert [(o["op"], o["req"], o.get("base")) for o in sent[4][0]] == [
+    assert [(o["op"], o["req"], o.get("base")) for o in sent[3][0]] == [
         ("free", 2, None), ("extend", 0, None), ("extend", 1, None)]
-    assert sched.running[:2] == reqs[:2] and sent[5][0][0]["req"] == 2  # it asks to come back
+    assert sched.running[:2] == reqs[:2] and sent[4][0][0]["req"] == 2  # it asks to come back
     assert [r.num_computed for r in reqs] == [9, 9, 0] and sched.stats.preemptions == 1
     for r in reqs[:2]:
         assert pool.requests[("w", r.rid)].blocks == r.block_table and len(r.block_table) == 3
@@ -323,8 +324,7 @@ def test_with_overlap_the_next_block_is_asked_for_before_the_token_that_needs_it
     assert [t for t, _, _ in asked] == [17, 33, 49]  # one extend per block entered
     # the step asked for computes the token at index num_tokens - 1: without overlap it is
     # known when the message leaves; with overlap the message leaves while the step before
-    # (which samples it) runs, built on that step's count. The first decode follows the
-    # admission, which sits a step out, so nothing is in flight then.
-    assert asked[0] == (17, 17, None)
-    assert asked[1:] == ([(33, 32, 17), (49, 48, 33)] if overlap else [(33, 33, None), (49, 49, None)])
+    # (which samples it) runs, built on that step's count: the first one on the admission's
+    assert asked == ([(17, 16, 16), (33, 32, 17), (49, 48, 33)] if overlap
+                     else [(17, 17, None), (33, 33, None), (49, 49, None)])
     assert rid not in engine._requests

@@ -32,7 +32,9 @@ HOSTILE_PARAMS = [
     {"seed": True}, {"n": True}, {"n": 65}, {"n": "2"}, {"max_tokens": 2.0},
     {"max_tokens": 1 << 40}, {"seed": 1 << 63}, {"max_tokens": None}, {"temperature": float("nan")}, {"temperature": float("inf")},
     {"temperature": "hot"}, {"temperature": [1]}, {"top_p": 1.5}, {"top_p": float("nan")}, {"top_p": None},
-    {"ignore_eos": 1}, {"ignore_eos": "yes"}, {"top_k": 5}, {"bogus": 1}, [1, 2], "params", 7,
+    {"ignore_eos": 1}, {"ignore_eos": "yes"}, {"top_k": -1}, {"top_k": 2.0}, {"bogus": 1}, [1, 2], "params", 7,
+    {"stop": ["x"]}, {"logprobs": 21}, {"logprobs": True}, {"min_tokens": 99}, {"presence_penalty": float("nan")},
+    {"frequency_penalty": 3}, {"stop_token_ids": [True]}, {"stop_token_ids": 5}, {"stop_token_ids": [0] * 257},
 ]
 
 

@@ -111,7 +111,10 @@ def test_sigterm_frees_everything_and_deregisters(cluster):
 
 
 def test_demo_report():
-    cfg = DemoConfig(num_requests=24, max_inflight=12)
+    # 6 in flight: most requests are routed after the workers admitted earlier ones, so their
+    # prefixes are cached in one pool (12 raced the workers' first admissions on a busy machine:
+    # every system prompt could reach both pools uncached, and every later decision tied)
+    cfg = DemoConfig(num_requests=24, max_inflight=6)
     r = run_demo(cfg, progress=False)
     assert r["requests"] == 24 and r["generated_tokens"] > 24 * cfg.max_tokens[0]
     assert 0 < r["prefix_hit_rate"] < 1

@@ -35,15 +35,23 @@ BAD = {  # per field: values that field must refuse (the others in the message a
     "prompt": ["abc", [1.0], [-1], [VOCAB], [1 << 63], [True], [None], [[5]], list(range(2, MAX_MODEL_LEN + 2)),
                *COMMON_BAD],
     "params": ["p", 7, [1, 2], True, 1.5],
+    "cache_salt": ["", "x" * 300, 5, True, 1.5, [], {}, b"\x00"],
     "max_tokens": [0, -1, 1.5, "1", True, 1 << 31, NAN, *COMMON_BAD],
     "temperature": [-1, -0.5, NAN, INF, -INF, "1", True, 1e5, *COMMON_BAD],
     "top_p": [0, -1, 1.5, NAN, INF, "1", True, *COMMON_BAD],
     "seed": [-1, -(1 << 62), 1.5, "x", True, 1 << 63, NAN, [], {}, b"\x00"],
     "n": [0, 65, 2.5, "2", True, -(1 << 63), *COMMON_BAD],
     "ignore_eos": [0, 1, "yes", 1.0, *COMMON_BAD],
-    "top_k": [5, 0, None],  # not a param of this worker: refused, not ignored
+    "top_k": [-1, 1.5, "1", True, NAN, *COMMON_BAD],
+    "min_tokens": [-1, 3, 1.5, "1", True, *COMMON_BAD],  # 3 > the message's max_tokens
+    "presence_penalty": [3, -2.5, NAN, INF, "1", True, *COMMON_BAD],
+    "frequency_penalty": [3, -2.5, NAN, -INF, "1", True, *COMMON_BAD],
+    "logprobs": [-1, 21, 1.5, "1", True, [], {}, b"\x00"],
+    "stop_token_ids": [5, [-1], [True], [1.5], [None], "x", [0] * 257, {}, None, b"\x00", [[]]],
+    "stop": ["x", ["y"], None],  # stop strings are text: the front door's, never a wire param
 }
-PARAMS = ("max_tokens", "temperature", "top_p", "seed", "n", "ignore_eos", "top_k")
+PARAMS = ("max_tokens", "temperature", "top_p", "seed", "n", "ignore_eos", "top_k", "min_tokens", "presence_penalty",
+          "frequency_penalty", "logprobs", "stop_token_ids", "stop")
 
 
 def deep(levels: int) -> list:

@@ -1,0 +1,153 @@
+"""Which workers serve which model, learned from one or more managers (one per node).
+
+Every ``poll_s`` the directory asks each manager's ``workers`` op (PROTOCOL.md section 5) which
+ready pools announced a generate endpoint, opens a ``WorkerLink`` to each new endpoint and fails
+the open requests of a worker that dropped out (its session ended: killed, stopped, expired).
+``locate`` asks a manager how many leading blocks of a hash chain each of its pools holds.
+
+Manager calls are blocking (``ManagerClient``); each manager's client runs in a worker thread,
+one call at a time (an asyncio lock), so the event loop never blocks on a manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import zmq.asyncio
+
+from kvpool.frontend.worker_link import WorkerLink
+from kvpool.shared.protocol import ManagerError
+from kvpool.worker.manager_client import ManagerClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    """One pool that serves a model: what its manager said, and our link to it."""
+
+    manager: int  # index into Directory.managers
+    pool: str
+    model: str
+    endpoint: str
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    free_blocks: int
+    epoch: int
+    link: WorkerLink
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.manager, self.pool)
+
+    @property
+    def name(self) -> str:
+        return self.pool if self.manager == 0 else f"{self.pool}@{self.manager}"
+
+
+class Directory:
+    def __init__(self, managers: list[str], *, poll_s: float = 0.5, silence_s: float = 30.0,
+                 timeout_s: float = 2.0) -> None:
+        if not managers:
+            raise ValueError("the front door needs at least one manager endpoint (--manager)")
+        self.endpoints = managers
+        self.clients = [ManagerClient(ep.split(","), role="router", timeout_s=timeout_s, failover_s=timeout_s)
+                        for ep in managers]
+        self._locks = [asyncio.Lock() for _ in managers]
+        self.poll_s, self.silence_s = poll_s, silence_s
+        self.ctx = zmq.asyncio.Context()
+        self.workers: dict[tuple[int, str], Worker] = {}
+        self.reachable = [False] * len(managers)
+        self._task: asyncio.Task | None = None
+        self.changes = 0
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 (the poller must outlive any one bad round)
+                logger.exception("refreshing the worker list failed")
+
+    async def _call(self, i: int, fn, *args):
+        async with self._locks[i]:
+            return await asyncio.to_thread(fn, *args)
+
+    async def refresh(self) -> None:
+        for i, client in enumerate(self.clients):
+            try:
+                rows = await self._call(i, client.workers)
+            except ManagerError as e:
+                if self.reachable[i]:
+                    logger.warning("manager %s: %s (keeping its last known workers)", self.endpoints[i], e)
+                self.reachable[i] = False
+                continue
+            self.reachable[i] = True
+            await self._apply(i, rows)
+
+    async def _apply(self, i: int, rows: list[dict]) -> None:
+        seen = set()
+        for row in rows:
+            key = (i, row["pool"])
+            seen.add(key)
+            old = self.workers.get(key)
+            if old is not None and (old.endpoint, old.epoch) == (row["endpoint"], row["epoch"]):
+                old.free_blocks, old.num_blocks = row["free_blocks"], row["num_blocks"]
+                continue  # a lost link stays lost until the worker re-registers (new epoch) or reconnects
+            if old is not None:
+                await self._drop(old, "re-registered")
+            link = WorkerLink(row["endpoint"], self.ctx, self.silence_s)
+            self.workers[key] = Worker(i, row["pool"], row["model"], row["endpoint"], row["max_model_len"],
+                                       row["block_size"], row["num_blocks"], row["free_blocks"], row["epoch"], link)
+            self.changes += 1
+            logger.info("worker %s serves %s at %s", row["pool"], row["model"], row["endpoint"])
+        for key in [k for k in self.workers if k[0] == i and k not in seen]:
+            await self._drop(self.workers.pop(key), "left its manager")
+
+    async def _drop(self, w: Worker, why: str) -> None:
+        logger.info("worker %s (%s) %s", w.pool, w.endpoint, why)
+        self.workers.pop(w.key, None)
+        self.changes += 1
+        w.link.fail(why)
+        await w.link.close()
+
+    def serving(self, model: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.model == model and w.link.lost is None]
+
+    def models(self) -> dict[str, list[Worker]]:
+        out: dict[str, list[Worker]] = {}
+        for w in self.workers.values():
+            out.setdefault(w.model, []).append(w)
+        return out
+
+    async def locate(self, manager: int, hashes: list[bytes]) -> dict[str, int]:
+        """{pool: leading cached blocks} at one manager ({} when it cannot be reached)."""
+        if not hashes:
+            return {}
+        try:
+            return await self._call(manager, self.clients[manager].locate, hashes)
+        except ManagerError as e:
+            logger.warning("locate at %s failed: %s", self.endpoints[manager], e)
+            return {}
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for w in list(self.workers.values()):
+            await w.link.close()
+        self.workers.clear()
+        for i, c in enumerate(self.clients):
+            try:
+                await self._call(i, c.deregister)
+            except ManagerError:
+                pass
+            c.close()
+        self.ctx.term()

@@ -1,0 +1,28 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` with its status."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+         503: "service_unavailable", 500: "internal_server_error"}
+
+
+@dataclass
+class APIError(Exception):
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": TYPES.get(self.status, "api_error"),
+                          "param": self.param, "code": self.code or str(self.status)}}
+
+
+def bad_param(param: str, message: str) -> APIError:
+    return APIError(400, message, param, "invalid_parameter")
+
+
+class WorkerLost(RuntimeError):
+    """The worker serving a request went away (killed, disconnected, silent too long)."""

@@ -1,0 +1,147 @@
+"""One prompt's run on one worker: token messages -> text deltas per choice.
+
+Text is released through the incremental detokenizer; with ``stop`` strings the last
+``len(longest stop) - 1`` characters are held back until they cannot begin a stop string, and a
+choice that meets one ends there (finish reason ``stop``; the stop string is not returned, as in
+OpenAI's API). When every choice has ended, or the consumer goes away (client disconnect), the
+request is aborted on the worker so its blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvpool.frontend.detokenizer import IncrementalDetokenizer
+from kvpool.frontend.errors import APIError
+from kvpool.frontend.router import Decision
+from kvpool.frontend.tokenizer import Tokenizer
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    text: str
+    logprob: float
+    top: list[tuple[int, str, float]]
+
+
+@dataclass
+class Delta:
+    index: int  # the choice's index in the response
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Choice:
+    index: int
+    detok: IncrementalDetokenizer
+    text: str = ""  # released
+    held: str = ""  # decoded, not released yet (may begin a stop string)
+    tokens: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass
+class Timing:
+    start: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    last: float | None = None
+    gaps: list[float] = field(default_factory=list)
+
+    def token(self) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        elif self.last is not None:
+            self.gaps.append(now - self.last)
+        self.last = now
+
+
+def cut_at_stop(pending: str, stops: list[str], final: bool) -> tuple[str, bool, str]:
+    """(text to release, a stop string was met, text still held)."""
+    hits = [p for s in stops if (p := pending.find(s)) >= 0]
+    if hits:
+        return pending[: min(hits)], True, ""
+    keep = 0 if final or not stops else max(len(s) for s in stops) - 1
+    cut = max(len(pending) - keep, 0)
+    return pending[:cut], False, pending[cut:]
+
+
+class PromptRun:
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int], decision: Decision, *, n: int, first_index: int,
+                 stops: list[str], params: dict, cache_salt: str | None, timing: Timing,
+                 token_ids_in_logprobs: bool = False) -> None:
+        self.tok, self.prompt, self.decision = tokenizer, prompt, decision
+        self.stops, self.params, self.cache_salt, self.timing = stops, params, cache_salt, timing
+        self.choices = [Choice(first_index + i, IncrementalDetokenizer(tokenizer, prompt)) for i in range(n)]
+        self.want_logprobs = params.get("logprobs") is not None
+        self.token_ids_in_logprobs = token_ids_in_logprobs
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices)
+
+    def outstanding_blocks(self) -> float:
+        """Work the worker still has for this run, in blocks (frontend/router.py's cost)."""
+        d = self.decision
+        bs = d.worker.block_size
+        max_tokens = self.params.get("max_tokens", 16)
+        decode = sum(max_tokens - c.tokens for c in self.choices if c.finish_reason is None) / bs
+        if self.timing.first is None:
+            return max(len(self.prompt) // bs - d.hit_blocks, 0) + decode
+        return decode
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        link = self.decision.worker.link
+        rid = link.submit(self.prompt, self.params, self.cache_salt)
+        try:
+            while any(c.finish_reason is None for c in self.choices):
+                msg = await link.next(rid)
+                if "error" in msg:
+                    raise APIError(400, f"the worker refused the request: {msg['error']}", None, "worker_refused")
+                delta = self._apply(msg)
+                if delta is not None:
+                    yield delta
+        finally:
+            link.abort(rid) if any(c.finish_reason is None for c in self.choices) else link.done(rid)
+
+    def _apply(self, msg: dict) -> Delta | None:
+        index = msg.get("index", 0)
+        if type(index) is not int or not 0 <= index < len(self.choices):
+            return None
+        c = self.choices[index]
+        if c.finish_reason is not None:
+            return None  # ended by a stop string; the worker had not seen it
+        tok, finished = msg.get("token"), bool(msg.get("finished"))
+        text, lps = "", []
+        if tok is not None:
+            c.tokens += 1
+            self.timing.token()
+            text = c.detok.add(tok)
+            if self.want_logprobs and msg.get("logprob") is not None:
+                top = [(t, self._token_text(t), lp) for t, lp in msg.get("top_logprobs") or []]
+                lps.append(TokenLogprob(tok, self._token_text(tok), msg["logprob"], top))
+        if finished:
+            text += c.detok.flush()
+        out, stopped, c.held = cut_at_stop(c.held + text, self.stops, finished)
+        c.text += out
+        if stopped:
+            c.finish_reason = "stop"
+        elif finished:
+            c.finish_reason = self._reason(msg.get("reason"))
+        if not out and not lps and c.finish_reason is None:
+            return None
+        return Delta(c.index, out, lps, c.finish_reason)
+
+    def _token_text(self, token: int) -> str:
+        return f"token_id:{token}" if self.token_ids_in_logprobs else self.tok.decode([token])
+
+    @staticmethod
+    def _reason(reason: object) -> str:
+        if reason in ("stop", "length"):
+            return reason  # type: ignore[return-value]
+        raise APIError(503, f"the worker ended the request early: {reason}", None, "worker_ended")

@@ -1,0 +1,89 @@
+"""Which worker takes a request: KV-aware (prefix cache against load), round-robin, least-loaded.
+
+KV-aware cost of sending a prompt of ``P`` full blocks to worker ``w`` (lowest wins)::
+
+    cost(w) = overlap_weight * (P - hit(w)) + outstanding(w)
+
+- ``hit(w)``: leading blocks of the prompt's hash chain cached in ``w``'s pool (the manager's
+  ``locate``, asked per request): prefill work the worker can skip; ``P - hit(w)`` is the prefill
+  work this request would add to ``w``, in blocks.
+- ``outstanding(w)``: the work ``w`` still has to do for the requests this front door has running
+  on it, in the same unit, counted live: for a request that has no token yet its uncached prompt
+  blocks, plus for every unfinished sample ``(max_tokens - tokens so far) / block_size`` (decode
+  work, and the KV blocks it will still claim). It grows with the number of running requests
+  and their length. (The manager's block counts are not used: polled, they lag a finished request
+  by up to a poll interval and would steer a tenant's next request away from its cache.)
+- ``overlap_weight`` (``--kv-overlap-weight``, default 2.0, the better of 1 and 2 in
+  scripts/bench_router.py) is the knob: higher favours cache hits
+  (tenant affinity), lower favours spreading load; 0 is least-outstanding-work.
+
+Ties go to fewer running requests, then to the next worker in round-robin order. The same two
+terms as NVIDIA Dynamo's KV router (prefill blocks to compute, active blocks), in block units.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+
+from kvpool.frontend.directory import Worker
+
+POLICIES = ("kv-aware", "round-robin", "least-loaded")
+
+
+@dataclass
+class Candidate:
+    worker: Worker
+    hit_blocks: int
+    running: int
+    outstanding: float  # blocks of work still to do on the worker (see the module docstring)
+
+    @property
+    def load(self) -> float:
+        return self.outstanding
+
+
+@dataclass
+class Decision:
+    worker: Worker
+    hit_blocks: int  # of the chosen worker
+    best_hit_blocks: int  # over all candidates
+    reason: str  # "prefix" (the longest cached prefix decided), "load", "round-robin"
+
+
+class KVRouter:
+    def __init__(self, policy: str = "kv-aware", overlap_weight: float = 2.0) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        if overlap_weight < 0:
+            raise ValueError(f"overlap_weight must be >= 0, got {overlap_weight}")
+        self.policy, self.overlap_weight = policy, overlap_weight
+        self._turn = itertools.count()
+        self.decisions: Counter[str] = Counter()
+        self.per_worker: Counter[str] = Counter()
+
+    @property
+    def needs_locate(self) -> bool:
+        return self.policy == "kv-aware"
+
+    def cost(self, c: Candidate, prompt_blocks: int) -> float:
+        return self.overlap_weight * (prompt_blocks - c.hit_blocks) + c.load
+
+    def choose(self, candidates: list[Candidate], prompt_blocks: int) -> Decision:
+        if not candidates:
+            raise ValueError("no candidates")
+        turn = next(self._turn)
+        order = candidates[turn % len(candidates):] + candidates[: turn % len(candidates)]
+        best_hit = max(c.hit_blocks for c in candidates)
+        if self.policy == "round-robin":
+            pick, reason = order[0], "round-robin"
+        elif self.policy == "least-loaded":
+            pick, reason = min(order, key=lambda c: (c.running, c.load)), "load"
+        else:
+            pick = min(order, key=lambda c: (self.cost(c, prompt_blocks), c.running))
+            reason = "prefix" if best_hit > 0 and pick.hit_blocks == best_hit and \
+                any(c.hit_blocks < best_hit for c in candidates) else "load"
+        self.decisions[reason] += 1
+        self.per_worker[pick.worker.name] += 1
+        return Decision(pick.worker, pick.hit_blocks, best_hit, reason)

@@ -1,0 +1,204 @@
+"""The front door's state: tokenizers, the worker directory, the router, metrics; and what
+turns a validated request into prompt runs on workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvpool.frontend.chat_template import TemplateError
+from kvpool.frontend.directory import Directory, Worker
+from kvpool.frontend.errors import APIError, bad_param
+from kvpool.frontend.generation import Delta, PromptRun, Timing
+from kvpool.frontend.metrics import FrontDoorMetrics
+from kvpool.frontend.params import GenRequest
+from kvpool.frontend.router import Candidate, Decision, KVRouter
+from kvpool.frontend.tokenizer import Tokenizer, load_tokenizer
+from kvpool.shared.hashing import hash_blocks
+
+
+@dataclass(frozen=True)
+class FrontDoorConfig:
+    managers: tuple[str, ...]
+    policy: str = "kv-aware"
+    overlap_weight: float = 2.0
+    poll_s: float = 0.5
+    silence_s: float = 30.0  # a worker silent this long with requests open is taken for lost
+    tokenizers: tuple[tuple[str, str], ...] = ()  # (model, tokenizer path) overrides
+
+    def __post_init__(self) -> None:
+        if not self.managers:
+            raise ValueError("give at least one manager endpoint (--manager, one per node)")
+        if not 0.01 <= self.poll_s <= 60:
+            raise ValueError(f"poll_s must be in [0.01, 60] seconds, got {self.poll_s}")
+        if self.silence_s <= 0:
+            raise ValueError(f"silence_s must be positive, got {self.silence_s}")
+
+
+class Run:
+    """The prompt runs of one HTTP request; ``events`` merges their deltas."""
+
+    def __init__(self, req: GenRequest, runs: list[PromptRun], prompt_tokens: int, timing: Timing) -> None:
+        self.req, self.runs, self.prompt_tokens, self.timing = req, runs, prompt_tokens, timing
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(r.completion_tokens for r in self.runs)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(r.decision.hit_blocks * r.decision.worker.block_size for r in self.runs)
+
+    async def events(self) -> AsyncIterator[Delta]:
+        if len(self.runs) == 1:
+            async for d in self.runs[0].deltas():
+                yield d
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(run: PromptRun) -> None:
+            try:
+                async for d in run.deltas():
+                    q.put_nowait(d)
+                q.put_nowait(None)
+            except Exception as e:  # noqa: BLE001 (handed to the consumer)
+                q.put_nowait(e)
+
+        tasks = [asyncio.create_task(pump(r)) for r in self.runs]
+        try:
+            left = len(tasks)
+            while left:
+                item = await q.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class FrontDoor:
+    def __init__(self, cfg: FrontDoorConfig) -> None:
+        self.cfg = cfg
+        self.directory = Directory(list(cfg.managers), poll_s=cfg.poll_s, silence_s=cfg.silence_s)
+        self.router = KVRouter(cfg.policy, cfg.overlap_weight)
+        self.metrics = FrontDoorMetrics()
+        self._tokenizers: dict[str, Tokenizer] = {}
+        self._overrides = dict(cfg.tokenizers)
+        self.live: dict[tuple[int, str], set[PromptRun]] = {}  # running prompt runs per worker
+
+    async def start(self) -> None:
+        await self.directory.start()
+
+    async def close(self) -> None:
+        await self.directory.close()
+
+    def tokenizer(self, model: str) -> Tokenizer:
+        tok = self._tokenizers.get(model)
+        if tok is None:
+            try:
+                tok = self._tokenizers[model] = load_tokenizer(self._overrides.get(model, model))
+            except ValueError as e:
+                raise APIError(503, f"no tokenizer for model {model!r}: {e}; pass --tokenizer "
+                                    f"{model}=PATH to kvpool serve", None, "no_tokenizer") from None
+        return tok
+
+    def workers(self, model: str) -> list[Worker]:
+        known = self.directory.models()
+        if model not in known:
+            raise APIError(404, f"the model {model!r} does not exist; served models: {sorted(known)}", "model",
+                           "model_not_found")
+        alive = self.directory.serving(model)
+        if not alive:
+            raise APIError(503, f"no worker of {model!r} is reachable right now; retry shortly", None,
+                           "no_worker")
+        return alive
+
+    def prompt_ids(self, req: GenRequest, tok: Tokenizer) -> list[list[int]]:
+        if req.chat:
+            try:
+                return [tok.encode(tok.apply_chat_template(req.messages or []))]
+            except TemplateError as e:
+                raise bad_param("messages", str(e)) from None
+            except ValueError as e:
+                raise bad_param("messages", str(e)) from None
+        out = []
+        for p in req.prompts:
+            ids = tok.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+            if any(t >= tok.vocab_size for t in ids):
+                raise bad_param("prompt", f"token ids must be below the vocabulary size {tok.vocab_size}")
+            out.append(ids)
+        return out
+
+    def _budget(self, req: GenRequest, ids: list[int], max_len: int) -> int:
+        if len(ids) >= max_len:
+            raise APIError(413, f"the prompt has {len(ids)} tokens; this model's context is {max_len} tokens "
+                                "(max_model_len): shorten the prompt", "prompt", "context_length_exceeded")
+        if not ids:
+            raise bad_param("prompt", "the prompt is empty")
+        room = max_len - len(ids)
+        if req.max_tokens is None:
+            return room
+        if req.max_tokens > room:
+            raise bad_param("max_tokens", f"max_tokens {req.max_tokens} + the prompt's {len(ids)} tokens exceed "
+                                          f"the context of {max_len} tokens: ask for at most {room}")
+        return req.max_tokens
+
+    async def route(self, workers: list[Worker], ids: list[int], salt: str | None) -> Decision:
+        hits: dict[tuple[int, str], int] = {}
+        block_size = workers[0].block_size
+        full = (len(ids) - 1) // block_size  # the block of the last prompt token is always recomputed
+        if self.router.needs_locate and full:
+            by_manager: dict[tuple[int, int], list[Worker]] = {}
+            for w in workers:
+                by_manager.setdefault((w.manager, w.block_size), []).append(w)
+            for (m, bs), group in by_manager.items():
+                located = await self.directory.locate(m, hash_blocks(ids[: full * bs], bs, cache_salt=salt))
+                for w in group:
+                    hits[w.key] = located.get(w.pool, 0)
+        cands = [Candidate(w, hits.get(w.key, 0), w.link.running, self.outstanding(w.key)) for w in workers]
+        return self.router.choose(cands, full)
+
+    async def start_run(self, req: GenRequest) -> Run:
+        workers = self.workers(req.model)
+        tok = self.tokenizer(req.model)
+        max_len = min(w.max_model_len for w in workers)
+        all_ids = self.prompt_ids(req, tok)
+        budgets = [self._budget(req, ids, max_len) for ids in all_ids]
+        timing = Timing()
+        run = Run(req, [], sum(len(i) for i in all_ids), timing)
+        try:
+            for k, (ids, budget) in enumerate(zip(all_ids, budgets)):
+                d = await self.route(workers, ids, req.cache_salt)
+                params = {**req.worker_params, "max_tokens": budget}
+                pr = PromptRun(tok, ids, d, n=req.n, first_index=k * req.n, stops=req.stop, params=params,
+                               cache_salt=req.cache_salt, timing=timing,
+                               token_ids_in_logprobs=req.token_ids_in_logprobs)
+                run.runs.append(pr)
+                self.live.setdefault(d.worker.key, set()).add(pr)  # counted at once: the next request sees it
+        except BaseException:
+            self.release(run, count=False)
+            raise
+        return run
+
+    def outstanding(self, key: tuple[int, str]) -> float:
+        return sum(r.outstanding_blocks() for r in self.live.get(key, ()))
+
+    def release(self, run: Run, count: bool = True) -> None:
+        for r in run.runs:
+            key = r.decision.worker.key
+            self.live.get(key, set()).discard(r)
+            if not self.live.get(key):
+                self.live.pop(key, None)
+        if not count:
+            return
+        m = self.metrics
+        m.prompt_tokens += run.prompt_tokens
+        m.generation_tokens += run.completion_tokens
+        m.cached_tokens += run.cached_tokens

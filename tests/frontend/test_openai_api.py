@@ -1,0 +1,239 @@
+"""The front door through the real openai client and raw HTTP (httpx), against real workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def sse_events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+
+
+def test_models_lists_the_served_model(stack) -> None:
+    models = client(stack).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert httpx.get(stack.url + "/health").json() == {"status": "ok", "workers": 2}
+
+
+def test_completion_with_the_openai_client(stack) -> None:
+    out = client(stack).completions.create(model="tiny", prompt="héllo wörld", max_tokens=6, temperature=0,
+                                           logprobs=2)
+    choice = out.choices[0]
+    assert out.object == "text_completion" and choice.finish_reason == "length"
+    assert out.usage.prompt_tokens == len("héllo wörld".encode()) + 1  # bytes + bos
+    assert out.usage.completion_tokens == 6 and out.usage.total_tokens == out.usage.prompt_tokens + 6
+    assert len(choice.logprobs.token_logprobs) == 6 and all(len(t) == 2 for t in choice.logprobs.top_logprobs)
+    again = client(stack).completions.create(model="tiny", prompt="héllo wörld", max_tokens=6, temperature=0)
+    assert again.choices[0].text == choice.text  # greedy: the same text on whichever worker
+
+
+def test_chat_streaming_with_n_samples(stack) -> None:
+    stream = client(stack).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi 🙂"}], max_tokens=5, n=3, stream=True,
+        temperature=1.0, seed=7, stream_options={"include_usage": True})
+    texts, reasons, usage = ["", "", ""], [None] * 3, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert reasons == ["length"] * 3 and usage.completion_tokens == 15
+    whole = client(stack).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi 🙂"}], max_tokens=5, n=3, temperature=1.0, seed=7)
+    assert [c.message.content for c in whole.choices] == texts  # seeded: stream and whole agree
+    assert len(set(texts)) > 1 and whole.choices[0].message.role == "assistant"
+
+
+def test_raw_sse_ends_with_done_and_chunks_are_json(stack) -> None:
+    with httpx.stream("POST", stack.url + "/v1/completions", json={
+            "model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 4, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.read().decode())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "text_completion" for c in chunks)
+
+
+def test_stop_strings_cut_the_text_before_the_stop(stack) -> None:
+    body = {"model": "tiny", "prompt": "stop strings", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    free = httpx.post(stack.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    clean = [i for i in range(2, len(free) - 2) if "\ufffd" not in free[i:i + 2]]
+    stop = free[clean[len(clean) // 2]: clean[len(clean) // 2] + 2]
+    for stream in (False, True):
+        if stream:
+            with httpx.stream("POST", stack.url + "/v1/completions", json={**body, "stop": [stop, "\x00never"],
+                                                                             "stream": True}, timeout=60) as r:
+                chunks = [json.loads(e) for e in sse_events(r.read().decode())[:-1]]
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            reason = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            got = httpx.post(stack.url + "/v1/completions", json={**body, "stop": stop}, timeout=60).json()
+            text, reason = got["choices"][0]["text"], got["choices"][0]["finish_reason"]
+        assert (text, reason) == (free[: free.find(stop)], "stop"), stream
+
+
+def test_stop_token_ids_end_with_stop(stack) -> None:
+    body = {"model": "tiny", "prompt": [9, 10, 11], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True}
+    free = httpx.post(stack.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert free["finish_reason"] == "length"
+    ids = [int(t.removeprefix("token_id:")) for t in free["logprobs"]["tokens"]]
+    stop = ids[5]
+    got = httpx.post(stack.url + "/v1/completions", json={**body, "stop_token_ids": [stop]}, timeout=60).json()
+    assert got["choices"][0]["finish_reason"] == "stop"
+    assert got["usage"]["completion_tokens"] == ids.index(stop) + 1  # the stop id itself was generated
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": 3}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "presence_penalty": 9}, "presence_penalty"),
+    ({"prompt": "x", "min_tokens": 9, "max_tokens": 2}, "min_tokens"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": [1, 99999]}, "prompt"),
+    ({"prompt": "x", "max_tokens": 100000}, "max_tokens"),
+])
+def test_bad_parameters_are_openai_style_400s(stack, body: dict, param: str) -> None:
+    extra = {k: body.pop(k) for k in list(body) if k in ("min_tokens", "top_k", "ignore_eos")}  # vLLM's extras
+    with pytest.raises(openai.BadRequestError) as ei:
+        client(stack).completions.create(model="tiny", extra_body=extra, **body)
+    err = ei.value.body
+    assert ei.value.status_code == 400 and err["type"] == "invalid_request_error" and err["param"] == param
+    assert err["message"]
+
+
+def test_bad_json_unknown_model_and_long_prompt(stack) -> None:
+    r = httpx.post(stack.url + "/v1/chat/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    with pytest.raises(openai.NotFoundError) as ei:
+        client(stack).chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    assert ei.value.body["code"] == "model_not_found" and "tiny" in ei.value.body["message"]
+    r = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "x" * 600}, timeout=10)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "context_length_exceeded"
+    metrics = httpx.get(stack.url + "/metrics").text
+    assert 'kvpool_frontdoor_requests_total{endpoint="completions",status="413"} 1' in metrics
+
+
+def test_a_hundred_concurrent_streams(stack) -> None:
+    async def one(c: httpx.AsyncClient, i: int) -> tuple[int, list[str]]:
+        async with c.stream("POST", "/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": f"request {i}"}], "max_tokens": 3,
+                "stream": True}) as r:
+            return r.status_code, sse_events((await r.aread()).decode())
+
+    async def main() -> list:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=stack.url, timeout=120, limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(100)))
+
+    results = asyncio.run(main())
+    assert all(status == 200 for status, _ in results)
+    assert all(ev[-1] == "[DONE]" and json.loads(ev[-2])["choices"][0]["finish_reason"] == "length"
+               for _, ev in results)
+    per_worker = stack.fd.frontdoor.router.per_worker
+    assert per_worker["w0"] > 10 and per_worker["w1"] > 10  # load spread over both
+
+
+def test_metrics_have_latency_histograms(stack) -> None:
+    text = httpx.get(stack.url + "/metrics").text
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert f"kvpool_frontdoor_{name}_count" in text
+    assert 'status="200"' in text
+
+
+def worker_computed(stack) -> dict[str, int]:
+    from kvpool.worker.client import GenerateClient
+
+    out = {}
+    for w in stack.fd.frontdoor.directory.workers.values():
+        gc = GenerateClient(w.endpoint)
+        out[w.name] = gc.call("stats")["stats"]["computed_tokens"]
+        gc.close()
+    return out
+
+
+def assert_pools_drain(stack) -> None:
+    from kvpool.worker.manager_client import ManagerClient
+
+    with ManagerClient(stack.managers[0], role="admin") as mc:
+        pools = {}
+        for _ in range(100):
+            pools = mc.stats()["pools"]
+            if all(p["requests"] == 0 and p["used_blocks"] == 0 for p in pools.values()):
+                return
+            time.sleep(0.02)
+    raise AssertionError(f"blocks still held: {pools}")
+
+
+def test_a_client_disconnecting_mid_stream_aborts_the_request_and_frees_its_blocks(stack) -> None:
+    before = worker_computed(stack)
+    with httpx.stream("POST", stack.url + "/v1/completions", json={
+            "model": "tiny", "prompt": "a long one", "max_tokens": 480, "ignore_eos": True, "stream": True},
+            timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # a few tokens in, then the client goes away
+    assert any(line.startswith("data: ") for line in got)
+    assert_pools_drain(stack)
+    after = worker_computed(stack)
+    assert all(after[k] - before[k] < 300 for k in after), (before, after)  # stopped well before 480 tokens
+    assert 'endpoint="completions",status="disconnected"} 1' in httpx.get(stack.url + "/metrics").text
+
+
+def test_a_client_leaving_a_whole_response_request_aborts_it_too(stack) -> None:
+    before = worker_computed(stack)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 480, "ignore_eos": True,
+            "n": 32}, timeout=0.3)
+    time.sleep(0.5)  # the front door notices within DISCONNECT_POLL_S
+    assert_pools_drain(stack)
+    after = worker_computed(stack)
+    assert all(after[k] - before[k] < 32 * 480 * 3 // 4 for k in after), (before, after)  # stopped early
+    assert 'endpoint="chat",status="disconnected"} 1' in httpx.get(stack.url + "/metrics").text
+
+
+def test_a_batch_of_prompts_gives_n_choices_each(stack) -> None:
+    out = client(stack).completions.create(model="tiny", prompt=["first", "second one"], n=2, max_tokens=3,
+                                           temperature=0)
+    assert [c.index for c in sorted(out.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
+    assert out.usage.prompt_tokens == len("first") + 1 + len("second one") + 1
+    assert out.usage.completion_tokens == 12
+    texts = {c.index: c.text for c in out.choices}
+    assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy samples of one prompt agree
+
+
+def test_chat_logprobs_with_the_openai_client(stack) -> None:
+    out = client(stack).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=4, logprobs=True, top_logprobs=3, temperature=0)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.logprob == t.top_logprobs[0].logprob for t in content)  # greedy: the best token
+
+
+def test_sampling_parameters_reach_the_worker(stack) -> None:
+    def text(**extra) -> str:
+        body = {"model": "tiny", "prompt": [40, 41, 42], "max_tokens": 32, "ignore_eos": True, **extra}
+        return httpx.post(stack.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
+    greedy = text(temperature=0)
+    assert text(temperature=1.5, top_k=1, seed=3) == greedy  # top_k=1 leaves only the best token
+    assert text(temperature=0, frequency_penalty=2.0) != greedy  # repeats are pushed down
+    assert text(temperature=1.0, seed=5) == text(temperature=1.0, seed=5) != text(temperature=1.0, seed=6)

@@ -1,0 +1,45 @@
+"""`kvpool serve` as a user runs it: a process, curl-style HTTP, SIGTERM."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from kvpool.frontend.procs import CLI, LocalCluster
+
+
+def test_bad_options_say_what_to_write() -> None:
+    out = subprocess.run(CLI + ["serve", "--tokenizer", "nopath"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "MODEL=PATH" in out.stderr
+    out = subprocess.run(CLI + ["serve", "--policy", "random"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "kv-aware" in out.stderr
+
+
+@pytest.mark.slow
+def test_kvpool_serve_answers_http_and_stops_on_sigterm() -> None:
+    cluster = LocalCluster()
+    proc = None
+    try:
+        manager = cluster.manager()
+        cluster.worker(manager, "p0")
+        proc = subprocess.Popen(CLI + ["serve", "-m", manager, "--port", "0"], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        url = re.search(r"(http://\S+)/v1", proc.stdout.readline()).group(1)
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the worker never showed up at the front door"
+            time.sleep(0.1)
+        r = httpx.post(url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean shutdown
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        cluster.stop()

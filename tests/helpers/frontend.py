@@ -1,0 +1,34 @@
+"""A manager, CPU workers and a front door (in this process, in a thread) for the front door tests."""
+
+from __future__ import annotations
+
+from kvpool.frontend.procs import LocalCluster
+from kvpool.frontend.server import FrontDoorServer
+from kvpool.frontend.service import FrontDoorConfig
+
+
+class Stack:
+    def __init__(self, workers: int = 2, managers: int = 1, policy: str = "kv-aware", kv_blocks: int = 128,
+                 silence_s: float = 30.0) -> None:
+        self.cluster = LocalCluster()
+        self.fd: FrontDoorServer | None = None
+        try:
+            self.managers = [self.cluster.manager(f"manager{i}", "--session-timeout", "2") for i in range(managers)]
+            for k in range(workers):
+                self.cluster.worker(self.managers[k % managers], f"w{k}", kv_blocks=kv_blocks)
+            self.fd = FrontDoorServer(FrontDoorConfig(tuple(self.managers), policy, poll_s=0.2,
+                                                      silence_s=silence_s)).start()
+            if workers:
+                self.fd.wait_for_workers("tiny", workers)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        return self.fd.url
+
+    def close(self) -> None:
+        if self.fd is not None:
+            self.fd.stop()
+        self.cluster.stop()
