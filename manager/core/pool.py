@@ -72,8 +72,12 @@ class Pool:
         self.loads: list[Copy] = []  # this sub-op's load orders (host -> device)
         self.fresh: set[int] = set()  # device blocks hashed this step: not computed yet, never saved
         if host_blocks >= 2 and enable_caching:
-            self.host = HostTier(host_blocks, block_size, enable_events)
-            self.blocks.on_reuse = self._demote
+            self.set_host(HostTier(host_blocks, block_size, enable_events))
+
+    def set_host(self, host: HostTier) -> None:
+        """Puts ``host`` behind the device blocks: cached blocks reused from now on are demoted."""
+        self.host = host
+        self.blocks.on_reuse = self._demote
 
     def _demote(self, block: int, h: bytes) -> None:
         if block in self.fresh:  # its K/V is written by this very step's forward: nothing to save

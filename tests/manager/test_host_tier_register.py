@@ -108,3 +108,14 @@ def test_the_worker_config_takes_host_kv_memory_with_units_and_refuses_a_negativ
     assert host_kv_share(cfg) == 32 << 20 and WorkerConfig().host_kv_memory == 0
     with pytest.raises(ValueError, match="host_kv_memory"):
         WorkerConfig(host_kv_memory=-1)
+
+
+def test_a_new_incarnation_drops_both_tiers():
+    r = Registry("inc", session_timeout_s=10.0)
+    s = r.open_session("w", "worker", True, 1, 0.0)
+    e = r.register(s, "p", 0, 1, "a", KVSpec(**SPEC), kv_bytes(16), host_kv_bytes=kv_bytes(8))
+    e.pool.host.demote(3, b"h" * 32, None)
+    e.pool.end_step()
+    assert e.pool.host.lookup([b"h" * 32]) == [1]
+    e = r.register(s, "p", 0, 1, "b", KVSpec(**SPEC), kv_bytes(16), host_kv_bytes=kv_bytes(8))
+    assert e.epoch == 2 and e.pool.host.lookup([b"h" * 32]) == [] and e.pool.host.num_blocks == 8

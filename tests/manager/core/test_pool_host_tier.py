@@ -65,3 +65,22 @@ def test_stats_report_the_host_tier():
     stats = pool.snapshot_stats()
     assert stats["host_num_blocks"] == 8 and stats["host_cached_blocks"] == 0
     assert "host_num_blocks" not in Pool(6, BS).snapshot_stats()
+
+
+def test_a_snapshot_keeps_the_host_tier_so_a_replay_orders_the_same_copies():
+    from kvpool.manager.core.snapshot import dump_pool, load_pool
+
+    pool = Pool(6, BS, host_blocks=8)
+    toks_a, ha = chain(1, 3)
+    toks_b, hb = chain(2, 3)
+    run_step(pool, "o", [alloc("a", ha, len(toks_a))])
+    run_step(pool, "o", [{"op": "free", "req": "a"}])
+    run_step(pool, "o", [alloc("b", hb, len(toks_b))])  # saves two of a's blocks
+    run_step(pool, "o", [{"op": "free", "req": "b"}])
+    copy = load_pool(dump_pool(pool))
+    assert copy.host is not None and copy.host.blocks.cached == pool.host.blocks.cached
+    step = [alloc("a2", ha, len(toks_a))]
+    replayed = run_step(copy, "o", step)
+    assert replayed == run_step(pool, "o", step) and len(replayed[0]["loads"]) == 2
+    copy.check_invariants()
+    assert "host" not in dump_pool(Pool(6, BS))
