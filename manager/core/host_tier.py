@@ -29,10 +29,10 @@ host block's ref count equals the pins this step holds on it (0 between steps).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvpool.manager.core.block_pool import BlockPool, InvariantBroken
-from kvpool.manager.core.kv_events import KVEvent
+from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class HostTier:
         self.block_size = block_size
         self.blocks = BlockPool(num_blocks, True, enable_events)
         self.pinned: list[int] = []  # host blocks referenced by this step's copies
+        self._cleared: list[list[bytes]] = []  # hashes of each reset, for its event
         self.stats = HostStats()
 
     @property
@@ -64,8 +65,17 @@ class HostTier:
         return self.blocks.num_blocks
 
     def take_events(self) -> list[KVEvent]:
-        """The host map's KV events since the last call (published with ``medium: "CPU"``)."""
-        return self.blocks.take_events()
+        """The host map's KV events since the last call, with ``medium: "CPU"``; a host reset is
+        the removal of its hashes (vLLM's AllBlocksCleared names no medium: it would clear both)."""
+        out: list[KVEvent] = []
+        for ev in self.blocks.take_events():
+            if isinstance(ev, AllBlocksCleared):
+                hashes = self._cleared.pop(0) if self._cleared else []
+                if hashes:
+                    out.append(BlockRemoved(hashes, "CPU"))
+            else:
+                out.append(replace(ev, medium="CPU"))
+        return out
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """Host blocks of the longest prefix of ``hashes`` the host tier holds (no side effects)."""
@@ -119,7 +129,12 @@ class HostTier:
 
     def reset(self) -> bool:
         """Forgets every host hash; refused (False) while a copy of this step pins a block."""
-        return self.blocks.reset_prefix_cache()
+        hashes = list(self.blocks.cached)
+        if not self.blocks.reset_prefix_cache():
+            return False
+        if self.blocks.events_enabled:
+            self._cleared.append(hashes)
+        return True
 
     def usage(self) -> dict:
         bp = self.blocks

@@ -110,8 +110,11 @@ class Pool:
     # -- lookups ---------------------------------------------------------------------------
 
     def take_events(self) -> list[KVEvent]:
-        """The KV events queued since the last call (``BlockPool.take_events``)."""
-        return self.blocks.take_events()
+        """The KV events queued since the last call (``BlockPool.take_events``), the host
+        tier's after the device's (``medium: "CPU"``)."""
+        if self.host is None:
+            return self.blocks.take_events()
+        return [*self.blocks.take_events(), *self.host.take_events()]
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
         """Number of leading blocks of the chain that are cached (no side effects)."""

@@ -22,7 +22,7 @@ def test_demote_saves_once_and_a_known_hash_copies_nothing():
     assert t.demote(7, h(1), None) == Copy(7, 1)
     assert t.demote(9, h(1), None) is None and t.stats.saves_skipped == 1
     t.end_step()
-    assert t.lookup([h(1), h(2)]) == [1] and t.take_events() == [BlockStored([h(1)], None)]
+    assert t.lookup([h(1), h(2)]) == [1] and t.take_events() == [BlockStored([h(1)], None, "CPU")]
     t.check_invariants()
 
 
@@ -35,7 +35,7 @@ def test_the_host_tier_evicts_in_lru_order_and_a_resave_refreshes():
     assert t.demote(6, h(4), None) == Copy(6, 2)
     t.end_step()
     assert t.lookup([h(2)]) == [] and t.lookup([h(1)]) == [1]
-    assert BlockRemoved([h(2)]) in t.take_events()
+    assert BlockRemoved([h(2)], "CPU") in t.take_events()
     t.check_invariants()
 
 
@@ -62,6 +62,20 @@ def test_reset_is_refused_while_pinned_and_evict_drops_lru_first():
     t.end_step()
     assert t.evict(1) == 1 and t.lookup([h(1)]) == [] and t.lookup([h(2)]) == [2]
     assert t.reset() is True and t.lookup([h(2)]) == []
+
+
+def test_host_events_name_the_cpu_medium_and_a_host_reset_removes_only_host_hashes():
+    from kvpool.manager.events import encode_events
+
+    t = HostTier(4, 16, enable_events=True)
+    t.demote(1, h(1), None)
+    t.end_step()
+    assert t.reset() is True
+    events = t.take_events()
+    assert events == [BlockStored([h(1)], None, "CPU"), BlockRemoved([h(1)], "CPU")]
+    assert [e["medium"] for e in encode_events(events, 16)] == ["CPU", "CPU"]
+    assert encode_events(events, 16, "vllm-0.11")[1] == ["BlockRemoved", [h(1)], "CPU"]
+    assert t.reset() is True and t.take_events() == []  # an empty tier: nothing to remove
 
 
 def test_a_pin_the_step_forgot_breaks_the_invariants():
