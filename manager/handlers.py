@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from kvpool.manager.core.block_pool import InvariantBroken
+from kvpool.manager.core.pool import Pool
 from kvpool.manager.guards import Bounds, check_owner, check_register, check_step, max_model_len
 from kvpool.manager.registry import PoolEntry, Registry, Session
 from kvpool.manager.stats import ServerStats
@@ -33,6 +34,16 @@ from kvpool.shared.protocol import (
 )
 
 U63 = (1 << 63) - 1
+
+
+def check_tier(args: dict, pool: Pool) -> str:
+    """``args.tier``: "device" (the default) or "host", which the pool must have."""
+    tier = args.get("tier", "device")
+    if tier not in ("device", "host"):
+        raise bad_field("tier", '"device" or "host"', tier)
+    if tier == "host" and pool.host is None:
+        raise bad_field("tier", '"device": the pool has no host tier (no worker offered --host-kv-memory)', tier)
+    return tier
 
 
 def pool_info(entry: PoolEntry) -> dict:
@@ -253,14 +264,18 @@ class Handlers:
 
     def reset_cache(self, sess: Session, args: dict, now: float) -> dict:
         entry, pool = self.reg.ready_pool(args.get("pool"))
-        if not self.reg.reset_cache(entry):
+        tier = check_tier(args, pool)
+        if not self.reg.reset_cache(entry, tier):
+            if tier == "host":
+                raise ManagerError("in_use", f"pool {entry.name!r}: host blocks are pinned by a step; retry")
             raise ManagerError("in_use", f"pool {entry.name!r} has {pool.blocks.num_used} blocks in use; "
                                "drain it first (kvpool drain), then reset")
         return {"reset": True}
 
     def evict(self, sess: Session, args: dict, now: float) -> dict:
-        entry, _ = self.reg.ready_pool(args.get("pool"))
-        return {"evicted": self.reg.evict(entry, get_int(args, "n", 0, U63))}
+        entry, pool = self.reg.ready_pool(args.get("pool"))
+        n = get_int(args, "n", 0, U63)
+        return {"evicted": self.reg.evict(entry, n, check_tier(args, pool))}
 
     def drain(self, sess: Session, args: dict, now: float) -> dict:
         enable = args.get("enable", True)

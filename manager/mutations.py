@@ -15,7 +15,7 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
                                                              or host_kv_bytes follows; + host_kv_bytes,
                                                              only when > 0)
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
-    ["reset", pool]   ["evict", pool, n]   ["drain", enable]
+    ["reset", pool]   ["evict", pool, n]   ["drain", enable]   (+ tier "host" for the host tier)
 """
 
 from __future__ import annotations
@@ -68,12 +68,14 @@ class StepRan:
 @dataclass(frozen=True)
 class CacheReset:
     pool: str
+    tier: str = "device"  # or "host" (the pool's host tier); on the wire only when "host"
 
 
 @dataclass(frozen=True)
 class BlocksEvicted:
     pool: str
     n: int
+    tier: str = "device"
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ def to_wire(rec: Mutation) -> list:
     """The record as the journal's msgpack list (the layout in the module docstring)."""
     kind, names = _LAYOUT[type(rec)]
     wire = [kind, *(getattr(rec, name) for name in names)]
+    if type(rec) in (CacheReset, BlocksEvicted) and rec.tier == "device":  # type: ignore[union-attr]
+        wire.pop()  # the layout of journals from before the host tier
     if type(rec) is ShardRegistered:
         wire[6] = rec.spec.to_wire()
         if not rec.host_kv_bytes:  # no host tier: the layout of journals from before it

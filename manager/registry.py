@@ -384,24 +384,24 @@ class Registry:
             self.record(rec)
         return results
 
-    def reset_cache(self, entry: PoolEntry) -> bool:
-        return self.apply(CacheReset(entry.name), 0.0)  # type: ignore[return-value]
+    def reset_cache(self, entry: PoolEntry, tier: str = "device") -> bool:
+        return self.apply(CacheReset(entry.name, tier), 0.0)  # type: ignore[return-value]
 
     def _reset_cache(self, rec: CacheReset) -> bool:
-        done = self.pools[rec.pool].pool.reset_prefix_cache()  # type: ignore[union-attr]
+        done = self.pools[rec.pool].pool.reset_prefix_cache(rec.tier)  # type: ignore[union-attr]
         if done:
             self.dirty.add(rec.pool)
             self.record(rec)
         return done
 
-    def evict(self, entry: PoolEntry, n: int) -> int:
-        return self.apply(BlocksEvicted(entry.name, n), 0.0)  # type: ignore[return-value]
+    def evict(self, entry: PoolEntry, n: int, tier: str = "device") -> int:
+        return self.apply(BlocksEvicted(entry.name, n, tier), 0.0)  # type: ignore[return-value]
 
     def _evict(self, rec: BlocksEvicted) -> int:
         pool = self.pools[rec.pool].pool
         self.dirty.add(rec.pool)
         self.record(rec)
-        return pool.evict(rec.n)  # type: ignore[union-attr]
+        return pool.evict(rec.n, rec.tier)  # type: ignore[union-attr]
 
     def set_draining(self, enable: bool) -> None:
         self.apply(DrainingSet(enable), 0.0)

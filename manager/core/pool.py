@@ -234,13 +234,22 @@ class Pool:
 
     # -- admin -----------------------------------------------------------------------------
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, tier: str = "device") -> bool:
+        if tier == "host":
+            return self._host_tier().reset()
         return self.blocks.reset_prefix_cache()
 
-    def evict(self, n: int) -> int:
+    def evict(self, n: int, tier: str = "device") -> int:
         if n < 0:
             raise PoolError("bad_count", f"cannot evict {n} blocks")
+        if tier == "host":
+            return self._host_tier().evict(n)
         return self.blocks.evict(n)
+
+    def _host_tier(self) -> HostTier:
+        if self.host is None:
+            raise PoolError("no_host_tier", "the pool has no host tier: its workers offered no --host-kv-memory")
+        return self.host
 
     def free_all(self) -> int:
         """Frees every request (a dead session or a new epoch); returns how many."""

@@ -119,3 +119,25 @@ def test_a_new_incarnation_drops_both_tiers():
     assert e.pool.host.lookup([b"h" * 32]) == [1]
     e = r.register(s, "p", 0, 1, "b", KVSpec(**SPEC), kv_bytes(16), host_kv_bytes=kv_bytes(8))
     assert e.epoch == 2 and e.pool.host.lookup([b"h" * 32]) == [] and e.pool.host.num_blocks == 8
+
+
+def test_evict_and_reset_per_tier_are_journaled_and_refused_on_a_pool_without_one():
+    srv = make_server()
+    ok(reg(srv, hello(srv), host_blocks=8))
+    admin = hello(srv, role="admin")
+    pool = srv.registry.pools["p"].pool
+    for b, i in ((3, 1), (4, 2)):
+        pool.host.demote(b, i.to_bytes(32, "big"), None)
+    pool.end_step()
+    assert ok(call(srv, "evict", admin, pool="p", n=1, tier="host"))["evicted"] == 1
+    assert len(pool.host.blocks.cached) == 1
+    assert ok(call(srv, "reset_cache", admin, pool="p", tier="host"))["reset"] is True
+    assert pool.host.blocks.cached == {}
+    assert call(srv, "evict", admin, pool="p", n=1, tier="disk")["status"] == "bad_field"
+    plain = make_server()
+    ok(reg(plain, hello(plain)))
+    r = call(plain, "evict", hello(plain, role="admin"), pool="p", n=1, tier="host")
+    assert r["status"] == "bad_field" and "no host tier" in r["msg"]
+    from kvpool.manager.mutations import BlocksEvicted, CacheReset
+    assert to_wire(BlocksEvicted("p", 2)) == ["evict", "p", 2]  # the layout before the host tier
+    assert from_wire(to_wire(CacheReset("p", "host"))) == CacheReset("p", "host")
