@@ -125,6 +125,10 @@ def pools(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool)
     cols = [("POOL", "pool"), ("STATE", "state"), ("EPOCH", "epoch"), ("SHARDS", "shards_up"),
             ("BLOCKS", "num_blocks"), ("FREE", "free_blocks"), ("CACHED", "cached_blocks"),
             ("REQUESTS", "requests"), ("BLOCK_SIZE", "block_size")]
+    if any("host_num_blocks" in r for r in rows):  # a host tier somewhere: its size and hashes
+        for r in rows:
+            r["host"] = f"{r['host_cached_blocks']}/{r['host_num_blocks']}" if "host_num_blocks" in r else "-"
+        cols.insert(7, ("HOST_CACHED", "host"))
     emit(rows, as_json, lambda: table(rows, cols))
 
 

@@ -228,6 +228,7 @@ class Handlers:
                 free_blocks=pool.blocks.num_free if pool else 0,
                 cached_blocks=len(pool.blocks.cached) if pool else 0,
                 requests=len(pool.requests) if pool else 0,
+                **({"host_cached_blocks": len(pool.host.blocks.cached)} if pool and pool.host else {}),
                 shards=[{"rank": s.rank, "incarnation": s.incarnation, "num_blocks": s.num_blocks,
                          "num_kv_heads": s.spec.num_kv_heads, "session": live[s.sid].num if s.sid in live else None,
                          **({"host_num_blocks": s.host_num_blocks} if s.host_kv_bytes else {})}

@@ -141,3 +141,19 @@ def test_evict_and_reset_per_tier_are_journaled_and_refused_on_a_pool_without_on
     from kvpool.manager.mutations import BlocksEvicted, CacheReset
     assert to_wire(BlocksEvicted("p", 2)) == ["evict", "p", 2]  # the layout before the host tier
     assert from_wire(to_wire(CacheReset("p", "host"))) == CacheReset("p", "host")
+
+
+def test_stats_metrics_and_the_pools_table_show_the_host_tier():
+    from kvpool.manager.metrics import render
+
+    srv = make_server()
+    ok(reg(srv, hello(srv), host_blocks=8))
+    admin = hello(srv, role="admin")
+    stats = ok(call(srv, "stats", admin))["pools"]["p"]
+    assert stats["host_num_blocks"] == 8 and stats["host_hit_tokens"] == 0
+    assert ok(call(srv, "pools", admin))["pools"][0]["host_cached_blocks"] == 0
+    text = render(srv.registry, srv.stats, 1.0)
+    assert 'kvpool_pool_host_blocks_total{pool="p"} 8' in text
+    plain = make_server()
+    ok(reg(plain, hello(plain)))
+    assert "kvpool_pool_host" not in render(plain.registry, plain.stats, 1.0)
