@@ -213,16 +213,19 @@ def generate(prompt_ids: tuple[int, ...], endpoint: str | None, pool: str, max_t
 @click.option("--policy", type=click.Choice(["kv-aware", "round-robin", "least-loaded"]), default="kv-aware",
               show_default=True, help="The front door's routing policy.")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--host-kv-memory", default="0", callback=_bytes,
+              help="Host KV tier per worker (e.g. 4MiB); the report shows hits by tier.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def demo(num_requests: int, max_inflight: int, kv_blocks: int, tenants: int, policy: str, seed: int,
-         as_json: bool) -> None:
+         host_kv_memory: int, as_json: bool) -> None:
     """A manager, two CPU workers and the HTTP front door serving a multi-tenant chat trace."""
     from kvpool.frontend.demo import TextDemoConfig, format_report, run_text_demo
     from kvpool.frontend.loadgen import ChatTraceConfig
 
     try:
         cfg = TextDemoConfig(ChatTraceConfig(num_requests=num_requests, num_tenants=tenants, seed=seed),
-                             max_inflight=max_inflight, kv_blocks=kv_blocks, policy=policy)
+                             max_inflight=max_inflight, kv_blocks=kv_blocks, policy=policy,
+                             host_kv_memory=host_kv_memory)
         result = run_text_demo(cfg, progress=not as_json)
     except (RuntimeError, ValueError) as e:
         raise click.ClickException(str(e)) from None
