@@ -74,10 +74,13 @@ def status(ctx: click.Context, required: tuple[str, ...], endpoint: str, timeout
            as_json: bool) -> None:
     """Is the manager up and healthy? Its incarnation, uptime, sessions, pools and traffic.
 
-    Healthy means: it answers within --timeout, is not draining, every pool it knows is ready
-    (all shards registered), every --pool exists, and its state store reports no error. Exit
-    status: 0 healthy, 4 unhealthy (the reasons are printed), 3 unreachable, 1 refused (e.g. a
-    standby, or a manager that lost its state store). Use it as a healthcheck.
+    Healthy means: it answers within --timeout, is not draining, every pool it knows is either
+    served (all shards registered, each by a live worker session) or idle (its workers all
+    stopped cleanly), every --pool exists and is served by live workers, and its state store
+    reports no error. A worker that died is seen once its session times out (the manager's
+    session_timeout_s). Exit status: 0 healthy, 4 unhealthy (the reasons are printed), 3
+    unreachable, 1 refused (e.g. a standby, or a manager that lost its state store). Use it as a
+    healthcheck; a worker's healthcheck adds --pool with its own pool.
     """
     body = ask(endpoint, timeout_s, admin_key, "stats")
     m = body["manager"]
@@ -103,12 +106,20 @@ def health_problems(stats_body: dict, required: tuple[str, ...] = ()) -> list[st
     if m.get("draining"):
         problems.append("draining (kvpool drain --cancel ends it)")
     pools = stats_body.get("pools", {})
-    pending = sorted(name for name, p in pools.items() if p.get("state") != "ready")
-    if pending:
-        problems.append(f"pools waiting for shards: {', '.join(pending[:10])}")
+    health = {name: p.get("health", "ok" if p.get("state") == "ready" else "waiting") for name, p in pools.items()}
+    waiting = sorted(name for name, h in health.items() if h == "waiting")
+    if waiting:
+        problems.append(f"pools waiting for shards: {', '.join(waiting[:10])}")
+    lost = sorted(name for name, h in health.items() if h == "lost")
+    if lost:
+        problems.append(f"pools whose worker died (session expired): {', '.join(lost[:10])}; restart the "
+                        "worker, or forget the pool with `kvpool drop-pool NAME`")
     missing = [name for name in required if name not in pools]
     if missing:
         problems.append(f"no pool {', '.join(missing)} (its worker has not registered)")
+    idle = [name for name in required if health.get(name) == "idle"]
+    if idle:
+        problems.append(f"pool {', '.join(idle)} has no live worker (its workers stopped)")
     store = stats_body.get("store") or {}
     if store.get("healthy") is False or store.get("error"):
         problems.append(f"state store error: {store.get('error') or 'unhealthy'}")
@@ -122,7 +133,9 @@ def pools(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool)
     rows = ask(endpoint, timeout_s, admin_key, "pools")["pools"]
     for r in rows:
         r["shards_up"] = f"{r['registered']}/{r['shard_count']}"
-    cols = [("POOL", "pool"), ("STATE", "state"), ("EPOCH", "epoch"), ("SHARDS", "shards_up"),
+        r["live_up"] = f"{r.get('live_shards', 0)}/{r['shard_count']}"
+    cols = [("POOL", "pool"), ("STATE", "state"), ("HEALTH", "health"), ("EPOCH", "epoch"),
+            ("SHARDS", "shards_up"), ("LIVE", "live_up"),
             ("BLOCKS", "num_blocks"), ("FREE", "free_blocks"), ("CACHED", "cached_blocks"),
             ("REQUESTS", "requests"), ("BLOCK_SIZE", "block_size")]
     if any("host_num_blocks" in r for r in rows):  # a host tier somewhere: its size and hashes
@@ -260,6 +273,20 @@ def _wait_drained(client, total: int, wait_timeout: float, quiet: bool) -> None:
                 raise click.ClickException(f"{left} requests still running after {wait_timeout}s")
             time.sleep(0.2)
         bar.update(total - bar.n)
+
+
+@click.command("drop-pool")
+@click.argument("pool")
+@click.option("--force", is_flag=True, help="Even while live workers hold its shards (they must re-register).")
+@client_options
+def drop_pool(pool: str, force: bool, endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool) -> None:
+    """Forget a pool: free its requests, clear its cache (KV events say so), release its memory.
+
+    For a pool whose workers are gone for good (`kvpool status` reports it lost or idle);
+    refused while a live worker session holds one of its shards, unless --force.
+    """
+    body = ask(endpoint, timeout_s, admin_key, "drop_pool", pool=pool, force=force)
+    emit(body, as_json, lambda: click.echo(f"pool {pool}: dropped ({body['freed']} requests freed)"))
 
 
 @click.command("shutdown")

@@ -9,6 +9,7 @@ Exit status of every command (one table; the daemons' own codes included)::
     4   EXIT_UNHEALTHY     `kvpool status`: it answered but is unhealthy
     4   EXIT_TP_PEER_LOST  `kvpool worker`: another tensor-parallel rank of the pool is gone
     75  EXIT_FENCED        `kvpool manager`: another manager took the lease (manager/store/recovery.py)
+    130 EXIT_INTERRUPTED   Ctrl-C (`generate` aborts its request on the worker, `demo` stops its processes)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_UNHEALTHY = 4
 EXIT_TP_PEER_LOST = 4
+EXIT_INTERRUPTED = 130
 EXIT_FENCED = 75  # the manager's own (kvpool.manager.store.recovery.EXIT_FENCED, checked by a test)
 CURVE_META = "kvpool.curve"  # ctx.meta key: the ClientKeys from --curve-server-key/--curve-key-file
 
@@ -213,6 +215,12 @@ def durability_options(f: Callable) -> Callable:
 
 
 def redis_options(f: Callable) -> Callable:
-    f = click.option("--namespace", default="default", show_default=True, help="Redis key namespace.")(f)
-    return click.option("--redis-url", envvar="KVPOOL_REDIS_URL", default="redis://127.0.0.1:6379/0",
-                        show_default=True, help="Redis URL; env KVPOOL_REDIS_URL.")(f)
+    """--redis-url/--namespace, else the manager's config (--config, /etc/kvpool/manager.toml,
+    KVPOOL_MANAGER_*; cli/state.py resolves it): never a silent default database."""
+    f = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                     help="The manager's config file, for redis_url and namespace [/etc/kvpool/manager.toml "
+                          "if it exists].")(f)
+    f = click.option("--namespace", default=None, help="Redis key namespace [the manager config's, else default].")(f)
+    return click.option("--redis-url", envvar="KVPOOL_REDIS_URL", default=None,
+                        help="Redis URL; env KVPOOL_REDIS_URL [the manager config's redis_url; required "
+                             "when it has none].")(f)

@@ -28,6 +28,7 @@ cli.add_command(admin.reset_cache)
 cli.add_command(admin.evict)
 cli.add_command(admin.drain)
 cli.add_command(admin.shutdown)
+cli.add_command(admin.drop_pool)
 
 from kvpool.cli import serve  # noqa: E402  (worker, generate, demo)
 

@@ -11,6 +11,9 @@ import sys
 import click
 
 from kvpool.cli.common import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
     EXIT_TP_PEER_LOST,
     EXIT_UNREACHABLE,
     curve_options,
@@ -65,7 +68,10 @@ def worker_service_options(f):
 @click.option("--manager", "-m", "manager_ep", envvar="KVPOOL_MANAGER", default=default_endpoint,
               show_default=True, help="Manager endpoint(s), comma-separated; env KVPOOL_MANAGER.")
 @click.option("--pool", "-p", default="pool-0", show_default=True, help="Pool name (one per replica).")
-@click.option("--model", default="tiny", show_default=True, help="A preset or a HF checkpoint directory.")
+@click.option("--model", default="tiny", show_default=True,
+              help="A Hugging Face checkpoint directory, or a preset (tiny, small, llama-3-8b, llama-3.2-1b, "
+                   "qwen2-0.5b): a preset is only the architecture's shape, with seeded random weights, not "
+                   "the trained model.")
 @click.option("--endpoint", default=None, help="Generate endpoint to bind [ipc://.../worker-POOL.sock].")
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True)
@@ -91,14 +97,17 @@ def worker_service_options(f):
               help="host:port where rank 0 hosts the process group; env KVPOOL_TP_MASTER.")
 @click.option("--tp-timeout", default=60.0, show_default=True,
               help="Seconds a rank may go silent before the others take it for dead.")
+@click.option("--replace", is_flag=True,
+              help="Take over the pool (and the generate socket) from a worker that is still running; "
+                   "without it a live worker's pool is refused.")
 @worker_service_options
 @click.pass_context
 def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: str, model: str,
            endpoint: str | None, dtype: str, device: str,
            block_size: int, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
            memory_utilization: float, kv_cache_memory: int | None, cpu_memory_budget: int,
-           host_kv_memory: int, no_prefix_caching: bool, no_overlap: bool, seed: int, threads: int, tp_size: int, tp_rank: int | None,
-           tp_master: str, tp_timeout: float, **_: object) -> None:
+           host_kv_memory: int, no_prefix_caching: bool, no_overlap: bool, seed: int, threads: int, tp_size: int,
+           tp_rank: int | None, tp_master: str, tp_timeout: float, replace: bool, **_: object) -> None:
     """Serve generate requests from paged KV memory whose blocks the manager hands out.
 
     With --tp-size N the pool is one model over N ranks (one process, one GPU each), each holding
@@ -119,7 +128,8 @@ def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: s
     logging.getLogger(__name__).info("config: %s", summary(cfg, source))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    _serve_rank(cfg, cfg.manager.split(","), cfg.endpoint or default_worker_endpoint(cfg.pool), tp_master, tp_timeout)
+    _serve_rank(cfg, cfg.manager.split(","), cfg.endpoint or default_worker_endpoint(cfg.pool), tp_master, tp_timeout,
+                replace)
 
 
 def _worker_config(ctx: click.Context, config_path: str | None, no_prefix_caching: bool, no_overlap: bool):
@@ -134,18 +144,20 @@ def _worker_config(ctx: click.Context, config_path: str | None, no_prefix_cachin
     return load_service("worker", config_path, flags, labels)
 
 
-def _serve_rank(cfg, manager_eps: list[str], endpoint: str, tp_master: str, tp_timeout: float) -> None:
+def _serve_rank(cfg, manager_eps: list[str], endpoint: str, tp_master: str, tp_timeout: float,
+                replace: bool = False) -> None:
     """One worker, or one tensor-parallel rank: joins the group, loads its share, serves/follows."""
     from kvpool.worker.parallel import TPPeerLost
     from kvpool.worker.profiler import KVMemoryError
     from kvpool.worker.startup import serve_rank
 
     try:
-        serve_rank(cfg, manager_eps, endpoint, tp_master, tp_timeout)
+        serve_rank(cfg, manager_eps, endpoint, tp_master, tp_timeout, replace)
     except (ValueError, KVMemoryError) as e:
         raise click.ClickException(str(e)) from None
     except ManagerError as e:
-        click.echo(f"Error: {e}", err=True)
+        hint = "; to take the pool over from it: kvpool worker --replace" if e.code == "not_owner" else ""
+        click.echo(f"Error: {e}{hint}", err=True)
         sys.exit(EXIT_UNREACHABLE if e.code == "unavailable" else 1)
     except TPPeerLost as e:
         click.echo(f"Error: tensor-parallel rank {cfg.tp_rank} of pool {cfg.pool!r} stops: {e}. The pool's "
@@ -155,25 +167,35 @@ def _serve_rank(cfg, manager_eps: list[str], endpoint: str, tp_master: str, tp_t
 
 
 @click.command("generate")
-@click.argument("prompt_ids", nargs=-1, type=int, required=True)
+@click.argument("prompt_ids", nargs=-1, type=click.IntRange(0, 2**32 - 1), required=True)
 @click.option("--worker", "-w", "endpoint", default=None, help="Worker endpoint [the pool's default].")
 @click.option("--pool", "-p", default="pool-0", show_default=True, help="Pool whose default endpoint to use.")
-@click.option("--max-tokens", default=16, show_default=True)
+@click.option("--manager", "-m", "manager_ep", envvar="KVPOOL_MANAGER", default=default_endpoint,
+              show_default=True, help="Manager to ask why a pool's worker cannot serve; env KVPOOL_MANAGER.")
+@click.option("--max-tokens", default=16, show_default=True, type=click.IntRange(1, 2**31 - 1))
 @click.option("--temperature", default=0.0, show_default=True)
 @click.option("--top-p", default=1.0, show_default=True)
-@click.option("--seed", default=None, type=int)
-@click.option("-n", "n", default=1, show_default=True, help="Parallel samples.")
+@click.option("--seed", default=None, type=click.IntRange(0, 2**63 - 1))
+@click.option("-n", "n", default=1, show_default=True, type=click.IntRange(1, 256), help="Parallel samples.")
 @click.option("--ignore-eos", is_flag=True)
-@click.option("--timeout", "timeout_s", default=60.0, show_default=True)
+@click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds the whole request may take.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per token message.")
 @click.option("--worker-key", envvar="KVPOOL_WORKER_CURVE_KEY", default=None,
               help="The worker's public key (NAME.key or Z85 text) when it runs CURVE; env KVPOOL_WORKER_CURVE_KEY.")
 @click.option("--curve-key-file", envvar="KVPOOL_CURVE_KEY_FILE", default=None,
               help="This client's NAME.key_secret (CURVE); env KVPOOL_CURVE_KEY_FILE.")
-def generate(prompt_ids: tuple[int, ...], endpoint: str | None, pool: str, max_tokens: int,
+def generate(prompt_ids: tuple[int, ...], endpoint: str | None, pool: str, manager_ep: str, max_tokens: int,
              temperature: float, top_p: float, seed: int | None, n: int, ignore_eos: bool,
              timeout_s: float, as_json: bool, worker_key: str | None, curve_key_file: str | None) -> None:
-    """Generate from PROMPT_IDS (token ids); prints tokens as they stream in."""
+    """Generate from PROMPT_IDS (token ids); prints tokens as they stream in.
+
+    How each sample finished goes to stderr ("finished: length" ...). Exit status: 0 when every
+    sample finished normally (stop, length), 1 when the worker refused the request or a sample
+    ended with an error or was aborted by the worker (it shut down), 3 when the worker cannot
+    serve (no worker, it died, the manager is draining or unreachable: the message says which),
+    130 on Ctrl-C. A request given up for any reason is aborted on the worker.
+    """
     from kvpool.shared.curve import ClientKeys
     from kvpool.worker.client import GenerateClient, WorkerUnavailable
 
@@ -185,24 +207,61 @@ def generate(prompt_ids: tuple[int, ...], endpoint: str | None, pool: str, max_t
     params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "n": n,
               "ignore_eos": ignore_eos, **({"seed": seed} if seed is not None else {})}
     client = GenerateClient(endpoint or default_worker_endpoint(pool), curve=curve)
+    counts, reasons = [0] * n, ["?"] * n
     try:
         for msg in client.stream(list(prompt_ids), timeout_s=timeout_s, **params):
-            if as_json:
-                click.echo(json.dumps(msg))
-            elif msg.get("token") is not None:
-                prefix = f"[{msg['index']}] " if n > 1 else ""
-                click.echo(f"{prefix}{msg['token']}", nl=n > 1)
-                if n == 1:
-                    click.echo(" ", nl=False)
+            _print_token(msg, n, as_json)
+            index = msg.get("index", 0)
+            counts[index] += msg.get("token") is not None
+            if msg.get("finished"):
+                reasons[index] = msg.get("reason") or "?"
         if not as_json and n == 1:
             click.echo()
     except WorkerUnavailable as e:
-        click.echo(f"Error: {e}", err=True)
+        hint = "" if endpoint or e.cause in ("draining",) else f"; {_diagnosis(manager_ep, pool)}"
+        click.echo(f"Error: {e}{hint}", err=True)
         sys.exit(EXIT_UNREACHABLE)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted: the request was aborted on the worker", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     finally:
         client.close()
+    sys.exit(_finish_report(reasons, counts, max_tokens))
+
+
+def _print_token(msg: dict, n: int, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(msg))
+    elif msg.get("token") is not None:
+        prefix = f"[{msg['index']}] " if n > 1 else ""
+        click.echo(f"{prefix}{msg['token']}", nl=n > 1)
+        if n == 1:
+            click.echo(" ", nl=False)
+
+
+def _diagnosis(manager_ep: str, pool: str) -> str:
+    from kvpool.worker.diagnose import pool_diagnosis
+
+    return pool_diagnosis(manager_ep, pool)
+
+
+def _finish_report(reasons: list[str], counts: list[int], max_tokens: int) -> int:
+    """Prints how each sample finished (stderr); the exit status: 1 if one ended with an error."""
+    failed = False
+    for i, (reason, count) in enumerate(zip(reasons, counts)):
+        label = f"sample {i}: " if len(reasons) > 1 else ""
+        note = ""
+        if reason == "length" and count < max_tokens:
+            note = f" (cut at the worker's max_model_len after {count} of {max_tokens} tokens)"
+        elif reason == "abort":
+            note = " (the worker stopped the request: it is shutting down or was told to abort)"
+            failed = True
+        elif reason.startswith("error") or reason == "?":
+            failed = True
+        click.echo(f"{label}finished: {reason}{note}", err=True)
+    return EXIT_ERROR if failed else EXIT_OK
 
 
 @click.command("demo")
@@ -229,4 +288,7 @@ def demo(num_requests: int, max_inflight: int, kv_blocks: int, tenants: int, pol
         result = run_text_demo(cfg, progress=not as_json)
     except (RuntimeError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted: the demo's manager and workers are stopped", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     click.echo(json.dumps(result, indent=2, ensure_ascii=False) if as_json else format_report(result))

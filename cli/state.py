@@ -16,6 +16,22 @@ import json
 import click
 
 from kvpool.cli.common import redis_options
+from kvpool.cli.layered import load_service
+
+
+def resolve_redis(redis_url: str | None, namespace: str | None, config_path: str | None) -> tuple[str, str]:
+    """The Redis URL and namespace given, else the manager config's; a URL is required."""
+    if redis_url is None or namespace is None:
+        try:
+            cfg, _ = load_service("manager", config_path)
+        except (ValueError, OSError) as e:
+            raise click.ClickException(str(e)) from None
+        redis_url = redis_url or cfg.redis_url
+        namespace = namespace or cfg.namespace
+    if not redis_url:
+        raise click.UsageError("which Redis? pass --redis-url URL (or set redis_url in the manager's config, "
+                               "or KVPOOL_REDIS_URL / KVPOOL_MANAGER_REDIS_URL)")
+    return redis_url, namespace or "default"
 
 
 def _print(info: dict, as_json: bool, what: str) -> None:
@@ -37,8 +53,10 @@ def _print(info: dict, as_json: bool, what: str) -> None:
 @click.option("--input", "input_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Inspect a snapshot file instead of Redis.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def snapshot(redis_url: str, namespace: str, output: str | None, input_path: str | None, as_json: bool) -> None:
-    """Dump a manager's state from Redis to a file (verified), or inspect a file."""
+def snapshot(redis_url: str | None, namespace: str | None, config_path: str | None, output: str | None,
+             input_path: str | None, as_json: bool) -> None:
+    """Dump a manager's state from Redis to a file (verified), or inspect a file. Which Redis:
+    --redis-url, else the manager's config; never a guessed default."""
     from kvpool.manager.store.snapshots import (
         CorruptState,
         StateIOError,
@@ -48,6 +66,8 @@ def snapshot(redis_url: str, namespace: str, output: str | None, input_path: str
         summary,
     )
 
+    if not input_path:
+        redis_url, namespace = resolve_redis(redis_url, namespace, config_path)
     try:
         reg, seq = load_file(input_path) if input_path else load_namespace(redis_url, namespace)
     except CorruptState as e:
@@ -70,8 +90,10 @@ def snapshot(redis_url: str, namespace: str, output: str | None, input_path: str
               help="Keep the file's state id (moving a stopped system): clients then carry on as if nothing "
                    "happened. Without it clients see a restart and recompute, which is always safe.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def restore(path: str, redis_url: str, namespace: str, force: bool, keep_state_id: bool, as_json: bool) -> None:
-    """Replace a namespace's state in Redis by a snapshot file (verified first)."""
+def restore(path: str, redis_url: str | None, namespace: str | None, config_path: str | None, force: bool,
+            keep_state_id: bool, as_json: bool) -> None:
+    """Replace a namespace's state in Redis by a snapshot file (verified first). Which Redis:
+    --redis-url, else the manager's config; never a guessed default."""
     from kvpool.manager.store.snapshots import (
         CorruptState,
         StateIOError,
@@ -80,6 +102,7 @@ def restore(path: str, redis_url: str, namespace: str, force: bool, keep_state_i
         summary,
     )
 
+    redis_url, namespace = resolve_redis(redis_url, namespace, config_path)
     try:
         reg, seq = load_file(path)
     except CorruptState as e:

@@ -9,6 +9,7 @@ import click
 
 from kvpool.cli.common import emit, table
 from kvpool.cli.layered import load_service, rows
+from kvpool.shared.protocol import default_endpoint
 
 
 @click.group("config")
@@ -74,24 +75,60 @@ def _print_batch(batch, as_json: bool) -> None:
         click.echo(f"{stamp} #{batch.seq} {batch.topic} [{batch.format}]: {_summary(batch.events)}")
 
 
+def _events_endpoints(manager_ep: str, endpoint: str | None, replay: str | None) -> tuple[str, str | None]:
+    """The endpoints to tail: as given, else the manager's (its `stats` says where it publishes).
+    A manager that publishes nothing is an error at once, not a silent wait."""
+    from kvpool.cli.common import Unreachable, ask
+
+    try:
+        m = ask(manager_ep, 2.0, None, "stats")["manager"]
+    except Unreachable as e:
+        if endpoint is None:
+            raise Unreachable(f"{e.message}; to tail a publisher without asking its manager, pass --endpoint") from None
+        click.echo(f"note: could not ask the manager at {manager_ep} where it publishes; listening on {endpoint}",
+                   err=True)
+        return endpoint, replay
+    if "events_endpoint" not in m:  # a manager from before it said so
+        if endpoint is None:
+            raise click.ClickException(f"the manager at {manager_ep} does not say where it publishes KV events; "
+                                       "pass --endpoint")
+        return endpoint, replay
+    if not m["events_endpoint"]:
+        raise click.ClickException(
+            f"the manager at {manager_ep} publishes no KV events: start it with --events-endpoint "
+            "(e.g. tcp://127.0.0.1:5557; events_endpoint in its config), or point -m at the manager you mean")
+    return endpoint or _connectable(m["events_endpoint"]), replay or _connectable(m.get("events_replay_endpoint"))
+
+
+def _connectable(endpoint: str | None) -> str | None:
+    """A bound endpoint as a local client connects to it (tcp://*:P and tcp://0.0.0.0:P: loopback)."""
+    if endpoint and endpoint.startswith(("tcp://*:", "tcp://0.0.0.0:")):
+        return "tcp://127.0.0.1:" + endpoint.rsplit(":", 1)[1]
+    return endpoint
+
+
 @click.command("events")
-@click.option("--endpoint", "-e", envvar="KVPOOL_EVENTS", default="tcp://127.0.0.1:5557", show_default=True,
-              help="The manager's events_endpoint; env KVPOOL_EVENTS.")
+@click.option("--manager", "-m", "manager_ep", envvar="KVPOOL_MANAGER", default=default_endpoint, show_default=True,
+              help="The manager whose events to tail (it says where it publishes them); env KVPOOL_MANAGER.")
+@click.option("--endpoint", "-e", envvar="KVPOOL_EVENTS", default=None,
+              help="The events PUB endpoint [the manager's events_endpoint]; env KVPOOL_EVENTS.")
 @click.option("--replay-endpoint", envvar="KVPOOL_EVENTS_REPLAY", default=None,
-              help="The manager's events_replay_endpoint (needed by --replay-from); env KVPOOL_EVENTS_REPLAY.")
+              help="The replay endpoint (needed by --replay-from) [the manager's]; env KVPOOL_EVENTS_REPLAY.")
 @click.option("--replay-from", type=int, default=None, help="First print the buffered batches from this sequence number.")
 @click.option("--pool", "-p", "pools", multiple=True, help="Only these pools (topics); repeatable.")
 @click.option("--count", type=int, default=None, help="Stop after this many batches.")
 @click.option("--timeout", "timeout_s", type=float, default=5.0, show_default=True, help="Replay answer timeout.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per batch, hashes in hex.")
-def events(endpoint: str, replay_endpoint: str | None, replay_from: int | None, pools: tuple[str, ...],
-           count: int | None, timeout_s: float, as_json: bool) -> None:
+def events(manager_ep: str, endpoint: str | None, replay_endpoint: str | None, replay_from: int | None,
+           pools: tuple[str, ...], count: int | None, timeout_s: float, as_json: bool) -> None:
     """Tail the manager's KV events (BlockStored / BlockRemoved / AllBlocksCleared batches).
 
+    The manager is asked first where it publishes; one that publishes none is reported at once.
     Decodes both formats the manager can send (events_format): vllm-0.33, vLLM 0.33.0's tagged
     maps, and vllm-0.11, vLLM 0.11.0's arrays; each batch shows the format it came in."""
     from kvpool.manager.event_client import EventTail
 
+    endpoint, replay_endpoint = _events_endpoints(manager_ep, endpoint, replay_endpoint)
     if replay_from is not None and not replay_endpoint:
         raise click.UsageError("--replay-from needs --replay-endpoint")
     tail = EventTail(endpoint, pools)  # subscribed before the replay, so no batch falls between the two
@@ -123,7 +160,8 @@ def events(endpoint: str, replay_endpoint: str | None, replay_from: int | None, 
 
 
 @click.command("keygen")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Directory to write to.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=".", show_default=True,
+              help="Directory to write to (the current directory by default).")
 @click.option("--name", default="kvpool", show_default=True, help="Key name: NAME.key and NAME.key_secret.")
 @click.option("--force", is_flag=True, help="Overwrite an existing keypair of that name.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")

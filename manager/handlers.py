@@ -14,6 +14,7 @@ from collections.abc import Callable
 from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.guards import Bounds, check_owner, check_register, check_step, max_model_len
+from kvpool.manager.health import pool_health
 from kvpool.manager.registry import PoolEntry, Registry, Session
 from kvpool.manager.stats import ServerStats
 from kvpool.shared.protocol import (
@@ -62,6 +63,13 @@ def pool_info(entry: PoolEntry) -> dict:
     return info
 
 
+def _flag(args: dict, key: str) -> bool:
+    value = args.get(key, False)
+    if type(value) is not bool:
+        raise bad_field(key, "a bool", value)
+    return value
+
+
 class Handlers:
     def __init__(
         self,
@@ -82,6 +90,8 @@ class Handlers:
         self.started = time.monotonic()
         self.msg_id = 0  # the id of the message being handled (set by the server): retried steps
         self.store_stats: Callable[[], dict] = dict  # the state store's counters (set by the server)
+        # where KV events are published (set by the server; None: off): `kvpool events` asks
+        self.events_info: dict = {"events_endpoint": None, "events_replay_endpoint": None}
         # With CURVE on, an allowed worker key is no admin credential: admin ops then need admin_key.
         self.admin_needs_key = False
 
@@ -207,12 +217,14 @@ class Handlers:
             "pools": len(reg.pools),
             "requests": reg.total_requests(),
             "draining": reg.draining,
+            **self.events_info,
             **self.counters.snapshot(),
         }
         pools = {}
         for name, entry in reg.pools.items():
             snap = entry.pool.snapshot_stats() if entry.pool is not None else {}
-            pools[name] = {**snap, "state": entry.state, "epoch": entry.epoch}
+            pools[name] = {**snap, "state": entry.state, "epoch": entry.epoch, "shard_count": entry.shard_count,
+                           **pool_health(entry, reg.sessions).as_dict()}
         return {"manager": manager, "pools": pools, "store": self.store_stats()}
 
     # -- admin -----------------------------------------------------------------------------
@@ -223,6 +235,7 @@ class Handlers:
         for entry in self.reg.pools.values():
             info = pool_info(entry)
             pool = entry.pool
+            info.update(pool_health(entry, live).as_dict())
             info.update(
                 spec=entry.spec,
                 free_blocks=pool.blocks.num_free if pool else 0,
@@ -284,6 +297,15 @@ class Handlers:
             raise bad_field("enable", "a bool", enable)
         self.reg.set_draining(enable)
         return {"draining": enable, "requests": self.reg.total_requests()}
+
+    def drop_pool(self, sess: Session, args: dict, now: float) -> dict:
+        entry = self.reg.get_pool(get_str(args, "pool", 64, pattern=POOL_NAME))
+        force = _flag(args, "force")
+        health = pool_health(entry, self.reg.sessions)
+        if health.live_shards and not force:
+            raise ManagerError("in_use", f"pool {entry.name!r}: {health.live_shards} shard(s) are held by live "
+                               "worker sessions; stop those workers first, or drop it anyway with force")
+        return {"pool": entry.name, "dropped": True, "freed": self.reg.drop_pool(entry)}
 
     def shutdown(self, sess: Session, args: dict, now: float) -> dict:
         self.request_stop()

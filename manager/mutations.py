@@ -9,13 +9,15 @@ registration was checked against).
 On the wire (inside journal batches) a record is a msgpack list, its kind first::
 
     ["open", sid, identity, role, admin, version]           SessionOpened (hello)
-    ["end", sid]                                            SessionEnded (deregister or expiry)
+    ["end", sid, cause]                                     SessionEnded ("deregister" or "expired";
+                                                            absent in older journals: deregister)
     ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools]
                                                             (+ serve, only when the worker announced one
                                                              or host_kv_bytes follows; + host_kv_bytes,
                                                              only when > 0)
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
-    ["reset", pool]   ["evict", pool, n]   ["drain", enable]   (+ tier "host" for the host tier)
+    ["reset", pool]   ["evict", pool, n]   ["drain", enable]   ["drop", pool] (PoolDropped)
+    (reset and evict + tier "host" for the host tier)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class SessionOpened:
 @dataclass(frozen=True)
 class SessionEnded:
     sid: str
+    cause: str = "deregister"  # or "expired": the shards it held keep its sid (their worker died)
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,13 @@ class DrainingSet:
     enable: bool
 
 
-Mutation = SessionOpened | SessionEnded | ShardRegistered | StepRan | CacheReset | BlocksEvicted | DrainingSet
+@dataclass(frozen=True)
+class PoolDropped:
+    pool: str
+
+
+Mutation = (SessionOpened | SessionEnded | ShardRegistered | StepRan | CacheReset | BlocksEvicted | DrainingSet
+            | PoolDropped)
 
 KINDS: dict[str, type] = {
     "open": SessionOpened,
@@ -93,6 +102,7 @@ KINDS: dict[str, type] = {
     "reset": CacheReset,
     "evict": BlocksEvicted,
     "drain": DrainingSet,
+    "drop": PoolDropped,
 }
 _LAYOUT = {cls: (kind, tuple(f.name for f in fields(cls))) for kind, cls in KINDS.items()}
 

@@ -12,6 +12,9 @@ The loop owns the registry; nothing else mutates it. A store snapshots it (manag
 - A pool of several shards whose shard's session ends (deregister, expiry) loses that shard: its
   slice of every block may be gone, so the Pool is dropped, the epoch moves on (older epochs get
   ``stale_epoch``) and the pool is pending until the shard registers again.
+- A shard remembers how its session ended: ``sid`` None after a clean ``deregister``, the dead
+  session's sid after an expiry. ``pool_health`` (manager/health.py) reads that: a pool whose
+  workers all left cleanly is idle, one whose worker died is lost until it returns or is dropped.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from kvpool.manager.mutations import (
     CacheReset,
     DrainingSet,
     Mutation,
+    PoolDropped,
     SessionEnded,
     SessionOpened,
     ShardRegistered,
@@ -65,7 +69,9 @@ class Shard:
     spec: KVSpec
     available_kv_bytes: int
     num_blocks: int
-    sid: str | None  # the session that registered it; None once that session is gone
+    # The session that registered it. None once that session ended with deregister; an expired
+    # session's sid stays (no longer in Registry.sessions): the shard's process died.
+    sid: str | None
     serve: dict | None = None  # where this shard takes generate requests (register's optional field)
     host_kv_bytes: int = 0  # host memory offered for the host tier (0: none)
 
@@ -147,6 +153,8 @@ class Registry:
             return self._evict(rec)
         if type(rec) is DrainingSet:
             return self._set_draining(rec)
+        if type(rec) is PoolDropped:
+            return self._drop(rec)
         raise TypeError(f"not a registry mutation: {rec!r:.80}")
 
     def adopt(self, other: Registry) -> None:
@@ -178,12 +186,15 @@ class Registry:
         self.record(rec)
         return sess
 
-    def end_session(self, sid: str) -> int:
-        """Closes a session: frees its requests in every pool; returns how many."""
-        return self.apply(SessionEnded(sid), 0.0)  # type: ignore[return-value]
+    def end_session(self, sid: str, cause: str = "deregister") -> int:
+        """Closes a session (``cause``: "deregister" or "expired"): frees its requests in every
+        pool; returns how many. Its shards keep the sid when it expired (see ``pool_health``)."""
+        return self.apply(SessionEnded(sid, cause), 0.0)  # type: ignore[return-value]
 
     def _end_session(self, rec: SessionEnded) -> int:
         sid = rec.sid
+        if rec.cause not in ("deregister", "expired"):
+            raise ValueError(f"a session ends by 'deregister' or 'expired', not {rec.cause!r}")
         self.sessions.pop(sid, None)
         self.dirty.add(GLOBAL)
         self.record(rec)
@@ -191,7 +202,7 @@ class Registry:
         for entry in self.pools.values():
             lost = [r for r, shard in entry.shards.items() if shard.sid == sid]
             for r in lost:
-                entry.shards[r].sid = None
+                entry.shards[r].sid = None if rec.cause == "deregister" else sid
             pool = entry.pool
             if pool is None:
                 if lost and entry.shard_count > 1:
@@ -236,7 +247,7 @@ class Registry:
         """Ends every session silent past the timeout; returns (session, requests freed)."""
         limit = self.session_timeout_s
         dead = [s for s in self.sessions.values() if now - s.last_seen > limit]
-        return [(s, self.end_session(s.sid)) for s in dead]
+        return [(s, self.end_session(s.sid, "expired")) for s in dead]
 
     def request_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -253,7 +264,8 @@ class Registry:
         serve: dict | None = None,
         host_kv_bytes: int = 0,
     ) -> PoolEntry:
-        """Registers one shard (idempotent for the same incarnation); see the module docstring."""
+        """Registers one shard (idempotent for the same incarnation); see the module docstring.
+        Who may (ownership, ``replace``) is checked before, in manager/guards.py."""
         rec = ShardRegistered(sess.sid, name, rank, count, incarnation, spec, available, self.max_blocks,
                               self.max_pools, serve, host_kv_bytes)
         return self.apply(rec, 0.0)  # type: ignore[return-value]
@@ -383,6 +395,22 @@ class Registry:
             self.dirty.add(entry.name)
             self.record(rec)
         return results
+
+    def drop_pool(self, entry: PoolEntry) -> int:
+        """Forgets a pool (admin ``drop_pool``): its requests are freed, subscribers told to
+        clear it, its name and memory released. Returns how many requests were freed."""
+        return self.apply(PoolDropped(entry.name), 0.0)  # type: ignore[return-value]
+
+    def _drop(self, rec: PoolDropped) -> int:
+        self.record(rec)
+        entry = self.pools.pop(rec.pool)
+        freed = len(entry.pool.requests) if entry.pool is not None else 0
+        if entry.pool is not None and entry.pool.blocks.events_enabled:
+            entry.pool.take_events()  # unpublished events of a pool going away: subscribers just clear it
+        self._drop_pool(entry)
+        self.dirty.add(GLOBAL)
+        logger.warning("pool %s dropped (%d requests freed)", entry.name, freed)
+        return freed
 
     def reset_cache(self, entry: PoolEntry, tier: str = "device") -> bool:
         return self.apply(CacheReset(entry.name, tier), 0.0)  # type: ignore[return-value]

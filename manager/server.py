@@ -65,6 +65,7 @@ OPS: dict[str, tuple[str, bool, bool]] = {
     "evict": ("evict", True, True),
     "drain": ("drain", True, True),
     "shutdown": ("shutdown", True, True),
+    "drop_pool": ("drop_pool", True, True),
     "check": ("check", True, True),
     "cached_hashes": ("cached_hashes", True, True),
 }
@@ -95,6 +96,8 @@ class Server:
             bounds=Bounds(cfg.max_step_blocks, cfg.max_session_blocks, cfg.max_total_blocks, cfg.max_model_len),
         )
         self.handlers.store_stats = self.store.stats
+        self.handlers.events_info = {"events_endpoint": cfg.events_endpoint,
+                                     "events_replay_endpoint": cfg.events_replay_endpoint}
         self.handlers.admin_needs_key = bool(cfg.curve_secret_key_file)  # CURVE keys are not admin keys
         self._dispatch: dict[str, Handler] = {
             op: (getattr(self.handlers, name), needs_session, admin) for op, (name, needs_session, admin) in OPS.items()

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""KV memory strategies replayed on one trace under one KV budget, with plots (issue 9).
+"""KV memory strategies replayed on one trace under one KV budget, with plots.
 
 One seeded trace (long-tailed lognormal prompt and output lengths; a share of requests start with
 one of a few shared system prompts; another share asks for n=4 parallel samples) is replayed
@@ -50,7 +50,7 @@ Metrics, all over the same pool of ``budget_tokens`` slots (paged: (num_blocks -
     python scripts/bench_memory.py --quick --check   # small trace, accounting checked every step
     python scripts/bench_memory.py --out docs/img --e2e-only   # the real worker only (e2e.png)
 
-End to end (--e2e, issue 9 item 3): tokens/s of the real worker (scripts/bench_worker.py) in its
+End to end (--e2e): tokens/s of the real worker (scripts/bench_worker.py) in its
 static, paged and paged+prefix modes at one KV budget, on a trace with shared system prompts; its
 results go into the JSON under "end_to_end" and into e2e.png. Doubling has no real worker.
 The code lives in scripts/memsim/ (trace, contiguous, paged, sim, report, e2e).

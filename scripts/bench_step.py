@@ -12,7 +12,7 @@ the in-process manager (the baseline), and through the daemon with overlap on an
 against the baseline measured in the same run; plus the manager wait a step is exposed to (time
 blocked on the answer) against the round trip measured without overlap.
 
-Targets (issue 16): daemon + overlap >= 0.97x in-process tokens/s; exposed wait <= 10% of the
+Targets: daemon + overlap >= 0.97x in-process tokens/s; exposed wait <= 10% of the
 round trip; a 256-running decode step's daemon round trip <= 300 us p50 on a quiet machine.
 
     python scripts/bench_step.py            # R = 64, 256, 1024; worker at 256 running

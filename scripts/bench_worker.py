@@ -11,14 +11,16 @@ and the same KV budget (``--kv-blocks``):
                  (``--shared-fraction``) hold its blocks once and skip its prefill.
 
 On a mixed-length trace the paged worker holds more requests at once, so its decode batches are
-larger. Every request is submitted at t=0; tokens/s is generated tokens over the wall time of the
-whole trace, and each mode is reported as a ratio against static, measured in the same run.
+larger. Every request is submitted at t=0. The modes run interleaved, one engine step of each in
+turn, so load from elsewhere on the machine falls on all of them alike; tokens/s is a mode's
+generated tokens over the time of its own steps, and each mode is reported as a ratio against
+static, measured in the same run. A progress bar (stderr) counts the tokens of every mode.
 Prompts come from the reference trace generator (shared/trace.py), output lengths from the same
 seed.
 
-    python scripts/bench_worker.py                       # static and paged, small preset, CPU
-    python scripts/bench_worker.py --model tiny --requests 64 --json
-    python scripts/bench_worker.py --modes static,paged,paged+prefix --shared-fraction 0.4
+    .venv/bin/python scripts/bench_worker.py             # static and paged, small preset, CPU
+    .venv/bin/python scripts/bench_worker.py --model tiny --requests 64 --json
+    .venv/bin/python scripts/bench_worker.py --modes static,paged,paged+prefix --shared-fraction 0.4
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 from kvpool.shared.trace import TraceConfig, prompts
 from kvpool.worker.block_manager import LocalBlockManager
@@ -50,34 +53,61 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]
     return [(p, rng.randint(args.min_output, args.max_output)) for p in prompts(cfg)]
 
 
-def run(args: argparse.Namespace, mode: str, trace: list[tuple[list[int], int]]) -> dict:
-    model = PRESETS[args.model]
-    block_bytes = page_bytes(args.block_size, model.num_kv_heads, model.head_size, torch.float32) * model.num_layers
-    cfg = WorkerConfig(model=args.model, dtype="float32", device=args.device, block_size=args.block_size,
-                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       kv_cache_memory=args.kv_blocks * block_bytes, static_prealloc=mode == "static",
-                       enable_prefix_caching=mode == "paged+prefix", seed=args.seed)
-    engine = build_engine(cfg, LocalBlockManager("bench"))
-    # the warm-up prompt is in no trace, so it leaves nothing in the prefix cache the trace could hit
-    warm = [(7 * i + 3) % model.vocab_size for i in range(len(trace[0][0]))]
-    engine.generate([warm], SamplingParams(max_tokens=2, ignore_eos=True))
-    engine.scheduler.stats.__init__()
-    for prompt, out_len in trace:
-        engine.add_request(prompt, SamplingParams(max_tokens=out_len, ignore_eos=True))
-    tokens = 0
-    start, cpu_start = time.perf_counter(), time.process_time()
-    while engine.has_work():
-        tokens += sum(ev.token is not None for ev in engine.step())
-    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    s = engine.stats()
-    return {"mode": mode, "tokens": tokens, "elapsed_s": round(elapsed, 3), "cpu_s": round(cpu, 3),
-            "tokens_per_s": round(tokens / elapsed, 1), "tokens_per_cpu_s": round(tokens / max(cpu, 1e-6), 1),
-            "peak_running": s["peak_running"], "peak_blocks": s["peak_blocks"], "num_blocks": s["num_blocks"],
-            "steps": s["steps"],
-            "preemptions": s["preemptions"], "kv_bytes": args.kv_blocks * block_bytes,
-            "prefix_hit_rate": round(s["cached_tokens"] / max(1, s["prompt_tokens"]), 4),
-            "computed_tokens": s["computed_tokens"]}
+class ModeRun:
+    """One mode's engine with the whole trace submitted; ``step`` times its own steps only."""
+
+    def __init__(self, args: argparse.Namespace, mode: str, trace: list[tuple[list[int], int]]) -> None:
+        model = PRESETS[args.model]
+        self.block_bytes = page_bytes(args.block_size, model.num_kv_heads, model.head_size,
+                                      torch.float32) * model.num_layers
+        self.kv_bytes = args.kv_blocks * self.block_bytes
+        cfg = WorkerConfig(model=args.model, dtype="float32", device=args.device, block_size=args.block_size,
+                           max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=self.kv_bytes,
+                           static_prealloc=mode == "static", enable_prefix_caching=mode == "paged+prefix",
+                           seed=args.seed)
+        self.mode = mode
+        self.engine = build_engine(cfg, LocalBlockManager("bench"))
+        # the warm-up prompt is in no trace, so it leaves nothing in the prefix cache the trace could hit
+        warm = [(7 * i + 3) % model.vocab_size for i in range(len(trace[0][0]))]
+        self.engine.generate([warm], SamplingParams(max_tokens=2, ignore_eos=True))
+        self.engine.scheduler.stats.__init__()
+        for prompt, out_len in trace:
+            self.engine.add_request(prompt, SamplingParams(max_tokens=out_len, ignore_eos=True))
+        self.tokens, self.elapsed, self.cpu = 0, 0.0, 0.0
+
+    def step(self) -> int:
+        t0, c0 = time.perf_counter(), time.process_time()
+        new = sum(ev.token is not None for ev in self.engine.step())
+        self.elapsed += time.perf_counter() - t0
+        self.cpu += time.process_time() - c0
+        self.tokens += new
+        return new
+
+    def result(self) -> dict:
+        s = self.engine.stats()
+        return {"mode": self.mode, "tokens": self.tokens, "elapsed_s": round(self.elapsed, 3),
+                "cpu_s": round(self.cpu, 3), "tokens_per_s": round(self.tokens / self.elapsed, 1),
+                "tokens_per_cpu_s": round(self.tokens / max(self.cpu, 1e-6), 1),
+                "peak_running": s["peak_running"], "peak_blocks": s["peak_blocks"], "num_blocks": s["num_blocks"],
+                "steps": s["steps"], "preemptions": s["preemptions"], "kv_bytes": self.kv_bytes,
+                "prefix_hit_rate": round(s["cached_tokens"] / max(1, s["prompt_tokens"]), 4),
+                "computed_tokens": s["computed_tokens"]}
+
+
+def run_interleaved(args: argparse.Namespace, modes: list[str], trace: list[tuple[list[int], int]],
+                    progress: bool) -> dict[str, dict]:
+    """Every mode on the trace, one step of each in turn: a neighbour's load on a shared machine
+    then slows every mode alike instead of whichever happened to run at the time."""
+    runs = [ModeRun(args, mode, trace) for mode in modes]
+    total = len(modes) * sum(out for _, out in trace)
+    with tqdm(total=total, desc=f"{'+'.join(modes)} tokens", unit="tok", disable=not progress,
+              file=sys.stderr, mininterval=1.0) as bar:
+        while any(r.engine.has_work() for r in runs):
+            for r in runs:
+                if r.engine.has_work():
+                    bar.update(r.step())
+    return {r.mode: r.result() for r in runs}
 
 
 def parse_modes(text: str) -> list[str]:
@@ -89,11 +119,11 @@ def parse_modes(text: str) -> list[str]:
     return modes
 
 
-def measure(args: argparse.Namespace, log=print) -> dict:
+def measure(args: argparse.Namespace, log=print, progress: bool = False) -> dict:
     """Runs every mode of ``args.modes`` on one trace: {"modes": {mode: result}, "ratios": ...}.
 
-    With ``args.repeats`` > 1 the modes run in turn, round after round, and each keeps its fastest
-    run: a neighbour's load on a shared machine then slows one round, not one mode.
+    The modes run interleaved (``run_interleaved``); with ``args.repeats`` > 1 that happens
+    round after round and each mode keeps its fastest run.
     """
     modes = parse_modes(args.modes)
     if not 1 <= args.min_output <= args.max_output or args.repeats < 1:
@@ -105,8 +135,7 @@ def measure(args: argparse.Namespace, log=print) -> dict:
     results: dict[str, dict] = {}
     try:
         for _ in range(args.repeats):
-            for mode in modes:
-                r = run(args, mode, trace)
+            for mode, r in run_interleaved(args, modes, trace, progress).items():
                 log(f"  {mode:<13} {r['elapsed_s']:6.1f} s ({r['cpu_s']:.1f} s CPU)")
                 if mode not in results or r["elapsed_s"] < results[mode]["elapsed_s"]:
                     results[mode] = r
@@ -166,7 +195,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    res = measure(args, log=(lambda *a: None) if args.json else (lambda s: print(s, file=sys.stderr, flush=True)))
+    res = measure(args, log=(lambda *a: None) if args.json else (lambda s: print(s, file=sys.stderr, flush=True)),
+                  progress=not args.json)
     if args.json:
         out = {**res["modes"], "ratios": res["ratios"]}
         if "paged" in res["ratios"]:

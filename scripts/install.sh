@@ -16,10 +16,11 @@ python3 -m venv "$venv"
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "install: NVIDIA GPU found, installing $torch_req (CUDA build)"
-    "${pip[@]}" "$torch_req"
+    "${pip[@]}" "$torch_req" numpy
 else
     echo "install: no GPU, installing the CPU build of $torch_req"
-    "${pip[@]}" ${KVPOOL_TORCH_INDEX:+--index-url "$KVPOOL_TORCH_INDEX"} "$torch_req"
+    # numpy with torch, not after it: torch's first import (the check below) then finds it
+    "${pip[@]}" ${KVPOOL_TORCH_INDEX:+--index-url "$KVPOOL_TORCH_INDEX"} "$torch_req" numpy
     "$venv/bin/python" -c 'import torch, sys; sys.exit(0 if torch.version.cuda is None else "install: got a CUDA build of torch; set KVPOOL_TORCH_INDEX to a CPU wheel index")'
 fi
 "${pip[@]}" -e ".$extra"

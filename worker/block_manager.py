@@ -44,11 +44,13 @@ class BlockManager(Protocol):
 
     def recv_step(self, ticket: object) -> list[dict]: ...
 
-    def heartbeat(self) -> None: ...
+    def heartbeat(self) -> bool: ...  # True when the manager answered one just now
 
     def stats(self) -> dict: ...
 
     def deregister(self) -> None: ...
+
+    def stop_retrying(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -61,6 +63,7 @@ class LocalBlockManager:
         self.enable_caching = enable_caching
         self.max_blocks = max_blocks  # cap (tests that want memory pressure)
         self.epoch = 0
+        self.draining = False  # as the daemon's drain: allocations are refused
         self._pool: Pool | None = None
 
     def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0) -> dict:
@@ -78,7 +81,7 @@ class LocalBlockManager:
     def step(self, ops: list[dict]) -> list[dict]:
         if self._pool is None:
             raise ManagerReset(f"pool {self.pool!r} is not registered (manager restarted)")
-        return run_step(self._pool, "local", ops)
+        return run_step(self._pool, "local", ops, allow_alloc=not self.draining)
 
     def send_step(self, ops: list[dict]) -> object:
         """In process the answer is ready at once (the caller's overlap then costs nothing)."""
@@ -97,8 +100,8 @@ class LocalBlockManager:
             raise ManagerReset("not registered")
         return self._pool
 
-    def heartbeat(self) -> None:
-        pass
+    def heartbeat(self) -> bool:
+        return True  # in-process: always reachable
 
     def stats(self) -> dict:
         return self._pool.snapshot_stats() if self._pool is not None else {}
@@ -107,6 +110,9 @@ class LocalBlockManager:
         if self._pool is not None:
             self._pool.free_all()
         self._pool = None
+
+    def stop_retrying(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -124,13 +130,14 @@ class RemoteBlockManager:
 
     def __init__(self, endpoints: str | list[str], pool: str, *, shard_rank: int = 0, shard_count: int = 1,
                  incarnation: str | None = None, timeout_s: float = 5.0, register_wait_s: float = 30.0,
-                 identity: str | None = None, serve: dict | None = None) -> None:
+                 identity: str | None = None, serve: dict | None = None, replace: bool = False) -> None:
         self.client = ManagerClient(endpoints, role="worker", identity=identity, timeout_s=timeout_s)
         self.serve = serve  # announced at registration: where this pool takes generate requests
         self.pool = pool
         self.shard_rank, self.shard_count = shard_rank, shard_count
         self.incarnation = incarnation or uuid.uuid4().hex  # new tensors, new incarnation
         self.register_wait_s = register_wait_s
+        self.replace = replace  # take the shard over from a live session (the first registration only)
         self.epoch = 0
         self._fresh_session = False
 
@@ -141,7 +148,8 @@ class RemoteBlockManager:
         info = self.client.register(self.pool, shard_rank=self.shard_rank, shard_count=self.shard_count,
                                     incarnation=self.incarnation, spec=spec.to_wire(),
                                     available_kv_bytes=available_kv_bytes, host_kv_bytes=host_kv_bytes,
-                                    wait_s=self.register_wait_s, serve=self.serve)
+                                    wait_s=self.register_wait_s, serve=self.serve, replace=self.replace)
+        self.replace = False  # a later re-registration must not take the pool back from a newer worker
         self.epoch = int(info["epoch"])
         return info
 
@@ -164,11 +172,13 @@ class RemoteBlockManager:
             raise ManagerReset(str(e)) from e
         except ManagerUnavailable as e:
             self._fresh_session = True
+            self.client.sid = None  # given up: no heartbeat may find the old session gone again
             raise ManagerReset(str(e)) from e
 
-    def heartbeat(self) -> None:
+    def heartbeat(self) -> bool:
+        """True when a heartbeat was sent and answered (False: none was due)."""
         try:
-            self.client.maybe_heartbeat()
+            return self.client.maybe_heartbeat()
         except ManagerRestarted as e:
             raise ManagerReset(str(e)) from e
 
@@ -177,6 +187,10 @@ class RemoteBlockManager:
 
     def deregister(self) -> None:
         self.client.deregister()
+
+    def stop_retrying(self) -> None:
+        """Shutting down: no call is resent any more (a durable manager's failover window)."""
+        self.client.stop_retrying()
 
     def close(self) -> None:
         self.client.close()

@@ -1,7 +1,8 @@
 """Worker and model configuration: dataclasses that validate themselves on construction.
 
 Only entry points (the CLI, the demo, benchmarks) build a ``WorkerConfig``; inner classes take
-explicit scalars. ``PRESETS`` names model shapes that get seeded random weights.
+explicit scalars. ``PRESETS`` names model shapes that get seeded random weights (the architecture, not the trained
+model: their output is not language).
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     memory_utilization: float = 0.9
+    # sizes: bytes, or a string such as "64MiB" (as in the CLI, the environment and TOML)
     kv_cache_memory: int | None = field(default=None, metadata=BYTES)  # KV bytes, skipping profiling
     cpu_memory_budget: int = field(default=2 << 30, metadata=BYTES)  # host memory treated as the CPU "device"
     host_kv_memory: int = field(default=0, metadata=BYTES)  # host memory offered for the pool's host tier (0: none)
@@ -157,6 +159,10 @@ class WorkerConfig:
     curve_allowed_keys_dir: str | None = None  # one NAME.key per allowed client (front door, CLI)
 
     def __post_init__(self) -> None:
+        for key in ("kv_cache_memory", "cpu_memory_budget"):  # "16MiB" here as in the CLI, env and TOML
+            value = getattr(self, key)
+            if isinstance(value, str):
+                object.__setattr__(self, key, parse_bytes(value))
         self._check_curve()
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -87,7 +88,8 @@ class Cluster:
     def _spawn(self, args: list[str], name: str) -> subprocess.Popen:
         log = open(os.path.join(self.dir, f"{name}.log"), "wb")  # noqa: SIM115 (closed with the process)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen(CLI + args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # Their own session: a terminal's Ctrl-C reaches only the demo, which stops them in order.
+        proc = subprocess.Popen(CLI + args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         proc.log_path = log.name  # type: ignore[attr-defined]
         self.procs.append(proc)
         return proc
@@ -135,13 +137,18 @@ class Cluster:
         with open(proc.log_path, "rb") as f:  # type: ignore[attr-defined]
             return f.read().decode(errors="replace")[-chars:]
 
-    def stop(self) -> None:
+    def stop(self, fast: bool = False) -> None:
+        """Workers first (all at once: they free and deregister), then the manager. ``fast``
+        (Ctrl-C): everything at once, killed after 2 s; the demo's manager is private anyway."""
         others = [p for p in self.procs if p not in self.workers]
-        for proc in self.workers + others:  # workers first: they free and deregister
-            if proc.poll() is None:
+        for group in ([self.procs] if fast else [self.workers, others]):
+            live = [p for p in group if p.poll() is None]
+            for proc in live:
                 proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + (2 if fast else 10)
+            for proc in live:
                 try:
-                    proc.wait(10)
+                    proc.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
@@ -256,13 +263,50 @@ def format_report(r: dict) -> str:
             f"pool {p['pool']:<14} peak {p['peak_blocks']} of {p['num_blocks'] - 1} blocks in use for "
             f"{p['peak_running']} running; static max-length preallocation: {p['static_blocks']} "
             f"blocks ({ratio:.1f}x)")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *EXPLAIN])
+
+
+EXPLAIN = [
+    "what the figures mean:",
+    "  tokens/s            tokens sampled per second by both workers together, on CPU with a tiny model",
+    "  prefix-cache hits   prompt tokens whose KV blocks were found cached (shared system prompts) and not recomputed",
+    "  preemptions         requests paused and recomputed later because their pool ran out of free blocks",
+    "  routing             requests sent where the manager's locate found the longest cached prefix, else to "
+    "the less busy worker",
+    "  peak ... blocks     the most KV blocks in use at once; 'static' is what reserving max_model_len per "
+    "running request would have needed (paging's saving)",
+]
+
+
+def say(progress: bool, text: str) -> None:
+    if progress:
+        print(text, file=sys.stderr, flush=True)
 
 
 def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
+    """Runs the demo; with ``progress`` says on stderr what starts and how far it got."""
     cluster = Cluster(cfg)
+    m = PRESETS[cfg.model]
+    say(progress, f"starting a manager ({cluster.manager_ep}) and {cfg.num_workers} CPU workers, one pool each "
+                  f"({', '.join(cluster.pools)}): model {cfg.model!r} ({m.num_layers} layers, seeded random "
+                  f"weights), {cfg.kv_blocks} KV blocks of {cfg.block_size} tokens per worker, "
+                  f"max_model_len {cfg.max_model_len}")
+    say(progress, "waiting for the workers to load the model and register their pools (about 10 s)...")
+    interrupted = False
     try:
+        t0 = time.monotonic()
         cluster.start()
+        say(progress, f"ready in {time.monotonic() - t0:.1f}s; sending {cfg.num_requests} requests, up to "
+                      f"{cfg.max_inflight} at once, each to the worker holding its longest cached prefix")
         return report(cfg, drive(cfg, cluster, progress))
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
-        cluster.stop()
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # a 2nd Ctrl-C: cleanup still runs
+        try:
+            cluster.stop(fast=interrupted)
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)

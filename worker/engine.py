@@ -80,7 +80,12 @@ class Engine:
         self.manager_wait_s = 0.0  # time a step spent blocked on the manager's answer
         self._ready: tuple[StepPlan, list[dict], Batch] | None = None  # overlap: answered, not run
         self._rng = random.Random(seed)
-        self._rids = itertools.count()
+        self._rids = itertools.count()  # the manager's request ids (samples, recomputations)
+        self._client_ids = itertools.count()  # req-0, req-1, ... for add_request without an id
+        # Why the last step made no progress ("draining": the manager refuses admissions), or None.
+        # The serving loop backs off while it is set instead of resending the step at once.
+        self.stalled: str | None = None
+        self._ran = False  # the last step ran a batch
         self._requests: dict[str, list[Request]] = {}  # client id -> its live samples
         self.register()
 
@@ -111,7 +116,7 @@ class Engine:
     def add_request(self, prompt: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
         params = params or SamplingParams()
-        request_id = request_id if request_id is not None else f"req-{next(self._rids)}"
+        request_id = request_id if request_id is not None else f"req-{next(self._client_ids)}"
         vocab = self.model.config.vocab_size
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -152,8 +157,13 @@ class Engine:
         if self._lost:
             self.register()
             self._lost = False
-        if self.overlap:
-            return self._step_overlapped()
+        self.stalled, self._ran = None, False
+        events = self._step_overlapped() if self.overlap else self._step_plain()
+        if self.scheduler.drain_refused and not events and not self._ran:
+            self.stalled = "draining"
+        return events
+
+    def _step_plain(self) -> list[TokenEvent]:
         sched = self.scheduler
         plan = sched.schedule()
         if not plan.ops and not plan.seqs:
@@ -222,15 +232,19 @@ class Engine:
         finally:
             self.manager_wait_s += time.perf_counter() - start
 
-    def heartbeat(self) -> None:
+    def heartbeat(self) -> bool:
         """Keeps the manager session (and the other tensor-parallel ranks) alive while idle;
-        notices a restarted manager. Raises TPPeerLost when another rank is gone."""
+        notices a restarted manager. Raises TPPeerLost when another rank is gone. True when the
+        manager answered a heartbeat just now."""
         if self.tp is not None:
             self.tp.tick()
+        if self._lost:
+            return False  # the session is already given up: re-registering opens a new one (no second reset)
         try:
-            self.bm.heartbeat()
+            return self.bm.heartbeat()
         except ManagerReset as e:
             self._reset(e)
+            return False
 
     def _reset(self, err: Exception) -> None:
         logger.warning("manager lost our requests (%s): re-registering, recomputing", err)
@@ -249,6 +263,7 @@ class Engine:
         n > 1 request comes with its parent)."""
         if not batch.seqs and not batch.saves and not batch.loads:
             return []
+        self._ran = True
         if self.tp is not None:
             self.tp.run(batch)
         logits = self.runner.execute(batch)
@@ -326,15 +341,19 @@ class Engine:
                     out[ev.request_id][ev.index].append(ev.token)
         return [out[rid] for rid in ids]
 
-    def shutdown(self) -> None:
-        """Frees every request's blocks, deregisters and stops the other ranks (SIGTERM path)."""
+    def shutdown(self, reach_manager: bool = True) -> None:
+        """Frees every request's blocks, deregisters and stops the other ranks (SIGTERM path).
+        ``reach_manager`` False (it is known unreachable): only the ranks are stopped."""
         rids = [r.rid for r in self.scheduler.running] + self.scheduler.pending_frees
         try:
-            if rids:
+            if not reach_manager:
+                raise ManagerReset("the manager is unreachable")
+            if rids and not self._lost:
                 self.bm.step([{"op": "free", "req": rid} for rid in rids])
             self.bm.deregister()
-        except ManagerReset:
-            pass  # the manager already forgot us
+        except ManagerReset as e:  # forgotten by the manager, or it did not answer: gave up
+            logger.warning("shutdown: %d requests not freed and the session not ended at the manager (%s); "
+                           "it frees them when the session times out", len(rids), e)
         finally:
             if self.tp is not None:
                 self.tp.stop()

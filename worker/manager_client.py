@@ -101,6 +101,7 @@ class ManagerClient:
         self._ep = 0
         self._next_id = 1
         self._last_call = 0.0
+        self._retrying = True  # False once shutting down: every call is tried once
 
     @property
     def endpoint(self) -> str:
@@ -138,15 +139,19 @@ class ManagerClient:
         host_kv_bytes: int = 0,
         wait_s: float = 30.0,
         serve: dict | None = None,
+        replace: bool = False,
     ) -> dict:
         """Registers one shard and waits until every shard of the pool has: returns
-        {"num_blocks", "block_size", "epoch", ...}. Idempotent for the same incarnation."""
+        {"num_blocks", "block_size", "epoch", ...}. Idempotent for the same incarnation.
+        ``replace``: take the shard over even while another live session holds it."""
         args = {"pool": pool, "shard_rank": shard_rank, "shard_count": shard_count,
                 "incarnation": incarnation, "spec": spec, "available_kv_bytes": available_kv_bytes}
         if host_kv_bytes:  # optional: a host tier for the pool (PROTOCOL.md, register)
             args["host_kv_bytes"] = host_kv_bytes
         if serve is not None:  # {endpoint, model, max_model_len}: front doors find the worker by it
             args["serve"] = serve
+        if replace:
+            args["replace"] = True
         deadline = time.monotonic() + wait_s
         pause = 0.02
         while True:
@@ -219,6 +224,11 @@ class ManagerClient:
                 self.call("deregister")
             finally:
                 self.sid = None
+
+    def stop_retrying(self) -> None:
+        """From now on every call is tried once (safe from a signal handler): a process that is
+        stopping must not wait out ``failover_s`` for a manager that may never come back."""
+        self._retrying = False
 
     def close(self) -> None:
         if self._sock is not None:
@@ -300,11 +310,13 @@ class ManagerClient:
                 else:
                     reply = self._exchange(op, args, sid, msg_id)
             except ManagerUnavailable:
+                if not self._retrying:
+                    raise
                 if (self.durable and time.monotonic() < deadline) or (retry and attempts < len(self.endpoints)):
                     continue
                 raise
             status = reply.get("status")
-            if status not in ("not_active", "store_unavailable") or time.monotonic() >= deadline:
+            if status not in ("not_active", "store_unavailable") or time.monotonic() >= deadline or not self._retrying:
                 return reply
             if status == "not_active":
                 self._next_endpoint()

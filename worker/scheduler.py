@@ -96,6 +96,7 @@ class Scheduler:
         self.num_blocks: int | None = None  # the pool's size, set at registration (admission room)
         self.hold_admissions = False  # a preemption happened: admit nobody next step
         self.head_blocked = False  # the head of the waiting queue was refused for space
+        self.drain_refused = False  # the last answers refused admissions: the manager drains
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -229,6 +230,7 @@ class Scheduler:
         failed: list[tuple[Request, int]] = []  # (request, tokens) refused for space
         refused_admissions: list[Request] = []
         self.head_blocked = False
+        self.drain_refused = False
         head = next((sub.req for sub in plan.subops if sub.kind == "alloc"), None)  # the queue's head
         for sub, res in zip(plan.subops, results):
             req = sub.req
@@ -297,6 +299,7 @@ class Scheduler:
         self.running.remove(req)
         req.reset_kv()  # a step built on this admission (overlap) no longer counts
         if res.get("code") in ("no_space", "draining"):
+            self.drain_refused = self.drain_refused or res.get("code") == "draining"
             refused.append(req)
             return True
         req.finish_reason = f"error: {res.get('msg', res.get('code'))}"

@@ -15,9 +15,20 @@ Worker -> client, one per sampled token (``index``: which of the n samples)::
     {"id": str, "index": int, "token": int | None, "finished": bool, "reason": str | None}
     (+ "logprob": float, "top_logprobs": [[token, logprob]...] when params.logprobs is set)
     {"id": str, "error": str, "finished": true}             (refused request or bad message)
+    {"id": str, "heartbeat": true, "finished": false, "waiting": str | None}
+
+A heartbeat goes to every open request that got no message for ``HEARTBEAT_S``: the client
+knows the worker is alive, and ``waiting`` says why nothing moves ("draining": the manager
+refuses new allocations; "manager_unreachable"; None: queued or computing). Sending is also how
+the worker notices a client that went away (ZeroMQ's ROUTER_MANDATORY: its connection is gone):
+its requests are aborted and their blocks freed at once.
 
 The loop is single-threaded: drain the socket, run one engine step, send its tokens, heartbeat
-the manager. SIGTERM/SIGINT: abort every request, free everything at the manager, deregister.
+the manager. While the manager refuses admissions (draining) the loop backs off, up to
+``MAX_BACKOFF_S`` between steps, instead of resending at once. SIGTERM/SIGINT: abort every
+request, free everything at the manager, deregister; a manager that does not answer is given
+up after one try of each call (its sessions expire on their own), so shutdown is bounded.
+On exit the ipc socket file is removed (worker/endpoint.py).
 Optional: Prometheus metrics rendered by this loop (worker/metrics.py), and systemd's notify
 protocol (READY=1 once bound, WATCHDOG=1 per iteration, STOPPING=1; a no-op outside systemd).
 """
@@ -34,6 +45,7 @@ import zmq
 from kvpool.shared.curve import CurveServer
 from kvpool.shared.notify import Notifier
 from kvpool.shared.protocol import ManagerError
+from kvpool.worker.endpoint import bound_inode, ipc_path, release
 from kvpool.worker.engine import Engine, TokenEvent
 from kvpool.worker.metrics import WorkerMetrics
 from kvpool.worker.wire import MAX_MESSAGE_BYTES, client_id, decode, op_of, parse_generate
@@ -43,6 +55,8 @@ IDLE_POLL_MS = 100
 MAX_BATCH = 256  # messages read per iteration: a flood cannot stop the engine from stepping
 DROP_LOG_EVERY_S = 5.0
 MAX_OPEN_REQUESTS = 4096  # client requests queued or running; more are refused until some finish
+HEARTBEAT_S = 1.0  # an open request hears from the worker at least this often
+MAX_BACKOFF_S = 1.0  # the longest pause between steps while the manager refuses admissions
 
 
 def pack(obj: dict) -> bytes:
@@ -62,25 +76,33 @@ class WorkerServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a client that is gone raises
         self.curve = CurveServer(self._ctx, *curve) if curve else None
         if self.curve is not None:
             self.curve.apply(self._sock)
         self._clients: dict[str, tuple[bytes, str]] = {}  # engine id -> (routing id, client's id)
         self._open: dict[str, int] = {}  # engine id -> samples not finished yet
+        self._last_sent: dict[str, float] = {}  # engine id -> when its client last heard from us
         self._next = 0
         self._stop = False
+        self._backoff = 0.0  # seconds to wait before the next step while the engine is stalled
+        self._manager_down: str | None = None  # the last manager error, until a call succeeds
+        self._inode: int | None = None
+        self._next_file_check = 0.0
         self._reload = False  # SIGHUP: re-read the allowed CURVE keys at the next iteration
         self.replies_dropped = 0  # replies to clients that do not read (their queue was full)
         self._next_drop_log = 0.0
 
     def request_stop(self, *_: object) -> None:
         self._stop = True
+        self.engine.bm.stop_retrying()
 
     def request_reload(self, *_: object) -> None:
         self._reload = True
 
     def serve(self) -> None:
         self._sock.bind(self.endpoint)
+        self._inode = bound_inode(self.endpoint)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.request_stop)
         signal.signal(signal.SIGHUP, self.request_reload)
@@ -94,7 +116,8 @@ class WorkerServer:
 
     def run_once(self) -> None:
         busy = self.engine.has_work()
-        if self._sock.poll(0 if busy else IDLE_POLL_MS, zmq.POLLIN):
+        wait_ms = IDLE_POLL_MS if not busy else int(self._backoff * 1000)
+        if self._sock.poll(wait_ms, zmq.POLLIN):
             for _ in range(MAX_BATCH):
                 try:
                     frames = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -102,15 +125,10 @@ class WorkerServer:
                     break
                 self._handle(frames[0], frames[-1])
         if self.engine.has_work():
-            try:
-                t0 = time.perf_counter()
-                events = self.engine.step()
-                if self.metrics is not None:
-                    self.metrics.observe_step(time.perf_counter() - t0, sum(ev.token is not None for ev in events))
-                self._send_events(events)
-            except ManagerError as e:  # unreachable while re-registering: retry shortly
-                logger.warning("manager unavailable: %s", e)
-                time.sleep(0.2)
+            self._step()
+        now = time.monotonic()
+        self._send_heartbeats(now)
+        self._check_socket_file(now)
         self.notifier.tick()
         if self._reload:
             self._reload = False
@@ -119,9 +137,58 @@ class WorkerServer:
         if self.metrics is not None:
             self.metrics.maybe_update(self.engine)
         try:
-            self.engine.heartbeat()
+            if self.engine.heartbeat():
+                self._manager_down = None  # it answered: shutdown will free and deregister
         except ManagerError as e:
+            self._manager_down = str(e)
             logger.warning("heartbeat failed: %s", e)
+
+    def _step(self) -> None:
+        try:
+            t0 = time.perf_counter()
+            events = self.engine.step()
+            self._manager_down = None
+            if self.metrics is not None:
+                self.metrics.observe_step(time.perf_counter() - t0, sum(ev.token is not None for ev in events))
+            self._send_events(events)
+        except ManagerError as e:
+            if e.code == "not_owner":  # another worker took the pool over (--replace): leave it
+                logger.error("pool %s was taken over by another worker (%s): stopping", self.pool, e.message)
+                self._stop = True
+                return
+            self._manager_down = str(e)  # unreachable while re-registering: retry shortly
+            logger.warning("manager unavailable: %s", e)
+            time.sleep(0.2)
+        stalled = self.engine.stalled is not None
+        self._backoff = min(max(2 * self._backoff, 0.05), MAX_BACKOFF_S) if stalled else 0.0
+
+    def _check_socket_file(self, now: float) -> None:
+        """Stops when another worker bound our ipc path (``kvpool worker --replace``): nobody
+        can reach this one any more."""
+        if self._inode is None or now < self._next_file_check:
+            return
+        self._next_file_check = now + HEARTBEAT_S
+        current = bound_inode(self.endpoint)
+        if current is not None and current != self._inode:
+            logger.error("another worker took over %s: stopping", ipc_path(self.endpoint))
+            self._stop = True
+
+    def _waiting_reason(self) -> str | None:
+        if self._manager_down is not None:
+            return "manager_unreachable"
+        return self.engine.stalled
+
+    def _send_heartbeats(self, now: float) -> None:
+        """Tells every client that heard nothing for HEARTBEAT_S that its request is alive (and
+        why it waits); finds the clients that went away."""
+        due = [eid for eid, at in self._last_sent.items() if now - at >= HEARTBEAT_S]
+        reason = self._waiting_reason()
+        for eid in due:
+            if eid not in self._clients:
+                continue  # aborted meanwhile (its client went away)
+            ident, cid = self._clients[eid]
+            self._last_sent[eid] = now
+            self._reply(ident, {"id": cid, "heartbeat": True, "finished": False, "waiting": reason})
 
     def _handle(self, ident: bytes, payload: bytes) -> None:
         """One message; anything wrong with it becomes an error reply (never an exception)."""
@@ -153,6 +220,7 @@ class WorkerServer:
         self.engine.add_request(req.prompt, req.params, request_id=eid, cache_salt=req.cache_salt)
         self._clients[eid] = (ident, req.client_id)
         self._open[eid] = req.params.n
+        self._last_sent[eid] = time.monotonic()
 
     def _abort(self, ident: bytes, cid: str) -> None:
         # ids are the client's own (every GenerateClient starts at "generate-0"): match the sender too
@@ -169,13 +237,20 @@ class WorkerServer:
                     "reason": ev.finish_reason}
             if ev.logprob is not None:
                 body.update(logprob=ev.logprob, top_logprobs=ev.top_logprobs)
+            self._last_sent[ev.request_id] = time.monotonic()
             self._reply(ident, body)
-            if ev.finished:
+            if ev.finished and ev.request_id in self._open:
                 self._open[ev.request_id] -= 1
                 if self._open[ev.request_id] == 0:
-                    del self._clients[ev.request_id], self._open[ev.request_id]
+                    self._forget(ev.request_id)
 
-    def _reply(self, ident: bytes, body: dict) -> None:
+    def _forget(self, eid: str) -> None:
+        self._clients.pop(eid, None)
+        self._open.pop(eid, None)
+        self._last_sent.pop(eid, None)
+
+    def _reply(self, ident: bytes, body: dict) -> bool:
+        """Sends one message; False when the client is gone (its requests are then aborted)."""
         try:
             self._sock.send_multipart([ident, pack(body)], zmq.NOBLOCK)
         except zmq.Again:
@@ -184,23 +259,41 @@ class WorkerServer:
             if now >= self._next_drop_log:  # a flooding client must not flood the log too
                 self._next_drop_log = now + DROP_LOG_EVERY_S
                 logger.warning("client %r is not reading; %d replies dropped so far", ident, self.replies_dropped)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._client_gone(ident)
+            return False
+        return True
+
+    def _client_gone(self, ident: bytes) -> None:
+        """The client's connection is closed: nobody will read its requests' tokens."""
+        gone = [eid for eid, (owner, _) in self._clients.items() if owner == ident]
+        for eid in gone:
+            self._forget(eid)
+            self.engine.abort(eid)  # its final events have nobody to go to
+        if gone:
+            logger.info("a client went away: aborted its %d request(s), their blocks are freed", len(gone))
 
     def shutdown(self) -> None:
         self.notifier.stopping()
         if self.metrics is not None:
             self.metrics.close()
+        self.engine.bm.stop_retrying()
         for eid in list(self._clients):
             try:
                 self._send_events(self.engine.abort(eid))
             except Exception:  # one bad request must not keep the worker from deregistering
                 logger.exception("aborting request %s on shutdown failed", eid)
         try:
-            self.engine.shutdown()
+            self.engine.shutdown(reach_manager=self._manager_down is None)  # known down: do not wait again
         except ManagerError as e:
-            logger.warning("could not free at the manager on shutdown: %s", e)
+            logger.warning("shutdown: the manager did not answer (%s); gave up freeing this worker's requests "
+                           "and deregistering: the manager frees them when the session times out", e)
         self.engine.bm.close()
         self._sock.close(linger=200)
         if self.curve is not None:
             self.curve.close()
         self._ctx.term()
+        release(self.endpoint, self._inode)
         logger.info("worker for pool %s stopped", self.pool)

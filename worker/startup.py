@@ -14,7 +14,9 @@ import torch
 from kvpool.worker.block_manager import BlockManager, RemoteBlockManager
 from kvpool.worker.checkpoint import load_config, load_model
 from kvpool.worker.config import WorkerConfig
+from kvpool.worker.endpoint import claim
 from kvpool.worker.engine import Engine
+from kvpool.worker.host_memory import check_kv_request
 from kvpool.worker.metrics import WorkerMetrics
 from kvpool.worker.model import LlamaForCausalLM
 from kvpool.worker.parallel import check_tp, close_group, init_group, shard_model
@@ -78,6 +80,7 @@ def measure_kv_bytes(cfg: WorkerConfig, device: torch.device, dtype: torch.dtype
 
     if cfg.kv_cache_memory is not None:
         load()
+        check_kv_request(cfg.kv_cache_memory, device, "--kv-cache-memory (kv_cache_memory)")
         return holder[0], cfg.kv_cache_memory
     if device.type == "cuda":
         profile = profile_cuda(load, forward, device)
@@ -89,7 +92,10 @@ def measure_kv_bytes(cfg: WorkerConfig, device: torch.device, dtype: torch.dtype
                                     m.num_heads // tp, m.head_size, m.vocab_size, dtype.itemsize)
         profile = profile_cpu(holder[0], forward, cfg.cpu_memory_budget, floor)
     logger.info("memory profile: %s", profile)
-    return holder[0], kv_cache_budget(profile, cfg.memory_utilization)
+    kv_bytes = kv_cache_budget(profile, cfg.memory_utilization)
+    setting = "--memory-utilization" if device.type == "cuda" else "--cpu-memory-budget (cpu_memory_budget)"
+    check_kv_request(kv_bytes, device, setting)
+    return holder[0], kv_bytes
 
 
 def load_rank(cfg: WorkerConfig) -> tuple[LlamaForCausalLM, int]:
@@ -131,17 +137,24 @@ def build_follower(cfg: WorkerConfig, block_manager: BlockManager) -> TPFollower
                       host_kv_bytes=host_kv_share(cfg))
 
 
-def serve_rank(cfg: WorkerConfig, manager_eps: list[str], endpoint: str, tp_master: str, tp_timeout: float) -> None:
+def serve_rank(cfg: WorkerConfig, manager_eps: list[str], endpoint: str, tp_master: str, tp_timeout: float,
+               replace: bool = False) -> None:
     """One worker, or one tensor-parallel rank: joins the group, loads its share, serves (rank 0)
     or follows. Raises ValueError or KVMemoryError (config or memory: the message says what to
-    change), ManagerError (the manager refused or is gone), TPPeerLost (another rank is gone)."""
+    change; EndpointInUse: another live worker serves the endpoint), ManagerError (the manager
+    refused or is gone), TPPeerLost (another rank is gone). ``replace``: take the pool over from
+    a live worker (`kvpool worker --replace`)."""
     try:
         if cfg.tp_size > 1:  # refuse a bad split before any rank waits for the others
             check_tp(load_config(cfg.model), cfg.tp_size)
             init_group(cfg.tp_rank, cfg.tp_size, tp_master, rank_device(cfg), tp_timeout)
+        if cfg.tp_rank == 0:  # before the model loads: a refusal comes at once
+            # a stale socket: the previous worker here died; its session may not have expired yet
+            replace = claim(endpoint, cfg.pool, replace) == "stale" or replace
         serve = {"endpoint": endpoint, "model": cfg.model, "max_model_len": cfg.max_model_len}
         bm = RemoteBlockManager(manager_eps, cfg.pool, shard_rank=cfg.tp_rank, shard_count=cfg.tp_size,
-                                serve=serve if cfg.tp_rank == 0 else None)  # front doors find rank 0 by it
+                                serve=serve if cfg.tp_rank == 0 else None,  # front doors find rank 0 by it
+                                replace=replace)
         if cfg.tp_rank == 0:
             engine = build_engine(cfg, bm)
             curve = (cfg.curve_secret_key_file, cfg.curve_allowed_keys_dir) if cfg.curve_secret_key_file else None

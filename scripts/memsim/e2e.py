@@ -1,4 +1,4 @@
-"""Issue 9 item 3: tokens/s of the real worker at one KV budget, per strategy (bench_worker.py).
+"""Tokens/s of the real worker at one KV budget, per strategy (bench_worker.py).
 
 The simulator counts memory; this runs scripts/bench_worker.py (model, scheduler, in-process
 manager, paged attention) in its three modes on one trace whose prompts partly start with shared
@@ -38,7 +38,7 @@ def end_to_end(seed: int, overrides: dict[str, str] | None = None, log=print) ->
     flags = {**E2E_FLAGS, **(overrides or {}), "--seed": str(seed)}
     argv = [x for flag_value in flags.items() for x in flag_value]
     args = bench_worker.parser().parse_args(argv)
-    res = bench_worker.measure(args, log)
+    res = bench_worker.measure(args, log, progress=True)
     return {"command": "python scripts/bench_worker.py " + " ".join(argv),
             "args": {k: v for k, v in vars(args).items() if k != "json"},
             "strategies": res["modes"], "ratios": res["ratios"], "not_measured": NO_WORKER}

@@ -175,7 +175,7 @@ def ratios(results: dict[str, dict]) -> dict[str, dict]:
 
 
 def targets(cfg: SimConfig, results: dict[str, dict]) -> dict[str, bool]:
-    """Issue 9's targets for paged+prefix (static is at cfg.max_model_len)."""
+    """The targets for paged+prefix (static is at cfg.max_model_len)."""
     p, s = results["paged+prefix"], results["static"]
     return {"waste_below_2pct": p["internal_waste_pct"] < 2.0,
             "peak_requests_4x_static": p["peak_requests"] >= 4 * s["peak_requests"],

@@ -39,8 +39,9 @@ def test_status_pools_sessions_requests_as_tables_and_json(busy):
     assert json.loads(run(ep, "status", "--json"))["incarnation"] == live.server.incarnation
     assert "1 pools, 1 requests" in run(ep, "status")
     out = run(ep, "pools").splitlines()
-    assert out[0].split() == ["POOL", "STATE", "EPOCH", "SHARDS", "BLOCKS", "FREE", "CACHED", "REQUESTS", "BLOCK_SIZE"]
-    assert out[1].split() == ["p", "ready", "1", "1/1", "40", "36", "0", "1", "4"]
+    assert out[0].split() == ["POOL", "STATE", "HEALTH", "EPOCH", "SHARDS", "LIVE", "BLOCKS", "FREE", "CACHED",
+                              "REQUESTS", "BLOCK_SIZE"]
+    assert out[1].split() == ["p", "ready", "ok", "1", "1/1", "1/1", "40", "36", "0", "1", "4"]
     sessions = json.loads(run(ep, "sessions", "--json"))
     assert {s["identity"]: s["requests"] for s in sessions} == {"worker-a": 1, "kvpool-cli": 0}
     assert json.loads(run(ep, "requests", "-p", "p", "--json"))["requests"][0] | {} == {

@@ -96,7 +96,7 @@ def test_subscriber_rebuilds_the_cached_set_from_events_alone(procs, sock_dir):
 
         # the replay socket serves the same payloads; `kvpool events` prints them
         assert replay(ctx, rp_ep, 5) == [(s, batches[s]) for s in range(5, total)]
-        out = subprocess.run([*CLI, "events", "-e", ev_ep, "--replay-endpoint", rp_ep, "--replay-from", "0",
+        out = subprocess.run([*CLI, "events", "-m", ep, "--replay-from", "0",  # the manager says where
                               "--count", str(total), "--json"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         lines = [json.loads(line) for line in out.stdout.splitlines()]

@@ -126,7 +126,8 @@ def test_ending_or_expiring_a_session_frees_exactly_its_requests():
     expired = r.expire(now=5.5)  # a silent 5.5s > 5s; b silent 1.5s
     assert [(s.identity, n) for s, n in expired] == [("a", 2)]
     assert list(pool.requests) == [(b.sid, 1)] and r.dirty == {GLOBAL, "p"}
-    assert r.pools["p"].shards[0].sid is None  # the shard stays registered, unbound
+    # the shard stays registered, bound to the dead session: its worker died (pool health "lost")
+    assert r.pools["p"].shards[0].sid == a.sid and a.sid not in r.sessions
     r.check_invariants()
     assert r.end_session(b.sid) == 1 and pool.blocks.num_free == 31
 

@@ -9,6 +9,7 @@ from kvpool.manager.mutations import (
     BlocksEvicted,
     CacheReset,
     DrainingSet,
+    PoolDropped,
     SessionEnded,
     SessionOpened,
     ShardRegistered,
@@ -23,13 +24,18 @@ from kvpool.shared.protocol import KVSpec
 OPS = [{"op": "alloc", "req": 1, "hashes": [], "prompt_len": 5, "max_new": 5}]
 WIRE = [
     (SessionOpened("s" * 32, "w", "worker", True, 1), ["open", "s" * 32, "w", "worker", True, 1]),
-    (SessionEnded("s" * 32), ["end", "s" * 32]),
+    (SessionEnded("s" * 32, "expired"), ["end", "s" * 32, "expired"]),
     (ShardRegistered("s", "p", 0, 1, "i", KVSpec(**SPEC), 4096, 64, 8), ["register", "s", "p", 0, 1, "i", SPEC, 4096, 64, 8]),
     (StepRan("s", 7, "p", OPS), ["step", "s", 7, "p", OPS]),
     (CacheReset("p"), ["reset", "p"]),
     (BlocksEvicted("p", 3), ["evict", "p", 3]),
     (DrainingSet(True), ["drain", True]),
+    (PoolDropped("p"), ["drop", "p"]),
 ]
+
+
+def test_records_written_before_a_session_end_had_a_cause_still_load():
+    assert from_wire(["end", "s" * 32]) == SessionEnded("s" * 32, "deregister")
 
 
 @pytest.mark.parametrize(("rec", "wire"), WIRE, ids=[type(r).__name__ for r, _ in WIRE])

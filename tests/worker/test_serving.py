@@ -12,7 +12,7 @@ from helpers.worker import make_prompt
 
 from kvpool.worker.client import GenerateClient
 from kvpool.worker.config import PRESETS
-from kvpool.worker.demo import CLI, Cluster, DemoConfig, run_demo
+from kvpool.worker.demo import CLI, Cluster, DemoConfig, format_report, run_demo
 from kvpool.worker.manager_client import ManagerClient
 from kvpool.worker.model import build_model
 from kvpool.worker.reference import reference_generate
@@ -93,7 +93,7 @@ def test_sigterm_frees_everything_and_deregisters(cluster):
     admin = ManagerClient(cluster.manager_ep, role="admin")
     try:
         rid = client.submit(make_prompt(60, 4), max_tokens=400, ignore_eos=True)
-        while (msg := client.recv(10)) is not None and msg["id"] == rid and msg["token"] is not None:
+        while (msg := client.recv(10)) is not None and msg["id"] == rid and msg.get("token") is not None:
             if admin.stats()["pools"][cluster.pools[0]]["requests"] == 1:
                 break  # running at the manager
         cluster.workers[0].send_signal(signal.SIGTERM)
@@ -124,3 +124,29 @@ def test_demo_report():
     out = subprocess.run(CLI + ["demo", "--requests", "8", "--json"], capture_output=True, text=True,
                          timeout=120, check=True)
     assert "tokens_per_s" in out.stdout
+    text = format_report(r)
+    for figure in ("tokens/s", "prefix-cache hits", "preemptions", "routing", "peak ... blocks"):
+        assert f"\n  {figure}" in text, f"the report explains {figure}"
+
+
+def test_demo_says_what_starts_and_stops_at_once_on_ctrl_c():
+    p = subprocess.Popen(CLI + ["demo", "--requests", "5000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        first = p.stderr.readline()
+        assert first.startswith("starting a manager") and "seeded random weights" in first
+        assert "waiting for the workers" in p.stderr.readline()
+        assert p.stderr.readline().startswith("ready in")
+        time.sleep(1.0)
+        p.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        assert p.wait(10) == 130
+        assert time.monotonic() - t0 < 5
+        rest = p.stderr.read()
+        assert "Traceback" not in rest
+        lines = [ln for ln in rest.replace("\r", "\n").splitlines() if ln.strip() and "req/s" not in ln
+                 and "requests:" not in ln]
+        assert lines == ["interrupted: the demo's manager and workers are stopped"], lines
+    finally:
+        if p.poll() is None:
+            p.kill()

@@ -58,7 +58,9 @@ def finish(clients: list[subprocess.Popen], stop: Path) -> list[dict]:
         out, _ = c.communicate(timeout=120)
         assert c.returncode == 0, out  # no client's view ever differed from the manager's untold
         outs.append(json.loads(out.splitlines()[-1]))
-    assert all(o["event"] == "done" and o["steps"] > 10 for o in outs), [{k: v for k, v in o.items() if k != "tables"} for o in outs]
+    # progress, not speed: a client may spend most of a loaded run waiting out the failover
+    assert all(o["event"] == "done" and o["steps"] > 0 for o in outs) and sum(o["steps"] for o in outs) > 30, \
+        [{k: v for k, v in o.items() if k != "tables"} for o in outs]
     return outs
 
 
