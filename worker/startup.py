@@ -78,9 +78,11 @@ def measure_kv_bytes(cfg: WorkerConfig, device: torch.device, dtype: torch.dtype
     def forward() -> None:
         dummy_forward(holder[0], cfg.max_num_batched_tokens, cfg.max_model_len, cfg.block_size)
 
+    host = host_kv_share(cfg)
     if cfg.kv_cache_memory is not None:
         load()
         check_kv_request(cfg.kv_cache_memory, device, "--kv-cache-memory (kv_cache_memory)")
+        check_host_request(host, cfg.kv_cache_memory, device)
         return holder[0], cfg.kv_cache_memory
     if device.type == "cuda":
         profile = profile_cuda(load, forward, device)
@@ -90,12 +92,23 @@ def measure_kv_bytes(cfg: WorkerConfig, device: torch.device, dtype: torch.dtype
         tp = cfg.tp_size
         floor = activation_estimate(cfg.max_num_batched_tokens, m.hidden_size, m.intermediate_size // tp,
                                     m.num_heads // tp, m.head_size, m.vocab_size, dtype.itemsize)
-        profile = profile_cpu(holder[0], forward, cfg.cpu_memory_budget, floor)
+        if host >= cfg.cpu_memory_budget:
+            raise ValueError(f"--host-kv-memory ({host} bytes per rank) leaves nothing of --cpu-memory-budget "
+                             f"({cfg.cpu_memory_budget} bytes) for the model and the device KV: lower it or raise the budget")
+        profile = profile_cpu(holder[0], forward, cfg.cpu_memory_budget - host, floor)  # the host tier's share out
     logger.info("memory profile: %s", profile)
     kv_bytes = kv_cache_budget(profile, cfg.memory_utilization)
     setting = "--memory-utilization" if device.type == "cuda" else "--cpu-memory-budget (cpu_memory_budget)"
     check_kv_request(kv_bytes, device, setting)
+    check_host_request(host, kv_bytes, device)
     return holder[0], kv_bytes
+
+
+def check_host_request(host: int, kv_bytes: int, device: torch.device) -> None:
+    """The host tier (with the device KV too when the device is the CPU) must fit host memory."""
+    if host:
+        check_kv_request(host + (kv_bytes if device.type == "cpu" else 0), torch.device("cpu"),
+                         "--host-kv-memory (host_kv_memory)")
 
 
 def load_rank(cfg: WorkerConfig) -> tuple[LlamaForCausalLM, int]:

@@ -85,3 +85,22 @@ def test_fork_with_a_prefix_loaded_from_the_host():
     assert engine.bm.core.host.stats.loads > 0
     assert outs == [[reference(engine, p, 12)] * 3]
     assert_drained(engine)
+
+
+def test_the_host_tier_is_accounted_in_host_memory():
+    from kvpool.worker.config import WorkerConfig
+    from kvpool.worker.profiler import KVMemoryError
+    from kvpool.worker.startup import load_rank
+
+    too_much = WorkerConfig(model="tiny", dtype="float32", device="cpu", kv_cache_memory=32 * BLOCK_BYTES,
+                            host_kv_memory=1 << 55)
+    with pytest.raises(KVMemoryError, match="--host-kv-memory"):
+        load_rank(too_much)
+    eats_budget = WorkerConfig(model="tiny", dtype="float32", device="cpu", cpu_memory_budget=64 << 20,
+                               host_kv_memory=64 << 20)
+    with pytest.raises(ValueError, match="cpu-memory-budget"):
+        load_rank(eats_budget)
+    _, kv_without = load_rank(WorkerConfig(model="tiny", dtype="float32", device="cpu", cpu_memory_budget=256 << 20))
+    _, kv_with = load_rank(WorkerConfig(model="tiny", dtype="float32", device="cpu", cpu_memory_budget=256 << 20,
+                                        host_kv_memory=64 << 20))
+    assert kv_with < kv_without  # the profile's budget lost the host tier's share
