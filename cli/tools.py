@@ -80,24 +80,20 @@ def _events_endpoints(manager_ep: str, endpoint: str | None, replay: str | None)
     A manager that publishes nothing is an error at once, not a silent wait."""
     from kvpool.cli.common import Unreachable, ask
 
+    if endpoint is not None:  # the operator said where: subscribe at once, ask nobody
+        return endpoint, replay
     try:
         m = ask(manager_ep, 2.0, None, "stats")["manager"]
     except Unreachable as e:
-        if endpoint is None:
-            raise Unreachable(f"{e.message}; to tail a publisher without asking its manager, pass --endpoint") from None
-        click.echo(f"note: could not ask the manager at {manager_ep} where it publishes; listening on {endpoint}",
-                   err=True)
-        return endpoint, replay
+        raise Unreachable(f"{e.message}; to tail a publisher without asking its manager, pass --endpoint") from None
     if "events_endpoint" not in m:  # a manager from before it said so
-        if endpoint is None:
-            raise click.ClickException(f"the manager at {manager_ep} does not say where it publishes KV events; "
-                                       "pass --endpoint")
-        return endpoint, replay
+        raise click.ClickException(f"the manager at {manager_ep} does not say where it publishes KV events; "
+                                   "pass --endpoint")
     if not m["events_endpoint"]:
         raise click.ClickException(
             f"the manager at {manager_ep} publishes no KV events: start it with --events-endpoint "
             "(e.g. tcp://127.0.0.1:5557; events_endpoint in its config), or point -m at the manager you mean")
-    return endpoint or _connectable(m["events_endpoint"]), replay or _connectable(m.get("events_replay_endpoint"))
+    return _connectable(m["events_endpoint"]), replay or _connectable(m.get("events_replay_endpoint"))
 
 
 def _connectable(endpoint: str | None) -> str | None:

@@ -9,6 +9,8 @@ pool; tenants are kept apart by their cache salt) -> paged KV blocks -> streamed
 from __future__ import annotations
 
 import asyncio
+import sys
+import time
 from dataclasses import asdict, dataclass
 
 from kvpool.frontend.loadgen import ChatTraceConfig, Result, chat_trace, drive, summarize
@@ -60,9 +62,19 @@ def host_tier_stats(manager: str) -> dict:
             for name, p in sorted(pools.items())}
 
 
+def say(progress: bool, text: str) -> None:
+    if progress:
+        print(text, file=sys.stderr, flush=True)
+
+
 def run_text_demo(cfg: TextDemoConfig, progress: bool = True) -> dict:
+    """Runs the demo; with ``progress`` says on stderr what starts and how far it got."""
     cluster = LocalCluster(prefix="kvpool-demo-")
     fd = None
+    say(progress, f"starting a manager, {cfg.num_workers} CPU workers (model {cfg.model!r}: seeded random weights, "
+                  f"{cfg.kv_blocks} KV blocks each) and the HTTP front door ({cfg.policy} routing)")
+    say(progress, "waiting for the workers to load the model and register their pools (about 10 s)...")
+    t0 = time.monotonic()
     try:
         manager = cluster.manager()
         for k in range(cfg.num_workers):
@@ -75,6 +87,8 @@ def run_text_demo(cfg: TextDemoConfig, progress: bool = True) -> dict:
             cluster.check_alive()
             raise
         trace = chat_trace(cfg.trace)
+        say(progress, f"ready in {time.monotonic() - t0:.1f}s; sending {len(trace)} chat requests over HTTP, up to "
+                      f"{cfg.max_inflight} at once")
         results, elapsed = asyncio.run(drive(fd.url, cfg.model, trace, max_inflight=cfg.max_inflight,
                                              progress=progress))
         out = report(cfg, trace, results, elapsed, fd)
@@ -124,4 +138,17 @@ def format_report(r: dict) -> str:
         lines.append(f"pool {name:<10} host tier {t['host_cached_blocks']}/{t['host_num_blocks'] - 1} blocks cached; "
                      f"hits {(t['hit_tokens'] - t['host_hit_tokens']) / look:.1%} device + "
                      f"{t['host_hit_tokens'] / look:.1%} host; {t['host_saves']} saves, {t['host_loads']} loads")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *EXPLAIN])
+
+
+EXPLAIN = [
+    "what the figures mean:",
+    "  tokens/s            tokens sampled per second by all workers together, on CPU with a tiny model",
+    "  time to first token from sending a request to its first streamed token, as a client sees it",
+    "  prefix-cache hits   prompt tokens whose KV blocks were found cached (shared prompts) and not recomputed",
+    "  routing             why the front door chose each worker (cached prefix, load, ...) and how many each got",
+    "  peak ... blocks     the most KV blocks in use at once out of the pool; preemptions: requests paused and "
+    "recomputed because their pool ran out of blocks",
+    "  host tier           (--host-kv-memory) blocks evicted from the device kept in host memory: hits by tier,",
+    "                      device blocks saved to host and prefix blocks loaded back instead of recomputed",
+]

@@ -96,7 +96,9 @@ class Scheduler:
         self.num_blocks: int | None = None  # the pool's size, set at registration (admission room)
         self.hold_admissions = False  # a preemption happened: admit nobody next step
         self.head_blocked = False  # the head of the waiting queue was refused for space
-        self.drain_refused = False  # the last answers refused admissions: the manager drains
+        # The manager refused an admission for draining, and none has gone through since (with
+        # overlap the refusal and the next plan's answers alternate: the flag spans them).
+        self.drain_refused = False
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -230,7 +232,6 @@ class Scheduler:
         failed: list[tuple[Request, int]] = []  # (request, tokens) refused for space
         refused_admissions: list[Request] = []
         self.head_blocked = False
-        self.drain_refused = False
         head = next((sub.req for sub in plan.subops if sub.kind == "alloc"), None)  # the queue's head
         for sub, res in zip(plan.subops, results):
             req = sub.req
@@ -289,6 +290,7 @@ class Scheduler:
         req = sub.req
         req.admitting = False
         if res.get("ok"):
+            self.drain_refused = False  # admissions go through again
             cached = res["cached"]  # a later step in flight may have moved the counts on: max
             req.num_computed, req.block_table = cached, list(res["blocks"])
             req.num_slots = max(req.num_slots, len(req.block_table) * self.block_size)

@@ -134,18 +134,18 @@ def test_demo_says_what_starts_and_stops_at_once_on_ctrl_c():
                          text=True)
     try:
         first = p.stderr.readline()
-        assert first.startswith("starting a manager") and "seeded random weights" in first
+        assert first.startswith("starting a manager") and "seeded random weights" in first, first
         assert "waiting for the workers" in p.stderr.readline()
         assert p.stderr.readline().startswith("ready in")
         time.sleep(1.0)
         p.send_signal(signal.SIGINT)
         t0 = time.monotonic()
-        assert p.wait(10) == 130
-        assert time.monotonic() - t0 < 5
+        assert p.wait(15) == 130
+        assert time.monotonic() - t0 < 10
         rest = p.stderr.read()
         assert "Traceback" not in rest
-        lines = [ln for ln in rest.replace("\r", "\n").splitlines() if ln.strip() and "req/s" not in ln
-                 and "requests:" not in ln]
+        lines = [ln for ln in rest.replace("\r", "\n").splitlines() if ln.strip() and "/s]" not in ln
+                 and "requests" not in ln and "?" not in ln]
         assert lines == ["interrupted: the demo's manager and workers are stopped"], lines
     finally:
         if p.poll() is None:
