@@ -138,6 +138,10 @@ def pools(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool)
             ("SHARDS", "shards_up"), ("LIVE", "live_up"),
             ("BLOCKS", "num_blocks"), ("FREE", "free_blocks"), ("CACHED", "cached_blocks"),
             ("REQUESTS", "requests"), ("BLOCK_SIZE", "block_size")]
+    if any("host_num_blocks" in r for r in rows):  # a host tier somewhere: its size and hashes
+        for r in rows:
+            r["host"] = f"{r['host_cached_blocks']}/{r['host_num_blocks']}" if "host_num_blocks" in r else "-"
+        cols.insert(7, ("HOST_CACHED", "host"))
     emit(rows, as_json, lambda: table(rows, cols))
 
 
@@ -209,24 +213,35 @@ def stats(watch: bool, interval: float, endpoint: str, timeout_s: float, admin_k
 # -- actions -------------------------------------------------------------------------------
 
 
+_TIER = click.option("--tier", type=click.Choice(["device", "host"]), default="device", show_default=True,
+                     help="Which tier of the pool: the device blocks or the host tier (--host-kv-memory).")
+
+
+def _tier_arg(tier: str) -> dict:
+    return {"tier": tier} if tier != "device" else {}  # the device tier: the request as before
+
+
 @click.command("reset-cache")
 @click.option("--pool", "-p", required=True, help="Pool name.")
+@_TIER
 @client_options
-def reset_cache(pool: str, endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool) -> None:
-    """Forget every cached block hash of a pool (refused while blocks are in use)."""
-    body = ask(endpoint, timeout_s, admin_key, "reset_cache", pool=pool)
-    emit(body, as_json, lambda: click.echo(f"pool {pool}: prefix cache reset"))
+def reset_cache(pool: str, tier: str, endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool) -> None:
+    """Forget every cached block hash of a pool's tier (refused while blocks are in use)."""
+    body = ask(endpoint, timeout_s, admin_key, "reset_cache", pool=pool, **_tier_arg(tier))
+    emit(body, as_json, lambda: click.echo(f"pool {pool}: {tier} prefix cache reset"))
 
 
 @click.command("evict")
 @click.option("--pool", "-p", required=True, help="Pool name.")
 @click.option("--blocks", "-n", "num", type=click.IntRange(min=0), required=True,
               help="Drop the hashes of up to this many free cached blocks (least recently used first).")
+@_TIER
 @client_options
-def evict(pool: str, num: int, endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool) -> None:
-    """Evict free cached blocks of a pool (their hashes are forgotten; blocks in use stay)."""
-    body = ask(endpoint, timeout_s, admin_key, "evict", pool=pool, n=num)
-    emit(body, as_json, lambda: click.echo(f"pool {pool}: {body['evicted']} cached blocks evicted"))
+def evict(pool: str, num: int, tier: str, endpoint: str, timeout_s: float, admin_key: str | None,
+          as_json: bool) -> None:
+    """Evict free cached blocks of a pool's tier (their hashes are forgotten; blocks in use stay)."""
+    body = ask(endpoint, timeout_s, admin_key, "evict", pool=pool, n=num, **_tier_arg(tier))
+    emit(body, as_json, lambda: click.echo(f"pool {pool}: {body['evicted']} cached blocks evicted ({tier} tier)"))
 
 
 @click.command("drain")

@@ -83,6 +83,8 @@ def worker_service_options(f):
 @click.option("--kv-cache-memory", default=None, callback=_bytes, help="KV bytes (e.g. 64MiB); skips profiling.")
 @click.option("--cpu-memory-budget", default="2GiB", show_default=True, callback=_bytes,
               help="Host memory treated as the device on CPU.")
+@click.option("--host-kv-memory", default="0", show_default=True, callback=_bytes,
+              help="Host memory for the pool's host KV tier (e.g. 4GiB); 0: none.")
 @click.option("--no-prefix-caching", is_flag=True, help="Send no block hashes (no prefix reuse).")
 @click.option("--no-overlap", is_flag=True, help="Wait for the manager before each forward pass "
               "(default: send step N+1 while step N computes).")
@@ -104,8 +106,8 @@ def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: s
            endpoint: str | None, dtype: str, device: str,
            block_size: int, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
            memory_utilization: float, kv_cache_memory: int | None, cpu_memory_budget: int,
-           no_prefix_caching: bool, no_overlap: bool, seed: int, threads: int, tp_size: int, tp_rank: int | None,
-           tp_master: str, tp_timeout: float, replace: bool, **_: object) -> None:
+           host_kv_memory: int, no_prefix_caching: bool, no_overlap: bool, seed: int, threads: int, tp_size: int,
+           tp_rank: int | None, tp_master: str, tp_timeout: float, replace: bool, **_: object) -> None:
     """Serve generate requests from paged KV memory whose blocks the manager hands out.
 
     With --tp-size N the pool is one model over N ranks (one process, one GPU each), each holding
@@ -270,16 +272,19 @@ def _finish_report(reasons: list[str], counts: list[int], max_tokens: int) -> in
 @click.option("--policy", type=click.Choice(["kv-aware", "round-robin", "least-loaded"]), default="kv-aware",
               show_default=True, help="The front door's routing policy.")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--host-kv-memory", default="0", callback=_bytes,
+              help="Host KV tier per worker (e.g. 4MiB); the report shows hits by tier.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def demo(num_requests: int, max_inflight: int, kv_blocks: int, tenants: int, policy: str, seed: int,
-         as_json: bool) -> None:
+         host_kv_memory: int, as_json: bool) -> None:
     """A manager, two CPU workers and the HTTP front door serving a multi-tenant chat trace."""
     from kvpool.frontend.demo import TextDemoConfig, format_report, run_text_demo
     from kvpool.frontend.loadgen import ChatTraceConfig
 
     try:
         cfg = TextDemoConfig(ChatTraceConfig(num_requests=num_requests, num_tenants=tenants, seed=seed),
-                             max_inflight=max_inflight, kv_blocks=kv_blocks, policy=policy)
+                             max_inflight=max_inflight, kv_blocks=kv_blocks, policy=policy,
+                             host_kv_memory=host_kv_memory)
         result = run_text_demo(cfg, progress=not as_json)
     except (RuntimeError, ValueError) as e:
         raise click.ClickException(str(e)) from None

@@ -31,6 +31,7 @@ class TextDemoConfig:
     kv_blocks: int = 128  # per worker
     policy: str = "kv-aware"
     model: str = "tiny"
+    host_kv_memory: int = 0  # bytes of host tier per worker (--host-kv-memory); 0: none
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.max_inflight < 1 or self.kv_blocks < 8:
@@ -46,6 +47,20 @@ def worker_stats(fd: FrontDoorServer) -> list[dict]:
         finally:
             client.close()
     return out
+
+
+def host_tier_stats(manager: str) -> dict:
+    """Per pool, the manager's count of hits by tier and of host-tier copies."""
+    from kvpool.worker.manager_client import ManagerClient
+
+    client = ManagerClient(manager)
+    try:
+        pools = client.stats()["pools"]
+    finally:
+        client.close()
+    return {name: {k: p.get(k, 0) for k in ("hit_tokens", "host_hit_tokens", "lookup_tokens", "host_num_blocks",
+                                            "host_cached_blocks", "host_saves", "host_loads")}
+            for name, p in sorted(pools.items())}
 
 
 def say(progress: bool, text: str) -> None:
@@ -67,7 +82,8 @@ def run_text_demo(cfg: TextDemoConfig, progress: bool = True) -> dict:
     try:
         manager = cluster.manager()
         for k in range(cfg.num_workers):
-            cluster.worker(manager, f"demo-{k}", model=cfg.model, kv_blocks=cfg.kv_blocks, seed=cfg.trace.seed)
+            cluster.worker(manager, f"demo-{k}", model=cfg.model, kv_blocks=cfg.kv_blocks, seed=cfg.trace.seed,
+                           extra=("--host-kv-memory", str(cfg.host_kv_memory)) if cfg.host_kv_memory else ())
         fd = FrontDoorServer(FrontDoorConfig((manager,), cfg.policy, poll_s=0.2)).start()
         try:
             fd.wait_for_workers(cfg.model, cfg.num_workers, timeout_s=120)
@@ -79,7 +95,10 @@ def run_text_demo(cfg: TextDemoConfig, progress: bool = True) -> dict:
                       f"{cfg.max_inflight} at once")
         results, elapsed = asyncio.run(drive(fd.url, cfg.model, trace, max_inflight=cfg.max_inflight,
                                              progress=progress))
-        return report(cfg, trace, results, elapsed, fd)
+        out = report(cfg, trace, results, elapsed, fd)
+        if cfg.host_kv_memory:
+            out["host_tier"] = host_tier_stats(manager)
+        return out
     finally:
         if fd is not None:
             fd.stop()
@@ -118,6 +137,11 @@ def format_report(r: dict) -> str:
     for p in r["pools"]:
         lines.append(f"pool {p['pool']:<10} peak {p['peak_blocks']} of {p['num_blocks'] - 1} blocks in use for "
                      f"{p['peak_running']} running; {p['preemptions']} preemptions")
+    for name, t in r.get("host_tier", {}).items():
+        look = t["lookup_tokens"] or 1
+        lines.append(f"pool {name:<10} host tier {t['host_cached_blocks']}/{t['host_num_blocks'] - 1} blocks cached; "
+                     f"hits {(t['hit_tokens'] - t['host_hit_tokens']) / look:.1%} device + "
+                     f"{t['host_hit_tokens'] / look:.1%} host; {t['host_saves']} saves, {t['host_loads']} loads")
     return "\n".join(lines + ["", *EXPLAIN])
 
 
@@ -129,4 +153,6 @@ EXPLAIN = [
     "  routing             why the front door chose each worker (cached prefix, load, ...) and how many each got",
     "  peak ... blocks     the most KV blocks in use at once out of the pool; preemptions: requests paused and "
     "recomputed because their pool ran out of blocks",
+    "  host tier           (--host-kv-memory) blocks evicted from the device kept in host memory: hits by tier,",
+    "                      device blocks saved to host and prefix blocks loaded back instead of recomputed",
 ]

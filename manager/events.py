@@ -72,9 +72,9 @@ def _event_map(ev: KVEvent, block_size: int) -> dict:
     """One block-pool event (manager/core/kv_events.py) as vLLM 0.33's tagged map."""
     if isinstance(ev, BlockStored):
         return {"type": "BlockStored", "block_hashes": ev.hashes, "parent_block_hash": ev.parent, "token_ids": [],
-                "block_size": block_size, "lora_id": None, "medium": MEDIUM, "lora_name": None}
+                "block_size": block_size, "lora_id": None, "medium": ev.medium, "lora_name": None}
     if isinstance(ev, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": ev.hashes, "medium": MEDIUM}
+        return {"type": "BlockRemoved", "block_hashes": ev.hashes, "medium": ev.medium}
     if isinstance(ev, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}
     raise ValueError(f"unknown block-pool event {ev!r:.80}")

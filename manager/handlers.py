@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from kvpool.manager.core.block_pool import InvariantBroken
+from kvpool.manager.core.pool import Pool
 from kvpool.manager.guards import Bounds, check_owner, check_register, check_step, max_model_len
 from kvpool.manager.health import pool_health
 from kvpool.manager.registry import PoolEntry, Registry, Session
@@ -36,9 +37,19 @@ from kvpool.shared.protocol import (
 U63 = (1 << 63) - 1
 
 
+def check_tier(args: dict, pool: Pool) -> str:
+    """``args.tier``: "device" (the default) or "host", which the pool must have."""
+    tier = args.get("tier", "device")
+    if tier not in ("device", "host"):
+        raise bad_field("tier", '"device" or "host"', tier)
+    if tier == "host" and pool.host is None:
+        raise bad_field("tier", '"device": the pool has no host tier (no worker offered --host-kv-memory)', tier)
+    return tier
+
+
 def pool_info(entry: PoolEntry) -> dict:
     pool = entry.pool
-    return {
+    info = {
         "pool": entry.name,
         "state": entry.state,
         "epoch": entry.epoch,
@@ -47,6 +58,9 @@ def pool_info(entry: PoolEntry) -> dict:
         "num_blocks": pool.blocks.num_blocks if pool else 0,
         "block_size": entry.spec["block_size"],
     }
+    if pool is not None and pool.host is not None:  # a pool without a host tier: as before
+        info["host_num_blocks"] = pool.host.num_blocks
+    return info
 
 
 def _flag(args: dict, key: str) -> bool:
@@ -138,12 +152,13 @@ class Handlers:
         if spec.max_model_len is not None and spec.max_model_len > self.bounds.max_model_len:
             raise bad_field("max_model_len", f"an int in [1, {self.bounds.max_model_len}]", spec.max_model_len)
         available = get_int(args, "available_kv_bytes", 0, U63)
+        host_kv_bytes = get_int(args, "host_kv_bytes", 0, U63) if "host_kv_bytes" in args else 0
         replace = args.get("replace", False)
         if type(replace) is not bool:
             raise bad_field("replace", "a bool", replace)
         serve = check_serve(args["serve"]) if "serve" in args else None  # where rank 0 takes generate requests
         check_register(self.reg, self.bounds, sess, name, rank, incarnation, available // spec.block_bytes, replace)
-        entry = self.reg.register(sess, name, rank, count, incarnation, spec, available, serve)
+        entry = self.reg.register(sess, name, rank, count, incarnation, spec, available, serve, host_kv_bytes)
         return {**pool_info(entry), "max_model_len": max_model_len(self.bounds, entry)}
 
     def step(self, sess: Session, args: dict, now: float) -> dict:
@@ -226,8 +241,10 @@ class Handlers:
                 free_blocks=pool.blocks.num_free if pool else 0,
                 cached_blocks=len(pool.blocks.cached) if pool else 0,
                 requests=len(pool.requests) if pool else 0,
+                **({"host_cached_blocks": len(pool.host.blocks.cached)} if pool and pool.host else {}),
                 shards=[{"rank": s.rank, "incarnation": s.incarnation, "num_blocks": s.num_blocks,
-                         "num_kv_heads": s.spec.num_kv_heads, "session": live[s.sid].num if s.sid in live else None}
+                         "num_kv_heads": s.spec.num_kv_heads, "session": live[s.sid].num if s.sid in live else None,
+                         **({"host_num_blocks": s.host_num_blocks} if s.host_kv_bytes else {})}
                         for s in sorted(entry.shards.values(), key=lambda s: s.rank)],
             )
             out.append(info)
@@ -261,14 +278,18 @@ class Handlers:
 
     def reset_cache(self, sess: Session, args: dict, now: float) -> dict:
         entry, pool = self.reg.ready_pool(args.get("pool"))
-        if not self.reg.reset_cache(entry):
+        tier = check_tier(args, pool)
+        if not self.reg.reset_cache(entry, tier):
+            if tier == "host":
+                raise ManagerError("in_use", f"pool {entry.name!r}: host blocks are pinned by a step; retry")
             raise ManagerError("in_use", f"pool {entry.name!r} has {pool.blocks.num_used} blocks in use; "
                                "drain it first (kvpool drain), then reset")
         return {"reset": True}
 
     def evict(self, sess: Session, args: dict, now: float) -> dict:
-        entry, _ = self.reg.ready_pool(args.get("pool"))
-        return {"evicted": self.reg.evict(entry, get_int(args, "n", 0, U63))}
+        entry, pool = self.reg.ready_pool(args.get("pool"))
+        n = get_int(args, "n", 0, U63)
+        return {"evicted": self.reg.evict(entry, n, check_tier(args, pool))}
 
     def drain(self, sess: Session, args: dict, now: float) -> dict:
         enable = args.get("enable", True)

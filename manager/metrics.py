@@ -33,6 +33,16 @@ POOL_COUNTERS = (
     ("kvpool_pool_forks_total", "forks", "Request forks (parallel sampling)"),
     ("kvpool_pool_cow_copies_total", "cow_copies", "Copy-on-write block copies ordered"),
 )
+HOST_GAUGES = (  # pools with a host tier only (manager/core/host_tier.py)
+    ("kvpool_pool_host_blocks_total", "host_num_blocks", "Blocks of the pool's host tier (block 0 included)"),
+    ("kvpool_pool_host_blocks_free", "host_free_blocks", "Host blocks not pinned by a step (cached ones included)"),
+    ("kvpool_pool_host_blocks_cached", "host_cached_blocks", "Block hashes in the host tier"),
+)
+HOST_COUNTERS = (
+    ("kvpool_pool_host_hit_tokens_total", "host_hit_tokens", "Prompt tokens served by loads from the host tier"),
+    ("kvpool_pool_host_saves_total", "host_saves", "Device-to-host block saves ordered (demotions)"),
+    ("kvpool_pool_host_loads_total", "host_loads", "Host-to-device block loads ordered"),
+)
 MANAGER_COUNTERS = (
     ("kvpool_messages_total", "messages", "Request payloads received (bad ones included)"),
     ("kvpool_replies_total", "replies", "Replies handed to the socket"),
@@ -78,6 +88,10 @@ def render(reg: Registry, stats: ServerStats, uptime_s: float) -> str:
     for kind, table in (("gauge", POOL_GAUGES), ("counter", POOL_COUNTERS)):
         for metric, key, help_text in table:
             parts.append(family(metric, kind, help_text, [({"pool": n}, s[key]) for n, s in ready]))
+    tiered = [(n, s) for n, s in ready if "host_num_blocks" in s]
+    for kind, table in (("gauge", HOST_GAUGES), ("counter", HOST_COUNTERS)):
+        for metric, key, help_text in table if tiered else ():
+            parts.append(family(metric, kind, help_text, [({"pool": n}, s[key]) for n, s in tiered]))
     for metric, attr, help_text in MANAGER_COUNTERS:
         parts.append(family(metric, "counter", help_text, [({}, getattr(stats, attr))]))
     parts.append(family("kvpool_ops_total", "counter", "Valid requests by op",

@@ -12,9 +12,12 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
     ["end", sid, cause]                                     SessionEnded ("deregister" or "expired";
                                                             absent in older journals: deregister)
     ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools]
-                                                            (+ serve, only when the worker announced one)
+                                                            (+ serve, only when the worker announced one
+                                                             or host_kv_bytes follows; + host_kv_bytes,
+                                                             only when > 0)
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]   ["drop", pool] (PoolDropped)
+    (reset and evict + tier "host" for the host tier)
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class ShardRegistered:
     max_blocks: int
     max_pools: int
     serve: dict | None = None  # {endpoint, model, max_model_len}: where rank 0 takes generate requests
+    host_kv_bytes: int = 0  # host memory offered for the pool's host tier (0: none)
 
 
 @dataclass(frozen=True)
@@ -67,12 +71,14 @@ class StepRan:
 @dataclass(frozen=True)
 class CacheReset:
     pool: str
+    tier: str = "device"  # or "host" (the pool's host tier); on the wire only when "host"
 
 
 @dataclass(frozen=True)
 class BlocksEvicted:
     pool: str
     n: int
+    tier: str = "device"
 
 
 @dataclass(frozen=True)
@@ -105,10 +111,14 @@ def to_wire(rec: Mutation) -> list:
     """The record as the journal's msgpack list (the layout in the module docstring)."""
     kind, names = _LAYOUT[type(rec)]
     wire = [kind, *(getattr(rec, name) for name in names)]
+    if type(rec) in (CacheReset, BlocksEvicted) and rec.tier == "device":  # type: ignore[union-attr]
+        wire.pop()  # the layout of journals from before the host tier
     if type(rec) is ShardRegistered:
         wire[6] = rec.spec.to_wire()
-        if rec.serve is None:
-            wire.pop()  # records without serve keep their original layout
+        if not rec.host_kv_bytes:  # no host tier: the layout of journals from before it
+            wire.pop()
+            if rec.serve is None:
+                wire.pop()  # records without serve keep their original layout
     return wire
 
 

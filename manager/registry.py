@@ -73,6 +73,11 @@ class Shard:
     # session's sid stays (no longer in Registry.sessions): the shard's process died.
     sid: str | None
     serve: dict | None = None  # where this shard takes generate requests (register's optional field)
+    host_kv_bytes: int = 0  # host memory offered for the host tier (0: none)
+
+    @property
+    def host_num_blocks(self) -> int:
+        return self.host_kv_bytes // self.spec.block_bytes
 
 
 @dataclass
@@ -92,6 +97,11 @@ class PoolEntry:
     @property
     def state(self) -> str:
         return "ready" if self.pool is not None else "pending"
+
+    @property
+    def host_num_blocks(self) -> int:
+        """Blocks of the pool's host tier: the fewest any shard's host memory holds (0: no tier)."""
+        return min((s.host_num_blocks for s in self.shards.values()), default=0)
 
 
 class Registry:
@@ -252,11 +262,12 @@ class Registry:
     def register(
         self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: KVSpec, available: int,
         serve: dict | None = None,
+        host_kv_bytes: int = 0,
     ) -> PoolEntry:
         """Registers one shard (idempotent for the same incarnation); see the module docstring.
         Who may (ownership, ``replace``) is checked before, in manager/guards.py."""
         rec = ShardRegistered(sess.sid, name, rank, count, incarnation, spec, available, self.max_blocks,
-                              self.max_pools, serve)
+                              self.max_pools, serve, host_kv_bytes)
         return self.apply(rec, 0.0)  # type: ignore[return-value]
 
     def _register(self, rec: ShardRegistered) -> PoolEntry:
@@ -285,7 +296,7 @@ class Registry:
             entry = self.pools[name] = PoolEntry(name, count, epoch=entry.epoch)
         old = entry.shards.get(rank)
         if old is not None and old.incarnation == incarnation:
-            if old.spec != spec or old.available_kv_bytes != available:
+            if old.spec != spec or old.available_kv_bytes != available or old.host_kv_bytes != rec.host_kv_bytes:
                 raise ManagerError(
                     "shard_conflict",
                     f"shard {rank} of pool {name!r} is registered as incarnation {incarnation!r} with "
@@ -294,7 +305,8 @@ class Registry:
             old.sid = sess.sid
             old.serve = rec.serve
             return entry
-        entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid, rec.serve)
+        entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid, rec.serve,
+                                   rec.host_kv_bytes)
         if len(entry.shards) == entry.shard_count:
             self._new_epoch(entry, rec.max_blocks)
         self.dirty.add(name)
@@ -338,7 +350,8 @@ class Registry:
             num_blocks = max_blocks
         restarted = entry.epoch > 0  # an earlier Pool of this name had cached hashes
         entry.epoch += 1
-        entry.pool = Pool(num_blocks, entry.spec["block_size"], enable_events=True)
+        entry.pool = Pool(num_blocks, entry.spec["block_size"], enable_events=True,
+                          host_blocks=min(entry.host_num_blocks, max_blocks))
         if restarted:
             entry.pool.blocks.restate_events()  # the new pool is empty: a clear
             logger.warning("pool %s: a shard restarted; epoch %d, cache and requests dropped", entry.name, entry.epoch)
@@ -399,24 +412,24 @@ class Registry:
         logger.warning("pool %s dropped (%d requests freed)", entry.name, freed)
         return freed
 
-    def reset_cache(self, entry: PoolEntry) -> bool:
-        return self.apply(CacheReset(entry.name), 0.0)  # type: ignore[return-value]
+    def reset_cache(self, entry: PoolEntry, tier: str = "device") -> bool:
+        return self.apply(CacheReset(entry.name, tier), 0.0)  # type: ignore[return-value]
 
     def _reset_cache(self, rec: CacheReset) -> bool:
-        done = self.pools[rec.pool].pool.reset_prefix_cache()  # type: ignore[union-attr]
+        done = self.pools[rec.pool].pool.reset_prefix_cache(rec.tier)  # type: ignore[union-attr]
         if done:
             self.dirty.add(rec.pool)
             self.record(rec)
         return done
 
-    def evict(self, entry: PoolEntry, n: int) -> int:
-        return self.apply(BlocksEvicted(entry.name, n), 0.0)  # type: ignore[return-value]
+    def evict(self, entry: PoolEntry, n: int, tier: str = "device") -> int:
+        return self.apply(BlocksEvicted(entry.name, n, tier), 0.0)  # type: ignore[return-value]
 
     def _evict(self, rec: BlocksEvicted) -> int:
         pool = self.pools[rec.pool].pool
         self.dirty.add(rec.pool)
         self.record(rec)
-        return pool.evict(rec.n)  # type: ignore[union-attr]
+        return pool.evict(rec.n, rec.tier)  # type: ignore[union-attr]
 
     def set_draining(self, enable: bool) -> None:
         self.apply(DrainingSet(enable), 0.0)

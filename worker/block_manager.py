@@ -36,7 +36,7 @@ def spec_num_blocks(spec: KVSpec, available_kv_bytes: int) -> int:
 class BlockManager(Protocol):
     pool: str
 
-    def register(self, spec: KVSpec, available_kv_bytes: int) -> dict: ...
+    def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0) -> dict: ...
 
     def step(self, ops: list[dict]) -> list[dict]: ...
 
@@ -66,13 +66,17 @@ class LocalBlockManager:
         self.draining = False  # as the daemon's drain: allocations are refused
         self._pool: Pool | None = None
 
-    def register(self, spec: KVSpec, available_kv_bytes: int) -> dict:
+    def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0) -> dict:
         num_blocks = spec_num_blocks(spec, available_kv_bytes)
         if self.max_blocks is not None:
             num_blocks = min(num_blocks, self.max_blocks)
-        self._pool = Pool(num_blocks, spec.block_size, enable_caching=self.enable_caching)
+        host_blocks = host_kv_bytes // spec.block_bytes
+        self._pool = Pool(num_blocks, spec.block_size, enable_caching=self.enable_caching, host_blocks=host_blocks)
         self.epoch += 1
-        return {"num_blocks": num_blocks, "block_size": spec.block_size, "epoch": self.epoch}
+        info = {"num_blocks": num_blocks, "block_size": spec.block_size, "epoch": self.epoch}
+        if host_kv_bytes // spec.block_bytes:  # as the manager answers (PROTOCOL.md, register)
+            info["host_num_blocks"] = host_kv_bytes // spec.block_bytes
+        return info
 
     def step(self, ops: list[dict]) -> list[dict]:
         if self._pool is None:
@@ -137,14 +141,14 @@ class RemoteBlockManager:
         self.epoch = 0
         self._fresh_session = False
 
-    def register(self, spec: KVSpec, available_kv_bytes: int) -> dict:
+    def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0) -> dict:
         if self._fresh_session:
             self.client.hello()
             self._fresh_session = False
         info = self.client.register(self.pool, shard_rank=self.shard_rank, shard_count=self.shard_count,
                                     incarnation=self.incarnation, spec=spec.to_wire(),
-                                    available_kv_bytes=available_kv_bytes, wait_s=self.register_wait_s,
-                                    serve=self.serve, replace=self.replace)
+                                    available_kv_bytes=available_kv_bytes, host_kv_bytes=host_kv_bytes,
+                                    wait_s=self.register_wait_s, serve=self.serve, replace=self.replace)
         self.replace = False  # a later re-registration must not take the pool back from a newer worker
         self.epoch = int(info["epoch"])
         return info

@@ -138,6 +138,7 @@ class WorkerConfig:
     # sizes: bytes, or a string such as "64MiB" (as in the CLI, the environment and TOML)
     kv_cache_memory: int | None = field(default=None, metadata=BYTES)  # KV bytes, skipping profiling
     cpu_memory_budget: int = field(default=2 << 30, metadata=BYTES)  # host memory treated as the CPU "device"
+    host_kv_memory: int = field(default=0, metadata=BYTES)  # host memory offered for the pool's host tier (0: none)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     static_prealloc: bool = False  # baseline: reserve max_model_len slots per request
@@ -184,6 +185,8 @@ class WorkerConfig:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
         if self.cpu_memory_budget <= 0:
             raise ValueError(f"cpu_memory_budget must be positive bytes, got {self.cpu_memory_budget}")
+        if self.host_kv_memory < 0:
+            raise ValueError(f"host_kv_memory must be bytes >= 0 (0: no host tier), got {self.host_kv_memory}")
         if not self.pool or len(self.pool) > 128:
             raise ValueError("pool must be a name of 1-128 characters")
         if type(self.metrics_port) is not int or not 0 <= self.metrics_port <= 65535:

@@ -56,11 +56,13 @@ class TokenEvent:
 class Engine:
     def __init__(self, model: LlamaForCausalLM, block_manager: BlockManager, scheduler: Scheduler,
                  available_kv_bytes: int, *, seed: int = 0, tp: TPLeader | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, host_kv_bytes: int = 0) -> None:
         self.model = model
         self.bm = block_manager
         self.scheduler = scheduler
         self.available_kv_bytes = available_kv_bytes
+        self.host_kv_bytes = host_kv_bytes  # host memory offered for the pool's host tier
+        self.host_num_blocks = 0  # what the manager made of it
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.block_size = scheduler.block_size
@@ -93,13 +95,17 @@ class Engine:
         """(Re-)registers with the manager; allocates the KV tensors when their size changes."""
         if self.tp is not None:
             self.tp.register()  # the other shards register alongside: the pool needs them all
-        info = self.bm.register(self.spec, self.available_kv_bytes)
+        info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes)
         num_blocks = int(info["num_blocks"])
+        self.host_num_blocks = int(info.get("host_num_blocks", 0))
         check_fits(num_blocks, self.block_size, self.scheduler.max_model_len)
         if num_blocks != self.num_blocks:
             self.runner = None  # drop the old tensors before allocating new ones
             self.runner = allocate_runner(self.model, num_blocks, self.block_size)
             self.num_blocks = num_blocks
+        host = self.runner.host_caches
+        if (host[0].shape[1] if host else 0) != self.host_num_blocks:  # same size: keep the tensors
+            self.runner.attach_host(self.host_num_blocks)
         self.scheduler.num_blocks = num_blocks
         self.registrations += 1
         logger.info("registered pool %s: %d blocks of %d tokens, %d KV bytes on tensor-parallel rank 0 of %d",
@@ -255,12 +261,14 @@ class Engine:
     def _run(self, batch: Batch) -> list[Output]:
         """The forward pass over ``batch`` and its sampled tokens (a new parallel sample of an
         n > 1 request comes with its parent)."""
-        if not batch.seqs:
+        if not batch.seqs and not batch.saves and not batch.loads:
             return []
         self._ran = True
         if self.tp is not None:
             self.tp.run(batch)
         logits = self.runner.execute(batch)
+        if not batch.seqs:  # only the host tier's copies ran
+            return []
         sampling = [req for req, seq in zip(batch.reqs, batch.seqs) if seq.sample]
         keys, owners = [], []
         for row, req in enumerate(sampling):

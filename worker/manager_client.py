@@ -136,6 +136,7 @@ class ManagerClient:
         incarnation: str,
         spec: dict,
         available_kv_bytes: int,
+        host_kv_bytes: int = 0,
         wait_s: float = 30.0,
         serve: dict | None = None,
         replace: bool = False,
@@ -145,6 +146,8 @@ class ManagerClient:
         ``replace``: take the shard over even while another live session holds it."""
         args = {"pool": pool, "shard_rank": shard_rank, "shard_count": shard_count,
                 "incarnation": incarnation, "spec": spec, "available_kv_bytes": available_kv_bytes}
+        if host_kv_bytes:  # optional: a host tier for the pool (PROTOCOL.md, register)
+            args["host_kv_bytes"] = host_kv_bytes
         if serve is not None:  # {endpoint, model, max_model_len}: front doors find the worker by it
             args["serve"] = serve
         if replace:

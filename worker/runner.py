@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.kernels import AttentionMetadata, copy_blocks, paged_attention, reshape_and_cache
+from kvpool.worker.host_kv import allocate_host_caches, copy_blocks_across
 from kvpool.worker.kv_cache import allocate_kv_caches
 from kvpool.worker.model import LlamaForCausalLM
 from kvpool.worker.step_plan import Batch
@@ -59,6 +60,13 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.scale = model.config.head_size**-0.5
         self.windows = [model.config.window_of(i) for i in range(model.config.num_layers)]
+        self.host_caches: list[torch.Tensor] = []  # the host tier's blocks (worker/host_kv.py)
+
+    def attach_host(self, num_blocks: int) -> None:
+        """Host KV tensors of ``num_blocks`` blocks (none when 0)."""
+        self.host_caches = []
+        if num_blocks:
+            self.host_caches = allocate_host_caches(self.kv_caches, num_blocks)
 
     @property
     def kv_bytes(self) -> int:
@@ -69,6 +77,13 @@ class ModelRunner:
     def execute(self, plan: Batch, *, sample: bool = True) -> torch.Tensor | None:
         """fp32 logits [R, vocab] for the plan's sampling sequences, in plan order; None without
         ``sample`` (a tensor-parallel follower only writes its KV slice and joins the all-reduces)."""
+        if plan.saves or plan.loads:
+            if not self.host_caches:
+                raise RuntimeError("the manager ordered host-tier copies but this worker has no host KV tensors")
+            copy_blocks_across(self.kv_caches, self.host_caches, plan.saves)  # before anything overwrites them
+            copy_blocks_across(self.host_caches, self.kv_caches, plan.loads)
+        if not plan.seqs:
+            return None
         if plan.copies:  # copy-on-write orders from the manager, before any write of this step
             mapping = torch.tensor(plan.copies, dtype=torch.int64, device=self.device)
             copy_blocks(self.kv_caches, mapping)

@@ -78,9 +78,11 @@ def measure_kv_bytes(cfg: WorkerConfig, device: torch.device, dtype: torch.dtype
     def forward() -> None:
         dummy_forward(holder[0], cfg.max_num_batched_tokens, cfg.max_model_len, cfg.block_size)
 
+    host = host_kv_share(cfg)
     if cfg.kv_cache_memory is not None:
         load()
         check_kv_request(cfg.kv_cache_memory, device, "--kv-cache-memory (kv_cache_memory)")
+        check_host_request(host, cfg.kv_cache_memory, device)
         return holder[0], cfg.kv_cache_memory
     if device.type == "cuda":
         profile = profile_cuda(load, forward, device)
@@ -90,12 +92,23 @@ def measure_kv_bytes(cfg: WorkerConfig, device: torch.device, dtype: torch.dtype
         tp = cfg.tp_size
         floor = activation_estimate(cfg.max_num_batched_tokens, m.hidden_size, m.intermediate_size // tp,
                                     m.num_heads // tp, m.head_size, m.vocab_size, dtype.itemsize)
-        profile = profile_cpu(holder[0], forward, cfg.cpu_memory_budget, floor)
+        if host >= cfg.cpu_memory_budget:
+            raise ValueError(f"--host-kv-memory ({host} bytes per rank) leaves nothing of --cpu-memory-budget "
+                             f"({cfg.cpu_memory_budget} bytes) for the model and the device KV: lower it or raise the budget")
+        profile = profile_cpu(holder[0], forward, cfg.cpu_memory_budget - host, floor)  # the host tier's share out
     logger.info("memory profile: %s", profile)
     kv_bytes = kv_cache_budget(profile, cfg.memory_utilization)
     setting = "--memory-utilization" if device.type == "cuda" else "--cpu-memory-budget (cpu_memory_budget)"
     check_kv_request(kv_bytes, device, setting)
+    check_host_request(host, kv_bytes, device)
     return holder[0], kv_bytes
+
+
+def check_host_request(host: int, kv_bytes: int, device: torch.device) -> None:
+    """The host tier (with the device KV too when the device is the CPU) must fit host memory."""
+    if host:
+        check_kv_request(host + (kv_bytes if device.type == "cpu" else 0), torch.device("cpu"),
+                         "--host-kv-memory (host_kv_memory)")
 
 
 def load_rank(cfg: WorkerConfig) -> tuple[LlamaForCausalLM, int]:
@@ -108,6 +121,11 @@ def load_rank(cfg: WorkerConfig) -> tuple[LlamaForCausalLM, int]:
     return model, kv_bytes
 
 
+def host_kv_share(cfg: WorkerConfig) -> int:
+    """This rank's share of ``--host-kv-memory`` (each shard keeps its slice of every host block)."""
+    return cfg.host_kv_memory // cfg.tp_size
+
+
 def build_engine(cfg: WorkerConfig, block_manager: BlockManager) -> Engine:
     """The engine of a single worker, or of tensor-parallel rank 0 (which registers every shard)."""
     if cfg.tp_rank != 0:
@@ -118,7 +136,8 @@ def build_engine(cfg: WorkerConfig, block_manager: BlockManager) -> Engine:
                       enable_chunked_prefill=cfg.enable_chunked_prefill,
                       static_prealloc=cfg.static_prealloc)
     tp = TPLeader(Channel(rank_device(cfg)), cfg.tp_size) if cfg.tp_size > 1 else None
-    return Engine(model, block_manager, sched, kv_bytes, seed=cfg.seed, tp=tp, overlap=cfg.overlap)
+    return Engine(model, block_manager, sched, kv_bytes, seed=cfg.seed, tp=tp, overlap=cfg.overlap,
+                  host_kv_bytes=host_kv_share(cfg))
 
 
 def build_follower(cfg: WorkerConfig, block_manager: BlockManager) -> TPFollower:
@@ -127,7 +146,8 @@ def build_follower(cfg: WorkerConfig, block_manager: BlockManager) -> TPFollower
         raise ValueError("rank 0 runs the scheduler: use build_engine")
     model, kv_bytes = load_rank(cfg)
     return TPFollower(model, block_manager, Channel(rank_device(cfg)), block_size=cfg.block_size,
-                      available_kv_bytes=kv_bytes, max_model_len=cfg.max_model_len)
+                      available_kv_bytes=kv_bytes, max_model_len=cfg.max_model_len,
+                      host_kv_bytes=host_kv_share(cfg))
 
 
 def serve_rank(cfg: WorkerConfig, manager_eps: list[str], endpoint: str, tp_master: str, tp_timeout: float,

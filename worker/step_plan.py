@@ -33,6 +33,9 @@ class BatchSeq:
 class Batch:
     seqs: list[BatchSeq] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
+    # the host tier's orders (manager/core/host_tier.py): every save, then every load, then copies
+    saves: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     reqs: list[Request] = field(default_factory=list)  # the request of each seq (rank 0 only)
 
     @property
@@ -91,6 +94,9 @@ class StepPlan:
         """The forward pass the answers allow: block tables with the new blocks and
         copy-on-write replacements, refused and moved-on sequences left out."""
         out = Batch()
+        for r in results:  # every order of the step, whoever's sequence runs: the manager counts on them
+            out.saves.extend((s, d) for s, d in r.get("saves", ()))
+            out.loads.extend((s, d) for s, d in r.get("loads", ()))
         forked = {id(sub.req): r["blocks"] for sub, r in zip(self.subops, results) if sub.kind == "fork" and r.get("ok")}
         for s, start, n, res in self.runnable(results):
             req = s.req

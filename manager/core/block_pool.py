@@ -14,7 +14,7 @@ Invariants (``check_invariants`` verifies them; DESIGN.md numbers them):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvpool.manager.core.free_queue import FreeQueue
 from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -43,6 +43,9 @@ class BlockPool:
         self._dups: dict[bytes, list[int]] = {}
         self._events: list[KVEvent] | None = [] if enable_events else None  # see take_events
         self.num_evictions = 0
+        # Called with (block, hash) for each cached block handed out again, before its hash is
+        # dropped: the pool's host tier saves it there (manager/core/host_tier.py).
+        self.on_reuse: Callable[[int, bytes], None] | None = None
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -129,6 +132,10 @@ class BlockPool:
             ref[b] = 1
         if len(blocks) < n:
             evicted = fq.pop_hashed(n - len(blocks))
+            if self.on_reuse is not None:
+                bhash, on_reuse = self.block_hash, self.on_reuse
+                for b in evicted:
+                    on_reuse(b, bhash[b])  # type: ignore[arg-type]
             self._drop_hashes(evicted, new_ref=1)
             blocks += evicted
         return blocks

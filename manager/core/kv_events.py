@@ -15,6 +15,7 @@ class BlockStored:
 
     hashes: list[bytes]
     parent: bytes | None
+    medium: str = "GPU"  # "CPU": the pool's host tier (manager/core/host_tier.py)
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class BlockRemoved:
     """Hashes left the map (their last block was handed out again, or evicted)."""
 
     hashes: list[bytes]
+    medium: str = "GPU"
 
 
 @dataclass(frozen=True)

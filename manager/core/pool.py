@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.manager.core.block_pool import BlockPool, InvariantBroken
+from kvpool.manager.core.host_tier import Copy, HostTier
 from kvpool.manager.core.kv_events import KVEvent
 
 
@@ -57,7 +58,8 @@ def _cdiv(a: int, b: int) -> int:
 
 class Pool:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = True, enable_events: bool = False
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, enable_events: bool = False,
+        host_blocks: int = 0,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -65,6 +67,38 @@ class Pool:
         self.blocks = BlockPool(num_blocks, enable_caching, enable_events)
         self.requests: dict[object, RequestBlocks] = {}
         self.stats = PoolStats()
+        self.host: HostTier | None = None
+        self.saves: list[Copy] = []  # this sub-op's save orders (device -> host), see take_copies
+        self.loads: list[Copy] = []  # this sub-op's load orders (host -> device)
+        self.fresh: set[int] = set()  # device blocks hashed this step: not computed yet, never saved
+        if host_blocks >= 2 and enable_caching:
+            self.set_host(HostTier(host_blocks, block_size, enable_events))
+
+    def set_host(self, host: HostTier) -> None:
+        """Puts ``host`` behind the device blocks: cached blocks reused from now on are demoted."""
+        self.host = host
+        self.blocks.on_reuse = self._demote
+
+    def _demote(self, block: int, h: bytes) -> None:
+        if block in self.fresh:  # its K/V is written by this very step's forward: nothing to save
+            return
+        copy = self.host.demote(block, h, None)  # type: ignore[union-attr]
+        if copy is not None:
+            self.saves.append(copy)
+
+    def take_copies(self) -> tuple[list[Copy], list[Copy]]:
+        """The save and load orders of the sub-op just run (manager/core/step.py puts them in
+        its result): the worker runs every save of a step, then every load, then the forward."""
+        saves, loads = self.saves, self.loads
+        if saves or loads:
+            self.saves, self.loads = [], []
+        return saves, loads
+
+    def end_step(self) -> None:
+        """The step's orders are all out: the host tier's pins end."""
+        if self.host is not None:
+            self.host.end_step()
+            self.fresh.clear()
 
     @classmethod
     def restore(cls, blocks: BlockPool, block_size: int, requests: dict[object, RequestBlocks], stats: PoolStats) -> Pool:
@@ -76,8 +110,11 @@ class Pool:
     # -- lookups ---------------------------------------------------------------------------
 
     def take_events(self) -> list[KVEvent]:
-        """The KV events queued since the last call (``BlockPool.take_events``)."""
-        return self.blocks.take_events()
+        """The KV events queued since the last call (``BlockPool.take_events``), the host
+        tier's after the device's (``medium: "CPU"``)."""
+        if self.host is None:
+            return self.blocks.take_events()
+        return [*self.blocks.take_events(), *self.host.take_events()]
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
         """Number of leading blocks of the chain that are cached (no side effects)."""
@@ -107,9 +144,11 @@ class Pool:
         if len(hashes) > num_prompt_tokens // self.block_size:
             raise PoolError("bad_hashes", f"{len(hashes)} hashes for {num_prompt_tokens} prompt tokens")
         bs, bp = self.block_size, self.blocks
-        hits = bp.lookup(hashes[: (num_prompt_tokens - 1) // bs])
+        limit = (num_prompt_tokens - 1) // bs
+        hits = bp.lookup(hashes[:limit])
+        host_hits = self.host.lookup(hashes[len(hits):limit]) if self.host is not None else []
         stats = self.stats
-        num_cached = len(hits) * bs
+        num_cached = (len(hits) + len(host_hits)) * bs
         stats.lookup_tokens += num_prompt_tokens
         stats.hit_tokens += num_cached
         num_tokens = num_cached + min(max_new_tokens, num_prompt_tokens - num_cached)
@@ -120,7 +159,12 @@ class Pool:
         stats.allocations += 1
         if hits:
             bp.touch(hits)
-        blocks = hits + bp.get_new_blocks(num_new)
+        if host_hits:
+            self.host.pin(host_hits)  # type: ignore[union-attr]  # before any demotion below
+        new = bp.get_new_blocks(num_new)
+        if host_hits:
+            self.loads += self.host.load(host_hits, new[: len(host_hits)])  # type: ignore[union-attr]
+        blocks = hits + new
         req = RequestBlocks(blocks, num_tokens, list(hashes), len(hits))
         self.requests[req_id] = req
         self._cache_full(req)
@@ -190,13 +234,22 @@ class Pool:
 
     # -- admin -----------------------------------------------------------------------------
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, tier: str = "device") -> bool:
+        if tier == "host":
+            return self._host_tier().reset()
         return self.blocks.reset_prefix_cache()
 
-    def evict(self, n: int) -> int:
+    def evict(self, n: int, tier: str = "device") -> int:
         if n < 0:
             raise PoolError("bad_count", f"cannot evict {n} blocks")
+        if tier == "host":
+            return self._host_tier().evict(n)
         return self.blocks.evict(n)
+
+    def _host_tier(self) -> HostTier:
+        if self.host is None:
+            raise PoolError("no_host_tier", "the pool has no host tier: its workers offered no --host-kv-memory")
+        return self.host
 
     def free_all(self) -> int:
         """Frees every request (a dead session or a new epoch); returns how many."""
@@ -225,10 +278,13 @@ class Pool:
             "freed": s.freed,
             "forks": s.forks,
             "cow_copies": s.cow_copies,
+            **(self.host.usage() if self.host is not None else {}),
         }
 
     def check_invariants(self) -> None:
         self.blocks.check_invariants()
+        if self.host is not None:
+            self.host.check_invariants()
         holdings: dict[int, int] = {}
         for req in self.requests.values():
             if len(req.blocks) < _cdiv(req.num_tokens, self.block_size):
@@ -254,4 +310,6 @@ class Pool:
         if n_full > start:
             parent = req.hashes[start - 1] if start else None
             self.blocks.cache_blocks(req.blocks[start:n_full], req.hashes[start:n_full], parent)
+            if self.host is not None:
+                self.fresh.update(req.blocks[start:n_full])
             req.num_cached = n_full

@@ -17,6 +17,7 @@ from dataclasses import asdict
 
 from kvpool.manager.core.block_pool import BlockPool
 from kvpool.manager.core.free_queue import FreeQueue
+from kvpool.manager.core.host_tier import HostStats, HostTier
 from kvpool.manager.core.pool import Pool, PoolStats, RequestBlocks
 from kvpool.shared.hashing import HASH_BYTES
 
@@ -53,14 +54,11 @@ def _split_hashes(data: bytes, what: str) -> list[bytes]:
     return _HASH_RUN.findall(data)  # the slicing runs in C (a 1M-block pool has 1M hashes)
 
 
-def dump_pool(pool: Pool) -> dict:
-    bp = pool.blocks
+def _dump_blocks(bp: BlockPool) -> dict:
     hashed = [b for b in range(bp.num_blocks) if bp.block_hash[b] is not None]
     front, lru = bp.free_queue.segments()
     return {
-        "format": FORMAT,
         "num_blocks": bp.num_blocks,
-        "block_size": pool.block_size,
         "enable_caching": bp.enable_caching,
         "ref_cnt": _ints(bp.ref_cnt),
         "hashed_ids": _ints(hashed),
@@ -70,6 +68,15 @@ def dump_pool(pool: Pool) -> dict:
         "front": _ints(front),
         "lru": _ints(lru),
         "num_evictions": bp.num_evictions,
+    }
+
+
+def dump_pool(pool: Pool) -> dict:
+    """The pool as plain data; a host tier (taken between steps: no pins) under ``"host"``."""
+    d = {
+        "format": FORMAT,
+        "block_size": pool.block_size,
+        **_dump_blocks(pool.blocks),
         "requests": [
             [key[0], key[1], _ints(r.blocks), r.num_tokens, b"".join(r.hashes), r.num_cached]
             if type(key) is tuple
@@ -78,6 +85,11 @@ def dump_pool(pool: Pool) -> dict:
         ],
         "stats": asdict(pool.stats),
     }
+    if pool.host is not None:
+        if pool.host.pinned:
+            raise ValueError("a pool with host-tier pins is mid-step: snapshot it between steps")
+        d["host"] = {**_dump_blocks(pool.host.blocks), "stats": asdict(pool.host.stats)}
+    return d
 
 
 def load_pool(d: dict, enable_events: bool = False, verify: bool = True) -> Pool:
@@ -97,6 +109,26 @@ def load_pool(d: dict, enable_events: bool = False, verify: bool = True) -> Pool
 def _load(d: dict, enable_events: bool, verify: bool = True) -> Pool:
     if d.get("format") != FORMAT:
         raise CorruptState(f"pool snapshot format {d.get('format')!r}, expected {FORMAT}")
+    bp = _load_blocks(d, enable_events)
+    requests: dict[object, RequestBlocks] = {}
+    for owner, rid, blocks, num_tokens, hs, num_cached in d["requests"]:
+        key = rid if owner is None else (owner, rid)
+        requests[key] = RequestBlocks(_unints(blocks, "request blocks"), num_tokens, _split_hashes(hs, "request hashes"), num_cached)
+    pool = Pool.restore(bp, d["block_size"], requests, PoolStats(**d["stats"]))
+    if d.get("host") is not None:
+        host = HostTier(2, d["block_size"])  # a placeholder block pool, replaced below
+        host.blocks, host.stats = _load_blocks(d["host"], enable_events), HostStats(**d["host"]["stats"])
+        pool.set_host(host)
+    if not verify:
+        return pool
+    try:
+        pool.check_invariants()
+    except AssertionError as e:
+        raise CorruptState(f"pool snapshot breaks an invariant: {e}") from None
+    return pool
+
+
+def _load_blocks(d: dict, enable_events: bool) -> BlockPool:
     n = d["num_blocks"]
     ref_cnt = _unints(d["ref_cnt"], "ref_cnt")
     if len(ref_cnt) != n:
@@ -111,15 +143,4 @@ def _load(d: dict, enable_events: bool, verify: bool = True) -> Pool:
     bp = BlockPool.restore(ref_cnt, block_hash, _unints(d["primary"], "primary"),
                            {h: _unints(raw, "dups") for h, raw in d["dups"]}, free_queue, d["num_evictions"],
                            enable_caching=d["enable_caching"], enable_events=enable_events)
-    requests: dict[object, RequestBlocks] = {}
-    for owner, rid, blocks, num_tokens, hs, num_cached in d["requests"]:
-        key = rid if owner is None else (owner, rid)
-        requests[key] = RequestBlocks(_unints(blocks, "request blocks"), num_tokens, _split_hashes(hs, "request hashes"), num_cached)
-    pool = Pool.restore(bp, d["block_size"], requests, PoolStats(**d["stats"]))
-    if not verify:
-        return pool
-    try:
-        pool.check_invariants()
-    except AssertionError as e:
-        raise CorruptState(f"pool snapshot breaks an invariant: {e}") from None
-    return pool
+    return bp

@@ -16,6 +16,10 @@ Sub-op schemas (msgpack maps; PROTOCOL.md is the reference):
   {"op": "free",   "req": R}                    -> {"ok": true}
   {"op": "fork",   "req": R, "child": R}        -> {"ok": true, "blocks": [int...]}
   no space: {"ok": false, "code": "no_space", "msg": ...}; bad input: another code.
+With a host tier, an alloc or extend result may also carry "saves": [[device, host]...] (cached
+device blocks it reuses, saved first) and an alloc "loads": [[host, device]...] (its prefix blocks
+found in the host tier; counted in "cached"). The worker runs every save of the step, then every
+load, then its forward pass (manager/core/host_tier.py).
 R is an int in [0, 2**63) or a str of at most 128 bytes; ids are scoped by ``owner``.
 """
 
@@ -120,9 +124,22 @@ def run_step(pool: Pool, owner: object, ops: list, allow_alloc: bool = True) -> 
                 raise PoolError("unknown_sub_op", f"unknown sub-op {short_repr(name, 40)}; known: {sorted(SUB_OPS)}")
             if not allow_alloc and name in ("alloc", "fork"):
                 raise PoolError("draining", "the manager is draining: no new allocations")
-            results.append(handler(pool, owner, op))
+            res = handler(pool, owner, op)
+            if pool.host is not None:
+                _add_copies(pool, res)
+            results.append(res)
         except PoolError as e:
             results.append({"ok": False, "code": e.code, "msg": _public(str(e), owner)})
         except TypeError as e:  # e.g. an unhashable request id inside a malformed map
             results.append({"ok": False, "code": "bad_sub_op", "msg": f"malformed sub-op: {e}"})
+    pool.end_step()
     return results
+
+
+def _add_copies(pool: Pool, res: dict) -> None:
+    """The host tier's orders of the sub-op just run, in its result (only when there are any)."""
+    saves, loads = pool.take_copies()
+    if saves:
+        res["saves"] = [[c.src, c.dst] for c in saves]
+    if loads:
+        res["loads"] = [[c.src, c.dst] for c in loads]

@@ -6,6 +6,10 @@ table, performs copy-on-write copies, and after every step checks that
 - every request reads back exactly its own tokens through its block table (so prefix hits,
   forks and copies never serve another request's data);
 - no slot is written while its block is shared.
+
+``HostPoolMachine`` runs the same rules on a pool with a host tier and a simulated host memory:
+each rule is one step whose saves run, then its loads, before any write; every load must read
+back exactly the tokens its hash stands for, and every host-cached hash must hold them.
 """
 
 from hypothesis import settings
@@ -24,9 +28,12 @@ prefix_st = st.sampled_from([[], [0, 1, 2, 0], [0, 1, 2, 0, 1, 1, 2, 2]])
 
 
 class PoolMachine(RuleBasedStateMachine):
+    HOST_BLOCKS = 0
+
     def __init__(self):
         super().__init__()
-        self.pool = Pool(NUM_BLOCKS, BS, enable_events=True)
+        self.pool = Pool(NUM_BLOCKS, BS, enable_events=True, host_blocks=self.HOST_BLOCKS)
+        self.host_kv: dict[int, list] = {}
         self.kv: dict[int, list] = {b: [None] * BS for b in range(NUM_BLOCKS)}
         self.tokens: dict[int, list[int]] = {}  # the model: every live request's token ids
         self.next_id = 0
@@ -38,6 +45,16 @@ class PoolMachine(RuleBasedStateMachine):
             b = req.blocks[pos // BS]
             assert self.pool.blocks.ref_cnt[b] == 1, f"write into shared block {b}"
             self.kv[b][pos % BS] = self.tokens[rid][pos]
+
+    def _copy_tiers(self):
+        """The step's host-tier orders as the worker runs them: every save, then every load."""
+        saves, loads = self.pool.take_copies()
+        for c in saves:
+            self.host_kv[c.dst] = list(self.kv[c.src])
+        for c in loads:
+            h = self.pool.host.blocks.block_hash[c.src]
+            assert self.host_kv.get(c.src) == self.content[h], f"load of host block {c.src} reads other tokens"
+            self.kv[c.dst] = list(self.host_kv[c.src])
 
     def _hashes(self, rid, upto):
         tokens = self.tokens[rid][:upto]
@@ -55,10 +72,12 @@ class PoolMachine(RuleBasedStateMachine):
         if res is None:
             del self.tokens[rid]
             return
+        self._copy_tiers()
         cached, blocks = res
         assert cached % BS == 0 and cached < len(tokens)
         assert len(blocks) * BS >= min(len(tokens), cached + chunk) + lookahead
         self._write(rid, cached, self.pool.requests[rid].num_tokens)
+        self.pool.end_step()
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), grow=st.integers(1, 9), lookahead=st.integers(0, 3))
@@ -75,11 +94,13 @@ class PoolMachine(RuleBasedStateMachine):
         res = self.pool.extend(rid, new_len, new_hashes, lookahead)
         if res is None:
             return
+        self._copy_tiers()
         _, copies = res
         for index, src, dst in copies:
             assert self.pool.requests[rid].blocks[index] == dst
             self.kv[dst] = list(self.kv[src])
         self._write(rid, old, new_len)
+        self.pool.end_step()
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -131,3 +152,38 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestPoolMachine = PoolMachine.TestCase
+
+
+class HostPoolMachine(PoolMachine):
+    HOST_BLOCKS = 12
+
+    @rule(k=st.integers(0, 7), prompt=st.lists(st.integers(0, 2), min_size=1, max_size=3), chunk=st.integers(1, 20))
+    def allocate_with_a_long_prefix(self, k, prompt, chunk):
+        # eight 2-block prefixes, each request done within its step (then freed): more than the
+        # device keeps around, so they are saved and come back by load
+        rid = self.next_id
+        self.allocate([10 + k] * 8, prompt, chunk, 0)
+        if rid in self.tokens:
+            self.pool.free(rid)
+            del self.tokens[rid]
+
+    @rule(n=st.integers(0, 3))
+    def evict_host(self, n):
+        free_hashed = self.pool.host.blocks.free_queue.num_hashed()
+        assert self.pool.evict(n, "host") == min(n, free_hashed)
+
+    @rule()
+    def reset_host(self):
+        assert self.pool.reset_prefix_cache("host") is True  # between steps nothing is pinned
+
+    @invariant()
+    def host_blocks_hold_their_tokens(self):
+        host = self.pool.host.blocks
+        for b in range(1, self.HOST_BLOCKS):
+            h = host.block_hash[b]
+            if h is not None:
+                assert self.host_kv.get(b) == self.content[h], f"host block {b} holds other tokens than its hash"
+
+
+HostPoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestHostPoolMachine = HostPoolMachine.TestCase
