@@ -10,7 +10,7 @@ the greedy outputs are identical.
 
 Each configuration runs --repeats times, interleaved; the best tokens/s of each is compared.
 
-Targets (issue 17): hit rate >= 2x device-only, tokens/s >= 1.3x, identical greedy output.
+Targets: hit rate >= 2x device-only, tokens/s >= 1.3x, identical greedy output.
 
     python scripts/bench_tier.py            # small preset
     python scripts/bench_tier.py --quick    # tiny preset, fewer rounds

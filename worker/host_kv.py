@@ -1,4 +1,4 @@
-"""The host tier's KV tensors on the worker and the copies the manager orders (issue 17).
+"""The host tier's KV tensors on the worker and the copies the manager orders.
 
 A host cache mirrors the device cache's per-layer layout ``[2, blocks, block_size, heads,
 head_size]`` with the host tier's block count, in host memory (pinned on CUDA so copies run

@@ -1,4 +1,4 @@
-"""The host tier of a pool: host-memory blocks behind the device blocks (issue 17).
+"""The host tier of a pool: host-memory blocks behind the device blocks.
 
 Pure Python, no I/O. The tier is a second ``BlockPool`` (its ref counts, free queue and
 ``hash -> host block`` map, the same invariants), driven by a different rule: a host block is

@@ -1,4 +1,4 @@
-"""Registration of a host tier (issue 17, step 1): ``host_kv_bytes`` in ``register``, the pool's
+"""Registration of a host tier: ``host_kv_bytes`` in ``register``, the pool's
 host tier sized as the minimum over shards, kept through snapshots and journal replay; a pool
 without it answers exactly as before."""
 

@@ -1,4 +1,4 @@
-"""The worker with a host tier (issue 17): greedy output still equals the contiguous reference
+"""The worker with a host tier: greedy output still equals the contiguous reference
 when prefixes come back from host memory by load, under save pressure, preemption and fork; and
 the K/V a load brings back is exactly what was saved."""
 
