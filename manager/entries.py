@@ -6,8 +6,10 @@ manager/registry.py's docstring says what each means over its life.
 
 from __future__ import annotations
 
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
+from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.core.pool import Pool
 from kvpool.shared.protocol import KVSpec
 
@@ -71,3 +73,21 @@ class PoolEntry:
     def host_num_blocks(self) -> int:
         """Blocks of the pool's host tier: the fewest any shard's host memory holds (0: no tier)."""
         return min((s.host_num_blocks for s in self.shards.values()), default=0)
+
+
+def check_pools(pools: Iterable[PoolEntry], sessions: Container[str]) -> None:
+    """Every pool's invariants, no request without a live session, and no ready pool of
+    several shards with a shard whose session is gone (its KV slice is gone with it).
+    Raises InvariantBroken (explicit checks, not asserts: they hold under ``python -O``)."""
+    for entry in pools:
+        if entry.pool is None:
+            continue
+        entry.pool.check_invariants()
+        for key in entry.pool.requests:
+            if key[0] not in sessions:  # type: ignore[index]
+                raise InvariantBroken(f"pool {entry.name}: request {key[1]!r:.60} of a dead session")  # type: ignore[index]
+        if len(entry.shards) != entry.shard_count:
+            raise InvariantBroken(f"pool {entry.name}: ready without all shards")
+        dead = [s.rank for s in entry.shards.values() if s.sid not in sessions]
+        if entry.shard_count > 1 and dead:
+            raise InvariantBroken(f"pool {entry.name}: ready with shards {dead} whose sessions are gone")

@@ -22,11 +22,10 @@ from __future__ import annotations
 import logging
 import secrets
 
-from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.core.kv_events import AllBlocksCleared, KVEvent
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
-from kvpool.manager.entries import GLOBAL, PoolEntry, Session, Shard
+from kvpool.manager.entries import GLOBAL, PoolEntry, Session, Shard, check_pools
 from kvpool.manager.mutations import (
     BlocksEvicted,
     CacheReset,
@@ -337,18 +336,6 @@ class Registry:
         return sum(len(e.pool.requests) for e in self.pools.values() if e.pool is not None)
 
     def check_invariants(self) -> None:
-        """Every pool's invariants, no request without a live session, and no ready pool of
-        several shards with a shard whose session is gone (its KV slice is gone with it).
+        """Every pool's invariants against the live sessions (``check_pools``, manager/entries.py).
         Raises InvariantBroken (explicit checks, not asserts: they hold under ``python -O``)."""
-        for entry in self.pools.values():
-            if entry.pool is None:
-                continue
-            entry.pool.check_invariants()
-            for key in entry.pool.requests:
-                if key[0] not in self.sessions:  # type: ignore[index]
-                    raise InvariantBroken(f"pool {entry.name}: request {key[1]!r:.60} of a dead session")  # type: ignore[index]
-            if len(entry.shards) != entry.shard_count:
-                raise InvariantBroken(f"pool {entry.name}: ready without all shards")
-            dead = [s.rank for s in entry.shards.values() if s.sid not in self.sessions]
-            if entry.shard_count > 1 and dead:
-                raise InvariantBroken(f"pool {entry.name}: ready with shards {dead} whose sessions are gone")
+        check_pools(self.pools.values(), self.sessions)
