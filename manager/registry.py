@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass, field
 
-from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.core.kv_events import AllBlocksCleared, KVEvent
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
+from kvpool.manager.entries import GLOBAL, PoolEntry, Session, Shard, check_pools
 from kvpool.manager.mutations import (
     BlocksEvicted,
     CacheReset,
@@ -38,70 +37,10 @@ from kvpool.manager.mutations import (
     ShardRegistered,
     StepRan,
 )
+from kvpool.manager.pool_forming import compatible, new_epoch
 from kvpool.shared.protocol import KVSpec, ManagerError, short_repr
 
 logger = logging.getLogger(__name__)
-
-GLOBAL = "\x00global"  # dirty marker: sessions or manager-wide flags (not a valid pool name)
-COMMON_SPEC = ("block_size", "num_layers", "head_size", "dtype")  # shards agree on these
-
-
-@dataclass
-class Session:
-    sid: str
-    num: int
-    identity: str
-    role: str
-    admin: bool
-    version: int
-    created: float
-    last_seen: float
-    # The last step's message id and results: a client retrying a step after a timeout or a
-    # failover (same id) gets these instead of running it twice (PROTOCOL.md section 10).
-    last_step_id: int | None = None
-    last_step: list | None = None
-
-
-@dataclass
-class Shard:
-    rank: int
-    incarnation: str
-    spec: KVSpec
-    available_kv_bytes: int
-    num_blocks: int
-    # The session that registered it. None once that session ended with deregister; an expired
-    # session's sid stays (no longer in Registry.sessions): the shard's process died.
-    sid: str | None
-    serve: dict | None = None  # where this shard takes generate requests (register's optional field)
-    host_kv_bytes: int = 0  # host memory offered for the host tier (0: none)
-
-    @property
-    def host_num_blocks(self) -> int:
-        return self.host_kv_bytes // self.spec.block_bytes
-
-
-@dataclass
-class PoolEntry:
-    name: str
-    shard_count: int
-    shards: dict[int, Shard] = field(default_factory=dict)
-    epoch: int = 0  # 0 until every shard has registered
-    pool: Pool | None = None
-
-    @property
-    def spec(self) -> dict:
-        """What every shard of the pool agrees on (COMMON_SPEC), as a wire map."""
-        any_shard = next(iter(self.shards.values()))
-        return {k: getattr(any_shard.spec, k) for k in COMMON_SPEC}
-
-    @property
-    def state(self) -> str:
-        return "ready" if self.pool is not None else "pending"
-
-    @property
-    def host_num_blocks(self) -> int:
-        """Blocks of the pool's host tier: the fewest any shard's host memory holds (0: no tier)."""
-        return min((s.host_num_blocks for s in self.shards.values()), default=0)
 
 
 class Registry:
@@ -291,7 +230,7 @@ class Registry:
             if len(self.pools) >= rec.max_pools:
                 raise ManagerError("too_many_pools", f"{rec.max_pools} pools exist; no room for {name!r}")
             entry = self.pools[name] = PoolEntry(name, count)
-        elif not self._compatible(entry, rank, count, spec):
+        elif not compatible(entry, rank, count, spec, self.sessions):
             self._drop_pool(entry)
             entry = self.pools[name] = PoolEntry(name, count, epoch=entry.epoch)
         old = entry.shards.get(rank)
@@ -308,55 +247,9 @@ class Registry:
         entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid, rec.serve,
                                    rec.host_kv_bytes)
         if len(entry.shards) == entry.shard_count:
-            self._new_epoch(entry, rec.max_blocks)
+            new_epoch(entry, rec.max_blocks)
         self.dirty.add(name)
         return entry
-
-    def _compatible(self, entry: PoolEntry, rank: int, count: int, spec: KVSpec) -> bool:
-        """False when a new deployment replaces the pool (a new shard_count with no other shard,
-        or every other shard gone and this one disagrees); raises spec_mismatch when a live
-        shard disagrees. Changes nothing."""
-        others = [s for r, s in entry.shards.items() if r != rank]
-        if not others:
-            if count == entry.shard_count:
-                return True
-            # A new deployment: a fresh entry, never a ready Pool whose shard_count its shards
-            # no longer match (and nothing changed here before register may still raise).
-            logger.warning("pool %s: shard %d registers with shard_count %d (pool: %d); replacing the pool",
-                           entry.name, rank, count, entry.shard_count)
-            return False
-        want = {k: getattr(others[0].spec, k) for k in COMMON_SPEC}
-        have = {k: getattr(spec, k) for k in COMMON_SPEC}
-        if have == want and count == entry.shard_count:
-            return True
-        if all(s.sid is None or s.sid not in self.sessions for s in others):
-            logger.warning("pool %s: shards %s are gone and shard %d disagrees; replacing the pool",
-                           entry.name, [s.rank for s in others], rank)
-            return False
-        diffs = [f"{k} {have[k]!r} (pool: {want[k]!r})" for k in COMMON_SPEC if have[k] != want[k]]
-        if count != entry.shard_count:
-            diffs.append(f"shard_count {count} (pool: {entry.shard_count})")
-        raise ManagerError(
-            "spec_mismatch",
-            f"shard {rank} of pool {entry.name!r} disagrees with the registered shards "
-            f"{sorted(r for r in entry.shards if r != rank)}: {', '.join(diffs)}; every shard of a "
-            "pool must run the same model, block_size, dtype and shard_count",
-        )
-
-    def _new_epoch(self, entry: PoolEntry, max_blocks: int) -> None:
-        num_blocks = min(s.num_blocks for s in entry.shards.values())
-        if num_blocks > max_blocks:
-            logger.warning("pool %s: %d blocks clamped to max_blocks %d", entry.name, num_blocks, max_blocks)
-            num_blocks = max_blocks
-        restarted = entry.epoch > 0  # an earlier Pool of this name had cached hashes
-        entry.epoch += 1
-        entry.pool = Pool(num_blocks, entry.spec["block_size"], enable_events=True,
-                          host_blocks=min(entry.host_num_blocks, max_blocks))
-        if restarted:
-            entry.pool.blocks.restate_events()  # the new pool is empty: a clear
-            logger.warning("pool %s: a shard restarted; epoch %d, cache and requests dropped", entry.name, entry.epoch)
-        else:
-            logger.info("pool %s ready: %d blocks, epoch %d", entry.name, num_blocks, entry.epoch)
 
     def get_pool(self, name: object) -> PoolEntry:
         entry = self.pools.get(name) if type(name) is str else None  # type: ignore[arg-type]
@@ -443,18 +336,6 @@ class Registry:
         return sum(len(e.pool.requests) for e in self.pools.values() if e.pool is not None)
 
     def check_invariants(self) -> None:
-        """Every pool's invariants, no request without a live session, and no ready pool of
-        several shards with a shard whose session is gone (its KV slice is gone with it).
+        """Every pool's invariants against the live sessions (``check_pools``, manager/entries.py).
         Raises InvariantBroken (explicit checks, not asserts: they hold under ``python -O``)."""
-        for entry in self.pools.values():
-            if entry.pool is None:
-                continue
-            entry.pool.check_invariants()
-            for key in entry.pool.requests:
-                if key[0] not in self.sessions:  # type: ignore[index]
-                    raise InvariantBroken(f"pool {entry.name}: request {key[1]!r:.60} of a dead session")  # type: ignore[index]
-            if len(entry.shards) != entry.shard_count:
-                raise InvariantBroken(f"pool {entry.name}: ready without all shards")
-            dead = [s.rank for s in entry.shards.values() if s.sid not in self.sessions]
-            if entry.shard_count > 1 and dead:
-                raise InvariantBroken(f"pool {entry.name}: ready with shards {dead} whose sessions are gone")
+        check_pools(self.pools.values(), self.sessions)

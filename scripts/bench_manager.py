@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
+from manager_daemon import start_daemon
 
 from kvpool.manager.core.bench import run_trace
 from kvpool.manager.core.pool import Pool
@@ -147,26 +148,9 @@ def write_shards(cfg: TraceConfig, clients: int, tmp: str) -> list[str]:
     return files
 
 
-def start_daemon(endpoint: str, extra: list[str] | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-c", "from kvpool.cli.main import cli; cli()", "manager", "-m", endpoint,
-           "--session-timeout", "60", *(extra or [])]
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with ManagerClient(endpoint, role="admin", timeout_s=1.0) as c:
-                c.hello()
-            return proc
-        except Exception:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("the manager daemon did not start") from None
-            time.sleep(0.2)
-
-
 def run_daemon(endpoint: str, shard_files: list[str], batch: int, prehash: bool, tmp: str,
                extra: list[str] | None = None) -> dict:
-    daemon = start_daemon(endpoint, extra)
+    daemon = start_daemon(endpoint, 60, extra)
     procs: list[subprocess.Popen] = []
     try:
         admin = ManagerClient(endpoint, role="admin", timeout_s=30.0)

@@ -27,13 +27,12 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 
 import torch
+from manager_daemon import start_daemon
 
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
@@ -54,23 +53,6 @@ SPEC = KVSpec(BS, 2, 2, 16, "float32")
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-def start_daemon(endpoint: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-c", "from kvpool.cli.main import cli; cli()", "manager", "-m", endpoint,
-           "--session-timeout", "120"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with ManagerClient(endpoint, role="admin", timeout_s=1.0) as c:
-                c.hello()
-            return proc
-        except Exception:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("the manager daemon did not start: try `kvpool manager -m ipc://...`") from None
-            time.sleep(0.2)
 
 
 # -- part 1: the step message ----------------------------------------------------------------
@@ -229,7 +211,7 @@ def main() -> None:
     rounds = args.rounds or rounds
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-step-") as tmp:
         endpoint = f"ipc://{tmp}/manager.sock"
-        daemon = start_daemon(endpoint)
+        daemon = start_daemon(endpoint, 120, quiet=True)
         try:
             res = {"message_steps": message_steps, "messages": message_part(sizes, message_steps, endpoint, args.seed),
                    "worker": worker_part(args.running, rounds, 10, endpoint, args.seed, args.threads),

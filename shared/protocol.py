@@ -34,6 +34,8 @@ from typing import Any
 
 import msgpack
 
+from kvpool.shared.bounded import TooComplex as TooComplex  # re-exported: callers catch it here
+from kvpool.shared.bounded import unpack_counted
 from kvpool.shared.hashing import HASH_BYTES
 
 PROTOCOL_VERSION = 1
@@ -135,10 +137,6 @@ def pack(obj: Any) -> bytes:
 _NOT_CONTAINER_HEADERS = bytes(b for b in range(256) if not (0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF))
 
 
-class TooComplex(ValueError):
-    """A payload holds more maps and arrays than any request needs (refused while decoding)."""
-
-
 def max_containers(max_sub_ops: int = MAX_SUB_OPS) -> int:
     """Maps and arrays a request may hold: a step's envelope, args and ops list, and per sub-op
     its map and its hash list, with room to spare."""
@@ -159,16 +157,8 @@ def unpack(payload: bytes, max_objects: int | None = None) -> Any:
         # Fewer bytes that could start a map or an array than the limit: nothing to count.
         return msgpack.unpackb(payload, raw=False, strict_map_key=True, max_array_len=2 * MAX_HASHES,
                                max_map_len=64, max_ext_len=0)
-    left = [max_objects]
-
-    def count(obj: Any) -> Any:
-        left[0] -= 1
-        if left[0] < 0:
-            raise TooComplex(f"more than {max_objects} maps and arrays in one message (the limit)")
-        return obj
-
-    return msgpack.unpackb(payload, raw=False, strict_map_key=True, max_array_len=2 * MAX_HASHES, max_map_len=64,
-                           max_ext_len=0, object_hook=count, list_hook=count)
+    return unpack_counted(payload, max_objects, f"more than {max_objects} maps and arrays in one message (the limit)",
+                          max_array_len=2 * MAX_HASHES, max_map_len=64, max_ext_len=0)
 
 
 def encode_request(msg_id: int, op: str, sid: str | None, args: dict, seq: int | None = None) -> bytes:

@@ -163,22 +163,29 @@ class Engine:
             self.stalled = "draining"
         return events
 
-    def _step_plain(self) -> list[TokenEvent]:
-        sched = self.scheduler
-        plan = sched.schedule()
+    def _schedule_and_wait(self) -> tuple[StepPlan, list[dict]] | None:
+        """Schedules a step and waits for the manager's answer to its ops: (plan, results), or
+        None when there is nothing to do or the manager reset (the step is dropped)."""
+        plan = self.scheduler.schedule()
         if not plan.ops and not plan.seqs:
-            return []
+            return None
         try:
             results = self._wait(self.bm.send_step(plan.ops)) if plan.ops else []
         except ManagerReset as e:
             self._reset(e)
-            return []
+            return None
         except ManagerError:
-            sched.abandon(plan)
+            self.scheduler.abandon(plan)
             raise
-        batch = plan.batch(results)
-        outputs = self._run(batch)
-        errored = sched.update(plan, results, outputs)
+        return plan, results
+
+    def _step_plain(self) -> list[TokenEvent]:
+        asked = self._schedule_and_wait()
+        if asked is None:
+            return []
+        plan, results = asked
+        outputs = self._run(plan.batch(results))
+        errored = self.scheduler.update(plan, results, outputs)
         return self._end_with_error(errored) + self._token_events(outputs)
 
     def _step_overlapped(self) -> list[TokenEvent]:
@@ -188,17 +195,10 @@ class Engine:
         sched = self.scheduler
         ready, self._ready = self._ready, None
         if ready is None:  # nothing in flight: ask for step N and wait
-            plan = sched.schedule()
-            if not plan.ops and not plan.seqs:
+            asked = self._schedule_and_wait()
+            if asked is None:
                 return []
-            try:
-                results = self._wait(self.bm.send_step(plan.ops)) if plan.ops else []
-            except ManagerReset as e:
-                self._reset(e)
-                return []
-            except ManagerError:
-                sched.abandon(plan)
-                raise
+            plan, results = asked
             ready = (plan, results, plan.batch(results))
         plan, results, batch = ready
         following = sched.schedule()  # step N+1

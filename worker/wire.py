@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import msgpack
-
+from kvpool.shared.bounded import unpack_counted
 from kvpool.worker.sampler import SamplingParams
 
 MAX_MESSAGE_BYTES = 4 << 20
@@ -29,18 +28,10 @@ def decode(payload: bytes) -> dict:
     """One message map; ValueError for anything else (not msgpack, too big, too many containers)."""
     if len(payload) > MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {len(payload)} bytes; the limit is {MAX_MESSAGE_BYTES}")
-    left = [MAX_CONTAINERS]
-
-    def count(obj: object) -> object:
-        left[0] -= 1
-        if left[0] < 0:
-            raise ValueError(f"more than {MAX_CONTAINERS} maps and arrays")
-        return obj
-
     try:
-        msg = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_array_len=MAX_PROMPT_TOKENS,
-                              max_map_len=32, max_str_len=1 << 16, max_bin_len=1 << 16, max_ext_len=0,
-                              object_hook=count, list_hook=count)
+        msg = unpack_counted(payload, MAX_CONTAINERS, f"more than {MAX_CONTAINERS} maps and arrays",
+                             max_array_len=MAX_PROMPT_TOKENS, max_map_len=32, max_str_len=1 << 16,
+                             max_bin_len=1 << 16, max_ext_len=0)
     except Exception as e:  # msgpack raises several types (ValueError, ExtraData, StackError, ...)
         raise ValueError(f"not one msgpack value within the limits: {type(e).__name__}: {e}"[:200]) from None
     if type(msg) is not dict:

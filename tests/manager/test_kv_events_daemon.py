@@ -19,6 +19,26 @@ from kvpool.worker.manager_client import ManagerClient, ManagerUnavailable
 pytestmark = pytest.mark.slow
 
 
+def subscriber(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """A SUB socket on every topic of the events endpoint."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    return sub
+
+
+def wait_for_daemon(c: ManagerClient) -> None:
+    """Until the daemon answers ``c`` (short timeouts while it starts), then 10 s per call."""
+    def up() -> bool:
+        try:
+            return bool(c.hello())
+        except ManagerUnavailable:
+            return False
+
+    wait_until(up, 30, "the daemon to answer")
+    c.timeout_s = 10
+
+
 def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes]]:
     sock = ctx.socket(zmq.DEALER)
     sock.connect(endpoint)
@@ -58,18 +78,9 @@ def test_subscriber_rebuilds_the_cached_set_from_events_alone(procs, sock_dir):
     a = ManagerClient(ep, identity="a", role="admin", timeout_s=0.5)  # a and b step on each other's pools
     b = ManagerClient(ep, identity="b", role="admin", timeout_s=10)
     ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(ev_ep)
+    sub = subscriber(ctx, ev_ep)
     try:
-        def up() -> bool:
-            try:
-                return bool(a.hello())
-            except ManagerUnavailable:
-                return False
-
-        wait_until(up, 30, "the daemon to answer")
-        a.timeout_s = 10
+        wait_for_daemon(a)
         time.sleep(0.3)  # the subscription reaches the publisher before the first event
         workload(a, b)
         stats = a.stats()
@@ -118,18 +129,9 @@ def test_events_format_flag_selects_vllm_0_11_arrays(procs, sock_dir):
     tail = procs([*CLI, "events", "-e", ev_ep, "--count", "2", "--json"], stdout=subprocess.PIPE, text=True)
     c = ManagerClient(ep, identity="a", timeout_s=0.5)
     ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(ev_ep)
+    sub = subscriber(ctx, ev_ep)
     try:
-        def up() -> bool:
-            try:
-                return bool(c.hello())
-            except ManagerUnavailable:
-                return False
-
-        wait_until(up, 30, "the daemon to answer")
-        c.timeout_s = 10
+        wait_for_daemon(c)
         time.sleep(1.0)  # both subscriptions reach the publisher
         epoch = c.register("p", shard_rank=0, shard_count=1, incarnation="i", spec=SPEC,
                            available_kv_bytes=kv_bytes(24))["epoch"]

@@ -1,0 +1,93 @@
+"""The registry's records: a session (one connected client), a shard, a pool entry.
+
+``Registry`` (manager/registry.py) owns every one of them and is the only thing that changes them;
+manager/registry.py's docstring says what each means over its life.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Iterable
+from dataclasses import dataclass, field
+
+from kvpool.manager.core.block_pool import InvariantBroken
+from kvpool.manager.core.pool import Pool
+from kvpool.shared.protocol import KVSpec
+
+GLOBAL = "\x00global"  # dirty marker: sessions or manager-wide flags (not a valid pool name)
+COMMON_SPEC = ("block_size", "num_layers", "head_size", "dtype")  # shards agree on these
+
+
+@dataclass
+class Session:
+    sid: str
+    num: int
+    identity: str
+    role: str
+    admin: bool
+    version: int
+    created: float
+    last_seen: float
+    # The last step's message id and results: a client retrying a step after a timeout or a
+    # failover (same id) gets these instead of running it twice (PROTOCOL.md section 10).
+    last_step_id: int | None = None
+    last_step: list | None = None
+
+
+@dataclass
+class Shard:
+    rank: int
+    incarnation: str
+    spec: KVSpec
+    available_kv_bytes: int
+    num_blocks: int
+    # The session that registered it. None once that session ended with deregister; an expired
+    # session's sid stays (no longer in Registry.sessions): the shard's process died.
+    sid: str | None
+    serve: dict | None = None  # where this shard takes generate requests (register's optional field)
+    host_kv_bytes: int = 0  # host memory offered for the host tier (0: none)
+
+    @property
+    def host_num_blocks(self) -> int:
+        return self.host_kv_bytes // self.spec.block_bytes
+
+
+@dataclass
+class PoolEntry:
+    name: str
+    shard_count: int
+    shards: dict[int, Shard] = field(default_factory=dict)
+    epoch: int = 0  # 0 until every shard has registered
+    pool: Pool | None = None
+
+    @property
+    def spec(self) -> dict:
+        """What every shard of the pool agrees on (COMMON_SPEC), as a wire map."""
+        any_shard = next(iter(self.shards.values()))
+        return {k: getattr(any_shard.spec, k) for k in COMMON_SPEC}
+
+    @property
+    def state(self) -> str:
+        return "ready" if self.pool is not None else "pending"
+
+    @property
+    def host_num_blocks(self) -> int:
+        """Blocks of the pool's host tier: the fewest any shard's host memory holds (0: no tier)."""
+        return min((s.host_num_blocks for s in self.shards.values()), default=0)
+
+
+def check_pools(pools: Iterable[PoolEntry], sessions: Container[str]) -> None:
+    """Every pool's invariants, no request without a live session, and no ready pool of
+    several shards with a shard whose session is gone (its KV slice is gone with it).
+    Raises InvariantBroken (explicit checks, not asserts: they hold under ``python -O``)."""
+    for entry in pools:
+        if entry.pool is None:
+            continue
+        entry.pool.check_invariants()
+        for key in entry.pool.requests:
+            if key[0] not in sessions:  # type: ignore[index]
+                raise InvariantBroken(f"pool {entry.name}: request {key[1]!r:.60} of a dead session")  # type: ignore[index]
+        if len(entry.shards) != entry.shard_count:
+            raise InvariantBroken(f"pool {entry.name}: ready without all shards")
+        dead = [s.rank for s in entry.shards.values() if s.sid not in sessions]
+        if entry.shard_count > 1 and dead:
+            raise InvariantBroken(f"pool {entry.name}: ready with shards {dead} whose sessions are gone")
