@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -76,9 +78,7 @@ def run_text_demo(cfg: TextDemoConfig, progress: bool = True) -> dict:
                   f"{cfg.kv_blocks} KV blocks each) and the HTTP front door ({cfg.policy} routing)")
     say(progress, "waiting for the workers to load the model and register their pools (about 10 s)...")
     t0 = time.monotonic()
-    # The front door runs in this process: streams cut by a Ctrl-C make asyncio warn once per write
-    # to a closed socket while it shuts down, noise for a demo that is stopping anyway.
-    logging.getLogger("asyncio").setLevel(logging.ERROR)
+    previous = _quiet_on_interrupt()
     try:
         manager = cluster.manager()
         for k in range(cfg.num_workers):
@@ -103,6 +103,23 @@ def run_text_demo(cfg: TextDemoConfig, progress: bool = True) -> dict:
         if fd is not None:
             fd.stop()
         cluster.stop()
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted(signum, frame) -> None:
+    # The front door runs in this process: the streams a Ctrl-C cuts make it log every broken
+    # write and request while it shuts down, noise for a demo that is stopping anyway.
+    for name in ("asyncio", "uvicorn.error"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    raise KeyboardInterrupt
+
+
+def _quiet_on_interrupt():
+    """Installs the Ctrl-C handler above (main thread only); returns the one it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGINT, _interrupted)
 
 
 def report(cfg: TextDemoConfig, trace: list, results: list[Result], elapsed: float, fd: FrontDoorServer) -> dict:
