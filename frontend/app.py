@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from kvpool.frontend.errors import APIError, WorkerLost, bad_param
 from kvpool.frontend.generation import Delta
@@ -106,6 +107,9 @@ async def _generate(fd: FrontDoor, request: Request, chat: bool):
     try:
         req = parse_request(await _body(request), chat)
         run = await fd.start_run(req)
+    except ClientDisconnect:  # the client left before its whole body arrived: nothing started
+        fd.metrics.finished(endpoint, "disconnected")
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
     except APIError as e:
         fd.metrics.finished(endpoint, str(e.status))
         raise

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import socket
 import time
 
 import httpx
@@ -237,3 +239,23 @@ def test_sampling_parameters_reach_the_worker(stack) -> None:
     assert text(temperature=1.5, top_k=1, seed=3) == greedy  # top_k=1 leaves only the best token
     assert text(temperature=0, frequency_penalty=2.0) != greedy  # repeats are pushed down
     assert text(temperature=1.0, seed=5) == text(temperature=1.0, seed=5) != text(temperature=1.0, seed=6)
+
+
+def disconnected(stack, endpoint: str) -> int:
+    m = re.search(rf'endpoint="{endpoint}",status="disconnected"}} (\d+)', httpx.get(stack.url + "/metrics").text)
+    return int(m.group(1)) if m else 0
+
+
+def test_a_client_leaving_before_its_body_arrives_is_counted_and_the_door_serves_on(stack) -> None:
+    before = disconnected(stack, "completions")
+    host, port = stack.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:  # promises 100 bytes, sends 10, leaves
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"model\": ")
+    for _ in range(100):
+        if disconnected(stack, "completions") == before + 1:
+            break
+        time.sleep(0.05)
+    assert disconnected(stack, "completions") == before + 1
+    out = client(stack).completions.create(model="tiny", prompt="still here", max_tokens=2)
+    assert out.choices[0].finish_reason == "length"
