@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import time
@@ -131,7 +133,7 @@ def test_demo_report():
 
 def test_demo_says_what_starts_and_stops_at_once_on_ctrl_c():
     p = subprocess.Popen(CLI + ["demo", "--requests", "5000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+                         text=True, start_new_session=True)  # its own group: a failure kills its children too
     try:
         first = p.stderr.readline()
         assert first.startswith("starting a manager") and "seeded random weights" in first, first
@@ -148,5 +150,6 @@ def test_demo_says_what_starts_and_stops_at_once_on_ctrl_c():
                  and "requests" not in ln and "?" not in ln]
         assert lines == ["interrupted: the demo's manager and workers are stopped"], lines
     finally:
-        if p.poll() is None:
-            p.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
