@@ -115,6 +115,8 @@ def generate(client: GenerateClient, prompts: list[list[int]], max_tokens: int) 
         msg = client.recv(60)
         assert msg is not None, "the worker sent nothing for 60s"
         assert "error" not in msg, msg
+        if msg.get("heartbeat"):  # the worker says it is alive while a request waits (recv is raw)
+            continue
         if msg["token"] is not None:
             out[msg["id"]].append(msg["token"])
         if msg["finished"]:
