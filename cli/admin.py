@@ -138,10 +138,12 @@ def pools(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool)
             ("SHARDS", "shards_up"), ("LIVE", "live_up"),
             ("BLOCKS", "num_blocks"), ("FREE", "free_blocks"), ("CACHED", "cached_blocks"),
             ("REQUESTS", "requests"), ("BLOCK_SIZE", "block_size")]
-    if any("host_num_blocks" in r for r in rows):  # a host tier somewhere: its size and hashes
+    if any("host_num_blocks" in r for r in rows):  # a host tier somewhere: its size, hashes and policy
         for r in rows:
-            r["host"] = f"{r['host_cached_blocks']}/{r['host_num_blocks']}" if "host_num_blocks" in r else "-"
-        cols.insert(7, ("HOST_CACHED", "host"))
+            tier = "host_num_blocks" in r
+            r["host"] = f"{r['host_cached_blocks']}/{r['host_num_blocks']}" if tier else "-"
+            r["host_policy"] = r.get("host_policy", "-") if tier else "-"
+        cols[7:7] = [("HOST_CACHED", "host"), ("HOST_POLICY", "host_policy")]
     emit(rows, as_json, lambda: table(rows, cols))
 
 
@@ -239,7 +241,12 @@ def reset_cache(pool: str, tier: str, endpoint: str, timeout_s: float, admin_key
 @client_options
 def evict(pool: str, num: int, tier: str, endpoint: str, timeout_s: float, admin_key: str | None,
           as_json: bool) -> None:
-    """Evict free cached blocks of a pool's tier (their hashes are forgotten; blocks in use stay)."""
+    """Evict free cached blocks of a pool's tier (their hashes are forgotten; blocks in use stay).
+
+    With a host tier, --tier device drops the blocks' hashes without saving them to the host tier:
+    a save can only be ordered inside a step (docs/operating.md, "The host tier"). Use --tier host
+    to empty the host tier as well.
+    """
     body = ask(endpoint, timeout_s, admin_key, "evict", pool=pool, n=num, **_tier_arg(tier))
     emit(body, as_json, lambda: click.echo(f"pool {pool}: {body['evicted']} cached blocks evicted ({tier} tier)"))
 

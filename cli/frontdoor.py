@@ -1,10 +1,9 @@
-"""`kvpool serve`: the OpenAI-compatible HTTP front door (frontend/)."""
+"""`kvpool serve`: the OpenAI-compatible HTTP front door (frontend/); its settings are layered
+as the daemons' are (frontend/serve_config.py)."""
 
 from __future__ import annotations
 
 import click
-
-from kvpool.shared.protocol import default_endpoint
 
 
 def _tokenizer_pairs(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple:
@@ -18,34 +17,51 @@ def _tokenizer_pairs(ctx: click.Context, param: click.Parameter, values: tuple[s
 
 
 @click.command("serve")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="Config file (.toml with a [frontdoor] table) [/etc/kvpool/frontdoor.toml if it exists]; "
+                   "KVPOOL_FRONTDOOR_<FIELD> environment variables override it, options given here override both.")
 @click.option("--manager", "-m", "managers", multiple=True, envvar="KVPOOL_MANAGER",
               help="Manager endpoint; repeat for one manager per node (a comma list is one manager's "
-                   "failover endpoints) [the local default]; env KVPOOL_MANAGER.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, help="TCP port (0: any free port).")
-@click.option("--policy", type=click.Choice(["kv-aware", "round-robin", "least-loaded"]), default="kv-aware",
-              show_default=True, help="Routing policy (frontend/router.py documents the cost function).")
-@click.option("--kv-overlap-weight", default=2.0, show_default=True,
-              help="KV-aware: weight of prompt blocks to compute against blocks already in use.")
+                   "failover endpoints) [the local default]; env KVPOOL_MANAGER. In "
+                   "KVPOOL_FRONTDOOR_MANAGERS ';' separates managers and commas one manager's failover "
+                   "endpoints ('tcp://a:5555;tcp://b:5555', 'tcp://a:5555,tcp://a2:5555;'): a comma "
+                   "without a ';' is refused as ambiguous.")
+@click.option("--host", default=None, help="HTTP address to listen on [127.0.0.1].")
+@click.option("--port", type=int, default=None, help="HTTP TCP port (0: any free port) [8000].")
+@click.option("--policy", type=click.Choice(["kv-aware", "round-robin", "least-loaded"]), default=None,
+              help="Routing policy (frontend/router.py documents the cost function) [kv-aware].")
+@click.option("--kv-overlap-weight", type=float, default=None,
+              help="KV-aware: weight of prompt blocks to compute against blocks already in use [2.0].")
 @click.option("--tokenizer", "tokenizers", multiple=True, callback=_tokenizer_pairs,
               help="MODEL=PATH: the tokenizer for a model whose name is not a local checkpoint path.")
-@click.option("--poll-interval", default=0.5, show_default=True, help="Seconds between worker-list refreshes.")
-@click.option("--worker-silence", default=30.0, show_default=True,
-              help="Seconds a worker may stay silent with requests open before they fail.")
-@click.option("--log-level", default="warning", show_default=True)
-def serve(managers: tuple[str, ...], host: str, port: int, policy: str, kv_overlap_weight: float,
-          tokenizers: tuple, poll_interval: float, worker_silence: float, log_level: str) -> None:
+@click.option("--poll-interval", type=float, default=None, help="Seconds between worker-list refreshes [0.5].")
+@click.option("--worker-silence", type=float, default=None,
+              help="Seconds a worker may stay silent with requests open before they fail [30].")
+@click.option("--log-level", default=None, help="uvicorn's log level [warning].")
+@click.option("--curve-server-key", envvar="KVPOOL_CURVE_SERVER_KEY", default=None,
+              help="The managers' public key (NAME.key or Z85 text) when they run CURVE; env KVPOOL_CURVE_SERVER_KEY.")
+@click.option("--curve-key-file", envvar="KVPOOL_CURVE_KEY_FILE", default=None,
+              help="This front door's NAME.key_secret (`kvpool keygen`), for managers and workers that run "
+                   "CURVE; env KVPOOL_CURVE_KEY_FILE.")
+@click.option("--worker-curve-key", envvar="KVPOOL_WORKER_CURVE_KEY", default=None,
+              help="The workers' public key (NAME.key or Z85 text) when their generate sockets run CURVE; "
+                   "env KVPOOL_WORKER_CURVE_KEY.")
+@click.option("--insecure", is_flag=True, default=None,
+              help="Connect to managers and workers on non-loopback TCP without CURVE (a trusted, isolated "
+                   "network only).")
+@click.pass_context
+def serve(ctx: click.Context, config_path: str | None, **_: object) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) over the workers
     the managers know, routing each request to the worker holding its prefix."""
+    from kvpool.cli.layered import explicit_flags, load_service
     from kvpool.frontend.server import FrontDoorServer
-    from kvpool.frontend.service import FrontDoorConfig
 
-    if not managers:
-        managers = (default_endpoint(),)
+    flags, labels = explicit_flags(ctx, "frontdoor")
+    cfg, _source = load_service("frontdoor", config_path, flags, labels)
     try:
-        cfg = FrontDoorConfig(tuple(managers), policy, kv_overlap_weight, poll_interval, worker_silence, tokenizers)
-        server = FrontDoorServer(cfg, host, port, log_level=log_level)
+        fd_cfg = cfg.frontdoor_config()
+        server = FrontDoorServer(fd_cfg, cfg.host, cfg.port, log_level=cfg.log_level)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"kvpool front door on {server.url}/v1 ({policy}; managers {', '.join(managers)})")
+    click.echo(f"kvpool front door on {server.url}/v1 ({cfg.policy}; managers {', '.join(fd_cfg.managers)})")
     server.run()

@@ -1,6 +1,7 @@
 """Service config for the daemons' commands: defaults < TOML file < KVPOOL_<SERVICE>_* < flags.
 
-``kvpool manager``, ``kvpool worker`` and ``kvpool config show`` all build their config here, so
+``kvpool manager``, ``kvpool worker``, ``kvpool serve`` (service ``frontdoor``) and ``kvpool config
+show`` all build their config here, so
 what ``config show`` prints is what the daemon would run with (flags aside).
 """
 
@@ -24,6 +25,10 @@ def service_class(service: str) -> type:
         from kvpool.manager.config import ManagerConfig
 
         return ManagerConfig
+    if service == "frontdoor":
+        from kvpool.frontend.serve_config import ServeConfig
+
+        return ServeConfig
     from kvpool.worker.config import WorkerConfig
 
     return WorkerConfig
@@ -79,6 +84,9 @@ def manager_ops_options(f: Callable) -> Callable:
         click.option("--events-format", default=None,
                      help="KV-event wire format, as the named vLLM release sends it: vllm-0.33 or vllm-0.11 "
                           "[vllm-0.33]."),
+        click.option("--busy-poll-us", type=int, default=None,
+                     help="After a busy iteration, poll without sleeping this many microseconds (adaptive: "
+                          "off while the CPUs are contended); 0: always sleep [2000]."),
         click.option("--curve-secret-key-file", default=None,
                      help="The manager's NAME.key_secret: CURVE on the control socket (`kvpool keygen`)."),
         click.option("--curve-allowed-keys-dir", default=None,

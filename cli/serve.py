@@ -85,6 +85,9 @@ def worker_service_options(f):
               help="Host memory treated as the device on CPU.")
 @click.option("--host-kv-memory", default="0", show_default=True, callback=_bytes,
               help="Host memory for the pool's host KV tier (e.g. 4GiB); 0: none.")
+@click.option("--host-kv-policy", type=click.Choice(["demote", "write_through"]), default="demote",
+              show_default=True, help="When blocks reach the host tier: demote at eviction, or write "
+              "through when a block becomes full (docs/operating.md).")
 @click.option("--no-prefix-caching", is_flag=True, help="Send no block hashes (no prefix reuse).")
 @click.option("--no-overlap", is_flag=True, help="Wait for the manager before each forward pass "
               "(default: send step N+1 while step N computes).")
@@ -106,7 +109,8 @@ def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: s
            endpoint: str | None, dtype: str, device: str,
            block_size: int, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
            memory_utilization: float, kv_cache_memory: int | None, cpu_memory_budget: int,
-           host_kv_memory: int, no_prefix_caching: bool, no_overlap: bool, seed: int, threads: int, tp_size: int,
+           host_kv_memory: int, host_kv_policy: str, no_prefix_caching: bool, no_overlap: bool, seed: int,
+           threads: int, tp_size: int,
            tp_rank: int | None, tp_master: str, tp_timeout: float, replace: bool, **_: object) -> None:
     """Serve generate requests from paged KV memory whose blocks the manager hands out.
 

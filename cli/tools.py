@@ -18,7 +18,7 @@ def config() -> None:
 
 
 @config.command("show")
-@click.argument("service", type=click.Choice(["manager", "worker"]))
+@click.argument("service", type=click.Choice(["manager", "worker", "frontdoor"]))
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="Config file [/etc/kvpool/SERVICE.toml if it exists].")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
@@ -26,7 +26,8 @@ def config_show(service: str, config_path: str | None, as_json: bool) -> None:
     """Print the effective config of SERVICE and where each value came from.
 
     Flags of the daemon's own command line are not known here; everything else (defaults, the
-    file, KVPOOL_MANAGER_* / KVPOOL_WORKER_* variables) is. Invalid values fail as the daemon would.
+    file, KVPOOL_MANAGER_* / KVPOOL_WORKER_* / KVPOOL_FRONTDOOR_* variables) is. Invalid values fail as
+    the daemon would (``frontdoor``: `kvpool serve`).
     """
     cfg, source = load_service(service, config_path)
     out = rows(cfg, source)

@@ -3,7 +3,8 @@
 
 A request is validated, tokenized, routed and submitted before the response starts, and its
 first token is awaited too: refusals keep their status codes (400 bad parameters, 404 unknown
-model, 413 prompt longer than max_model_len, 503 no worker). A worker lost mid-stream ends the
+model, 413 prompt longer than max_model_len or a body above MAX_BODY_BYTES, 503 no worker; an
+unknown path or method is a 404/405 in the same OpenAI error shape). A worker lost mid-stream ends the
 stream with an error event (``data: {"error": ...}``) and ``[DONE]``. A client that disconnects
 cancels the stream (or, not streaming, the collection of the answer), which aborts the request
 on the worker.
@@ -20,6 +21,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kvpool.frontend.errors import APIError, WorkerLost, bad_param
@@ -42,14 +44,28 @@ def _lost(e: WorkerLost) -> APIError:
     return APIError(503, f"{e}; the request was not finished: retry it", None, "worker_lost")
 
 
+def _too_large(size: str) -> APIError:
+    return APIError(413, f"the request body has {size} bytes; at most {MAX_BODY_BYTES}", None, "too_large")
+
+
 async def _body(request: Request) -> object:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body has {len(raw)} bytes; at most {MAX_BODY_BYTES}", None, "too_large")
+    """The JSON body, read no further than MAX_BODY_BYTES: a declared length above it is refused
+    before a byte is read, and a chunked body as soon as it passes it (never buffered whole)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large(declared)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _too_large(f"more than {size}")
+        chunks.append(chunk)
     try:
-        return json.loads(raw)
+        return json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_param("body", f"the body is not valid JSON: {e}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise bad_param("body", "the body's JSON is nested too deeply") from None
 
 
 def create_app(fd: FrontDoor) -> FastAPI:
@@ -68,6 +84,13 @@ def create_app(fd: FrontDoor) -> FastAPI:
     async def api_error(request: Request, e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        """Routing errors (404 no such path, 405 wrong method) in OpenAI's error shape too."""
+        return JSONResponse(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", None,
+                                     "not_found" if e.status_code == 404 else str(e.status_code)).body(),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
         logger.exception("request %s %s failed", request.method, request.url.path)
@@ -76,7 +99,9 @@ def create_app(fd: FrontDoor) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         n = sum(len(fd.directory.serving(m)) for m in fd.directory.models())
-        return JSONResponse({"status": "ok" if n else "no workers", "workers": n}, status_code=200 if n else 503)
+        lost = {w.name: w.link.lost for w in fd.directory.workers.values() if w.link.lost is not None}
+        body = {"status": "ok" if n else "no workers", "workers": n, **({"unreachable": lost} if lost else {})}
+        return JSONResponse(body, status_code=200 if n else 503)  # unreachable: each known worker's reason
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -31,6 +31,7 @@ class TextDemoConfig:
     num_workers: int = 2
     max_inflight: int = 32
     kv_blocks: int = 128  # per worker
+    max_model_len: int = 512  # per worker; also what a static allocator would reserve per request
     policy: str = "kv-aware"
     model: str = "tiny"
     host_kv_memory: int = 0  # bytes of host tier per worker (--host-kv-memory); 0: none
@@ -82,7 +83,8 @@ def run_text_demo(cfg: TextDemoConfig, progress: bool = True) -> dict:
     try:
         manager = cluster.manager()
         for k in range(cfg.num_workers):
-            cluster.worker(manager, f"demo-{k}", model=cfg.model, kv_blocks=cfg.kv_blocks, seed=cfg.trace.seed,
+            cluster.worker(manager, f"demo-{k}", model=cfg.model, kv_blocks=cfg.kv_blocks,
+                           max_model_len=cfg.max_model_len, seed=cfg.trace.seed,
                            extra=("--host-kv-memory", str(cfg.host_kv_memory)) if cfg.host_kv_memory else ())
         fd = FrontDoorServer(FrontDoorConfig((manager,), cfg.policy, poll_s=0.2)).start()
         try:
@@ -132,10 +134,18 @@ def report(cfg: TextDemoConfig, trace: list, results: list[Result], elapsed: flo
         "config": asdict(cfg), **summarize(results, elapsed),
         "prefix_hit_rate": round(sum(s["cached_tokens"] for s in stats) / prompt, 4) if prompt else 0.0,
         "routing": {"policy": router.policy, "by_reason": dict(router.decisions), "per_worker": dict(router.per_worker)},
-        "pools": [{"pool": s["pool"], "num_blocks": s["num_blocks"], "peak_blocks": s["peak_blocks"],
-                   "peak_running": s["peak_running"], "preemptions": s["preemptions"]} for s in stats],
+        "pools": [pool_report(s, cfg.max_model_len) for s in stats],
         "samples": samples,
     }
+
+
+def pool_report(stats: dict, max_model_len: int) -> dict:
+    """One worker's pool figures, with what reserving max_model_len per running request (a static
+    allocator) would have taken at the same peak: paging's saving."""
+    per_request = -(-max_model_len // stats["block_size"])
+    return {"pool": stats["pool"], "num_blocks": stats["num_blocks"], "peak_blocks": stats["peak_blocks"],
+            "peak_running": stats["peak_running"], "static_blocks": stats["peak_running"] * per_request,
+            "preemptions": stats["preemptions"]}
 
 
 def format_report(r: dict) -> str:
@@ -152,8 +162,10 @@ def format_report(r: dict) -> str:
         f"routing ({routing['policy']}) by reason {routing['by_reason']}; per worker {routing['per_worker']}",
     ]
     for p in r["pools"]:
+        ratio = p["static_blocks"] / p["peak_blocks"] if p["peak_blocks"] else 0.0
         lines.append(f"pool {p['pool']:<10} peak {p['peak_blocks']} of {p['num_blocks'] - 1} blocks in use for "
-                     f"{p['peak_running']} running; {p['preemptions']} preemptions")
+                     f"{p['peak_running']} running (static max-length preallocation: {p['static_blocks']} blocks, "
+                     f"{ratio:.1f}x); {p['preemptions']} preemptions")
     for name, t in r.get("host_tier", {}).items():
         look = t["lookup_tokens"] or 1
         lines.append(f"pool {name:<10} host tier {t['host_cached_blocks']}/{t['host_num_blocks'] - 1} blocks cached; "
@@ -168,8 +180,9 @@ EXPLAIN = [
     "  time to first token from sending a request to its first streamed token, as a client sees it",
     "  prefix-cache hits   prompt tokens whose KV blocks were found cached (shared prompts) and not recomputed",
     "  routing             why the front door chose each worker (cached prefix, load, ...) and how many each got",
-    "  peak ... blocks     the most KV blocks in use at once out of the pool; preemptions: requests paused and "
-    "recomputed because their pool ran out of blocks",
+    "  peak ... blocks     the most KV blocks in use at once out of the pool; 'static': what reserving",
+    "                      max_model_len per running request would have needed (paging's saving)",
+    "  preemptions         requests paused and recomputed later because their pool ran out of free blocks",
     "  host tier           (--host-kv-memory) blocks evicted from the device kept in host memory: hits by tier,",
     "                      device blocks saved to host and prefix blocks loaded back instead of recomputed",
 ]

@@ -7,6 +7,11 @@ the open requests of a worker that dropped out (its session ended: killed, stopp
 
 Manager calls are blocking (``ManagerClient``); each manager's client runs in a worker thread,
 one call at a time (an asyncio lock), so the event loop never blocks on a manager.
+
+CURVE: ``manager_keys`` secure the manager connections (without them ``ManagerClient`` takes the
+``KVPOOL_CURVE_*`` environment), ``worker_keys`` every worker link. A worker announced on a
+non-loopback TCP endpoint while ``worker_keys`` is None is not connected to unless ``insecure``
+(shared/bind.py ``check_connect``): its link stays lost, with the reason its requests' 503 says.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from dataclasses import dataclass
 import zmq.asyncio
 
 from kvpool.frontend.worker_link import WorkerLink
+from kvpool.shared.bind import check_connect
+from kvpool.shared.curve import ClientKeys
 from kvpool.shared.protocol import ManagerError
 from kvpool.worker.manager_client import ManagerClient
 
@@ -50,12 +57,14 @@ class Worker:
 
 class Directory:
     def __init__(self, managers: list[str], *, poll_s: float = 0.5, silence_s: float = 30.0,
-                 timeout_s: float = 2.0) -> None:
+                 timeout_s: float = 2.0, manager_keys: ClientKeys | None = None,
+                 worker_keys: ClientKeys | None = None, insecure: bool = False) -> None:
         if not managers:
             raise ValueError("the front door needs at least one manager endpoint (--manager)")
         self.endpoints = managers
-        self.clients = [ManagerClient(ep.split(","), role="router", timeout_s=timeout_s, failover_s=timeout_s)
-                        for ep in managers]
+        self.worker_keys, self.insecure = worker_keys, insecure
+        self.clients = [ManagerClient(ep.split(","), role="router", timeout_s=timeout_s, failover_s=timeout_s,
+                                      curve=manager_keys) for ep in managers]
         self._locks = [asyncio.Lock() for _ in managers]
         self.poll_s, self.silence_s = poll_s, silence_s
         self.ctx = zmq.asyncio.Context()
@@ -103,13 +112,21 @@ class Directory:
                 continue  # a lost link stays lost until the worker re-registers (new epoch) or reconnects
             if old is not None:
                 await self._drop(old, "re-registered")
-            link = WorkerLink(row["endpoint"], self.ctx, self.silence_s)
+            link = WorkerLink(row["endpoint"], self.ctx, self.silence_s, self.worker_keys, self._refusal(row))
             self.workers[key] = Worker(i, row["pool"], row["model"], row["endpoint"], row["max_model_len"],
                                        row["block_size"], row["num_blocks"], row["free_blocks"], row["epoch"], link)
             self.changes += 1
             logger.info("worker %s serves %s at %s", row["pool"], row["model"], row["endpoint"])
         for key in [k for k in self.workers if k[0] == i and k not in seen]:
             await self._drop(self.workers.pop(key), "left its manager")
+
+    def _refusal(self, row: dict) -> str | None:
+        try:
+            check_connect(row["endpoint"], curve=self.worker_keys is not None, insecure=self.insecure,
+                          what=f"worker {row['pool']!r} at")
+        except ValueError as e:
+            return f"not connected: {e}"
+        return None
 
     async def _drop(self, w: Worker, why: str) -> None:
         logger.info("worker %s (%s) %s", w.pool, w.endpoint, why)

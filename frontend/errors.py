@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-         503: "service_unavailable", 500: "internal_server_error"}
+TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+         413: "invalid_request_error", 503: "service_unavailable", 500: "internal_server_error"}
 
 
 @dataclass

@@ -18,6 +18,22 @@ from kvpool.worker.profiler import page_bytes
 CLI = [sys.executable, "-c", "import sys; from kvpool.cli.main import cli; sys.exit(cli())"]
 
 
+def worker_command(manager: str, pool: str, endpoint: str, *, model: str = "tiny", kv_blocks: int = 128,
+                   block_size: int = 16, max_model_len: int = 512, seed: int = 0,
+                   extra: tuple[str, ...] = ()) -> list[str]:
+    """`kvpool` arguments of a CPU worker of ``kv_blocks`` blocks (float32, one thread).
+
+    One command line for every local cluster (the demo, bench_router, the multi-process tests),
+    so they all run the same worker.
+    """
+    m = PRESETS[model]
+    kv = kv_blocks * page_bytes(block_size, m.num_kv_heads, m.head_size, torch.float32) * m.num_layers
+    return ["worker", "--manager", manager, "--pool", pool, "--endpoint", endpoint, "--model", model,
+            "--block-size", str(block_size), "--max-model-len", str(max_model_len),
+            "--kv-cache-memory", str(kv), "--threads", "1", "--seed", str(seed),
+            "--dtype", "float32", "--device", "cpu", *extra]
+
+
 class LocalCluster:
     def __init__(self, prefix: str = "kvpool-fd-") -> None:
         self.dir = tempfile.mkdtemp(prefix=prefix)
@@ -40,13 +56,10 @@ class LocalCluster:
     def worker(self, manager: str, pool: str, *, model: str = "tiny", kv_blocks: int = 128, block_size: int = 16,
                max_model_len: int = 512, seed: int = 0, extra: tuple[str, ...] = ()) -> str:
         """Starts a CPU worker (float32) of ``kv_blocks`` blocks; returns its generate endpoint."""
-        m = PRESETS[model]
-        kv = kv_blocks * page_bytes(block_size, m.num_kv_heads, m.head_size, torch.float32) * m.num_layers
         endpoint = f"ipc://{self.dir}/{pool}.sock"
-        self._spawn(pool, ["worker", "--manager", manager, "--pool", pool, "--endpoint", endpoint, "--model", model,
-                           "--block-size", str(block_size), "--max-model-len", str(max_model_len),
-                           "--kv-cache-memory", str(kv), "--threads", "1", "--seed", str(seed),
-                           "--dtype", "float32", "--device", "cpu", *extra])
+        self._spawn(pool, worker_command(manager, pool, endpoint, model=model, kv_blocks=kv_blocks,
+                                         block_size=block_size, max_model_len=max_model_len, seed=seed,
+                                         extra=extra))
         return endpoint
 
     def log_tail(self, name: str, chars: int = 3000) -> str:

@@ -16,6 +16,8 @@ from kvpool.frontend.metrics import FrontDoorMetrics
 from kvpool.frontend.params import GenRequest
 from kvpool.frontend.router import Candidate, Decision, KVRouter
 from kvpool.frontend.tokenizer import Tokenizer, load_tokenizer
+from kvpool.shared.bind import check_connect
+from kvpool.shared.curve import ClientKeys
 from kvpool.shared.hashing import hash_blocks
 
 
@@ -27,10 +29,18 @@ class FrontDoorConfig:
     poll_s: float = 0.5
     silence_s: float = 30.0  # a worker silent this long with requests open is taken for lost
     tokenizers: tuple[tuple[str, str], ...] = ()  # (model, tokenizer path) overrides
+    # CURVE client keys (shared/curve.py) for the manager sockets (None: the KVPOOL_CURVE_*
+    # environment, as every ManagerClient) and for the workers' generate sockets
+    manager_keys: ClientKeys | None = None
+    worker_keys: ClientKeys | None = None
+    insecure: bool = False  # connect to non-loopback TCP endpoints without CURVE (trusted networks only)
 
     def __post_init__(self) -> None:
         if not self.managers:
             raise ValueError("give at least one manager endpoint (--manager, one per node)")
+        curve = self.manager_keys is not None or ClientKeys.from_env() is not None
+        for ep in (e for m in self.managers for e in m.split(",")):
+            check_connect(ep, curve=curve, insecure=self.insecure, what="manager")
         if not 0.01 <= self.poll_s <= 60:
             raise ValueError(f"poll_s must be in [0.01, 60] seconds, got {self.poll_s}")
         if self.silence_s <= 0:
@@ -86,7 +96,8 @@ class Run:
 class FrontDoor:
     def __init__(self, cfg: FrontDoorConfig) -> None:
         self.cfg = cfg
-        self.directory = Directory(list(cfg.managers), poll_s=cfg.poll_s, silence_s=cfg.silence_s)
+        self.directory = Directory(list(cfg.managers), poll_s=cfg.poll_s, silence_s=cfg.silence_s,
+                                   manager_keys=cfg.manager_keys, worker_keys=cfg.worker_keys, insecure=cfg.insecure)
         self.router = KVRouter(cfg.policy, cfg.overlap_weight)
         self.metrics = FrontDoorMetrics()
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -116,7 +127,8 @@ class FrontDoor:
                            "model_not_found")
         alive = self.directory.serving(model)
         if not alive:
-            raise APIError(503, f"no worker of {model!r} is reachable right now; retry shortly", None,
+            why = "; ".join(f"{w.name} at {w.endpoint}: {w.link.lost}" for w in known[model])
+            raise APIError(503, f"no worker of {model!r} is reachable right now ({why}); retry shortly", None,
                            "no_worker")
         return alive
 

@@ -5,6 +5,13 @@ messages. A worker is taken for lost (every open request gets a ``lost`` message
 request turns into a clean error) when its socket disconnects (the process died: a socket
 monitor sees it at once), or when it stayed silent for ``silence_s`` while requests were open
 (it is pinged every ``PING_S`` meanwhile, and answers between steps).
+
+CURVE (shared/curve.py): with ``curve`` keys the socket is a CURVE client of the worker. A
+handshake the worker refuses (it does not allow this key, this client runs no CURVE while the
+worker does, or the worker's public key is wrong) is seen at once by the socket monitor: the
+link is lost with the reason and what to change, which the request's 503 carries and the log
+says; it never waits for the silence timeout. A link is usable again only after a handshake
+succeeds (the worker restarted, or re-read its allowed keys and ZeroMQ reconnected).
 """
 
 from __future__ import annotations
@@ -20,27 +27,55 @@ import zmq
 import zmq.asyncio
 
 from kvpool.frontend.errors import WorkerLost
+from kvpool.shared.curve import ClientKeys
 
 logger = logging.getLogger(__name__)
 PING_S = 1.0
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | \
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 def _pack(obj: dict) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+def handshake_failure(event: int, value: int, curve: bool) -> str:
+    """Why the worker refused the connection, and what to change."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"it refused this front door's CURVE key (ZAP status {value}): put the front door's public key "
+                "(the NAME.key of its --curve-key-file) in the worker's curve_allowed_keys_dir and send the "
+                "worker SIGHUP")
+    if not curve:
+        return ("the handshake failed: the worker runs CURVE and this front door does not; give it "
+                "--worker-curve-key (the worker's NAME.key) and --curve-key-file")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return (f"the CURVE handshake failed (ZMTP error {value:#x}): the worker may not run CURVE; drop "
+                "--worker-curve-key for it, or configure the worker's curve_secret_key_file")
+    return ("the CURVE handshake failed: --worker-curve-key is not the public key of the worker's "
+            "curve_secret_key_file")
+
+
 class WorkerLink:
-    def __init__(self, endpoint: str, ctx: zmq.asyncio.Context, silence_s: float = 30.0) -> None:
+    def __init__(self, endpoint: str, ctx: zmq.asyncio.Context, silence_s: float = 30.0,
+                 curve: ClientKeys | None = None, refused: str | None = None) -> None:
+        """``refused``: why this front door will not connect (a link that stays lost)."""
         self.endpoint = endpoint
         self.silence_s = silence_s
+        self.curve = curve
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
-        self.sock.connect(endpoint)
+        if curve is not None:
+            curve.apply(self.sock)
+        self._monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
         self._ids = itertools.count()
         self.queues: dict[str, asyncio.Queue] = {}
         self.last_heard = time.monotonic()
         self.lost: str | None = None
+        if refused is None:
+            self.sock.connect(endpoint)
+        else:
+            self.fail(refused)
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch()),
                        asyncio.create_task(self._ping())]
 
@@ -77,11 +112,13 @@ class WorkerLink:
             self._send({"op": "abort", "id": rid})
 
     def fail(self, reason: str) -> None:
+        """Fails every open request; the first reason stays (a refused handshake is followed by
+        a disconnect, and the refusal is what the operator must read)."""
         if self.lost is None:
             logger.warning("worker at %s lost: %s", self.endpoint, reason)
-        self.lost = reason
+            self.lost = reason
         for q in self.queues.values():
-            q.put_nowait({"lost": f"the worker at {self.endpoint} is gone ({reason})"})
+            q.put_nowait({"lost": f"the worker at {self.endpoint} is gone ({self.lost})"})
 
     def _send(self, msg: dict) -> None:
         try:
@@ -104,10 +141,13 @@ class WorkerLink:
     async def _watch(self) -> None:
         while True:
             frames = await self._monitor.recv_multipart()
-            event = struct.unpack("=hi", frames[0][:6])[0]
-            if event == zmq.EVENT_DISCONNECTED:
+            event, value = struct.unpack("=hi", frames[0][:6])
+            if event & HANDSHAKE_FAILED:
+                self.fail(handshake_failure(event, value, self.curve is not None))
+            elif event == zmq.EVENT_DISCONNECTED:
                 self.fail("disconnected")
-            elif event == zmq.EVENT_CONNECTED and self.lost is not None and not self.queues:
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self.lost is not None and not self.queues:
+                logger.info("worker at %s reachable again", self.endpoint)
                 self.lost = None  # a worker is back at this endpoint (a restart): new requests may go
 
     async def _ping(self) -> None:

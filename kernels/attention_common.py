@@ -1,4 +1,5 @@
-"""Pieces shared by both attention kernels: the online-softmax tile step and the tile choice.
+"""Pieces shared by both attention kernels: the online-softmax tile step, the tile choice and
+the launch prologue (input check, bf16 refusal, the arguments both kernels take alike).
 
 Scores live in the log2 domain (scaled by log2(e)) so the update uses exp2. A tile is TILE_N
 consecutive positions of one sequence; each position looks up its own physical block in the
@@ -14,7 +15,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .metadata import AttentionInputError
+from .checks import check_attention
+from .metadata import AttentionInputError, AttentionMetadata
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -131,3 +133,60 @@ def refuse_interpreted_bf16(kernel: object, dtype: torch.dtype) -> None:
             "bf16 attention under the Triton interpreter (TRITON_INTERPRET=1) computes garbage: "
             "use fp16 or fp32 on CPU, the torch reference (set_backend('torch')), or a GPU"
         )
+
+
+def begin_launch(
+    kernel: object,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """The output buffer, after the one input check and the interpreter's bf16 refusal.
+
+    Both attention wrappers start here, so they refuse the same inputs in the same order.
+    """
+    out = torch.empty_like(query) if out is None else out
+    check_attention(query, kv_cache, meta, out)
+    refuse_interpreted_bf16(kernel, query.dtype)
+    return out
+
+
+@dataclass(frozen=True)
+class LaunchArgs:
+    """The kernel arguments both attention kernels derive alike from their inputs."""
+
+    qpk: int  # query heads per kv head (GQA group size)
+    tiles: Tiles
+    head_p2: int  # head_size padded for tl.dot (dot_dim)
+    scalars: tuple[float, float, int]  # scale, softcap, window; 0 means off (see the USE_ flags)
+    cache_strides: tuple[int, int, int, int]  # kv, block, offset, head
+    constexprs: dict[str, object]  # shared compile-time arguments and num_warps
+
+
+def launch_args(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    avg_rows: float,
+    tile_n: int | None,
+) -> LaunchArgs:
+    """Group size, tiles and the shared kernel arguments, for inputs begin_launch accepted."""
+    _, num_heads, head_size = query.shape
+    qpk = num_heads // kv_cache.shape[3]
+    tiles = choose_tiles(head_size, avg_rows, qpk, query.element_size(), tile_n)
+    head_p2 = dot_dim(head_size)
+    constexprs: dict[str, object] = dict(
+        QPK=qpk, TILE_N=tiles.tile_n, BLOCK_SIZE=kv_cache.shape[2],
+        HEAD_SIZE=head_size, HEAD_P2=head_p2,
+        USE_SOFTCAP=meta.softcap is not None, USE_WINDOW=meta.sliding_window is not None,
+        DOT_PRECISION=dot_precision(query.dtype), num_warps=tiles.num_warps,
+    )
+    return LaunchArgs(
+        qpk=qpk,
+        tiles=tiles,
+        head_p2=head_p2,
+        scalars=(meta.scale, meta.softcap or 0.0, meta.sliding_window or 0),
+        cache_strides=(kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)),
+        constexprs=constexprs,
+    )

@@ -12,14 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import (
-    _attend_tile,
-    choose_tiles,
-    dot_dim,
-    dot_precision,
-    refuse_interpreted_bf16,
-)
-from .checks import check_attention
+from .attention_common import _attend_tile, begin_launch, launch_args
 from .metadata import AttentionInputError, AttentionMetadata
 
 
@@ -135,9 +128,7 @@ def decode_split_kv(
     max_query_len, a host value, so no device sync). Splits cover meta.max_seq_len positions;
     splits beyond a sequence's length exit at once.
     """
-    out = torch.empty_like(query) if out is None else out
-    check_attention(query, kv_cache, meta, out)
-    refuse_interpreted_bf16(_decode_split_kv_kernel, query.dtype)
+    out = begin_launch(_decode_split_kv_kernel, query, kv_cache, meta, out)
     num_seqs, num_heads, head_size = query.shape
     if not meta.is_decode_only(num_seqs):
         raise AttentionInputError(
@@ -148,25 +139,21 @@ def decode_split_kv(
         raise AttentionInputError(f"num_splits must be >= 1, got {num_splits}")
     if num_seqs == 0:
         return out
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    qpk, head_p2 = num_heads // num_kv_heads, dot_dim(head_size)
-    tiles = choose_tiles(head_size, 1, qpk, query.element_size(), tile_n)
-    chunk = triton.cdiv(triton.cdiv(max(meta.max_seq_len, 1), num_splits), tiles.tile_n) * tiles.tile_n
+    args = launch_args(query, kv_cache, meta, 1, tile_n)
+    tile = args.tiles.tile_n
+    chunk = triton.cdiv(triton.cdiv(max(meta.max_seq_len, 1), num_splits), tile) * tile
+    head_p2 = args.head_p2
     part_out = torch.empty(
         num_seqs, num_heads, num_splits, head_p2, dtype=torch.float32, device=query.device
     )
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     bt = meta.block_tables
-    _decode_split_kv_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode_split_kv_kernel[(num_seqs, kv_cache.shape[3], num_splits)](
         query, kv_cache, part_out, part_lse, meta.seq_lens, bt,
-        meta.scale, meta.softcap or 0.0, meta.sliding_window or 0, chunk,
+        *args.scalars, chunk,
         query.stride(0), query.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        bt.stride(0),
-        QPK=qpk, BLOCK_H=tiles.block_m, TILE_N=tiles.tile_n, BLOCK_SIZE=block_size,
-        HEAD_SIZE=head_size, HEAD_P2=head_p2,
-        USE_SOFTCAP=meta.softcap is not None, USE_WINDOW=meta.sliding_window is not None,
-        DOT_PRECISION=dot_precision(query.dtype), num_warps=tiles.num_warps,
+        *args.cache_strides, bt.stride(0),
+        BLOCK_H=args.tiles.block_m, **args.constexprs,
     )
     _merge_splits_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,

@@ -17,14 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import (
-    _attend_tile,
-    choose_tiles,
-    dot_dim,
-    dot_precision,
-    refuse_interpreted_bf16,
-)
-from .checks import check_attention
+from .attention_common import _attend_tile, begin_launch, launch_args
 from .metadata import AttentionMetadata
 
 
@@ -123,27 +116,20 @@ def paged_attention(
     tile_n: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context; see module doc."""
-    out = torch.empty_like(query) if out is None else out
-    check_attention(query, kv_cache, meta, out)
-    refuse_interpreted_bf16(_paged_attention_kernel, query.dtype)
-    num_tokens, num_heads, head_size = query.shape
+    out = begin_launch(_paged_attention_kernel, query, kv_cache, meta, out)
+    num_tokens = query.shape[0]
     num_seqs, num_kv_heads = meta.num_seqs, kv_cache.shape[3]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    qpk = num_heads // num_kv_heads
-    tiles = choose_tiles(head_size, num_tokens / num_seqs, qpk, query.element_size(), tile_n)
-    block_q = tiles.block_m // qpk
+    args = launch_args(query, kv_cache, meta, num_tokens / num_seqs, tile_n)
+    block_q = args.tiles.block_m // args.qpk
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     bt = meta.block_tables
     _paged_attention_kernel[grid](
         query, kv_cache, out, meta.query_start_loc, meta.seq_lens, bt,
-        meta.scale, meta.softcap or 0.0, meta.sliding_window or 0, num_seqs,
+        *args.scalars, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        bt.stride(0),
-        QPK=qpk, BLOCK_Q=block_q, BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n,
-        BLOCK_SIZE=kv_cache.shape[2], HEAD_SIZE=head_size, HEAD_P2=dot_dim(head_size),
-        USE_SOFTCAP=meta.softcap is not None, USE_WINDOW=meta.sliding_window is not None,
-        DOT_PRECISION=dot_precision(query.dtype), num_warps=tiles.num_warps,
+        *args.cache_strides, bt.stride(0),
+        BLOCK_Q=block_q, BLOCK_M=args.tiles.block_m, **args.constexprs,
     )
     return out

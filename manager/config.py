@@ -7,12 +7,11 @@ options. Only entry points see this object; inner classes take explicit scalars.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 
 from kvpool.manager.events import check_format
-from kvpool.shared.bind import check_bind, read_secret_file
+from kvpool.shared.bind import check_bind, check_curve_files, read_secret_file
 from kvpool.shared.logs import check_level
 from kvpool.shared.protocol import MAX_MESSAGE_BYTES, MAX_MODEL_LEN, MAX_SUB_OPS, default_endpoint
 
@@ -37,6 +36,9 @@ class ManagerConfig:
     max_total_blocks: int = 1 << 26  # blocks of every pool together (the manager's memory is per block)
     max_model_len: int = 1 << 20  # tokens per request when a pool declares none; the most one may declare
     send_hwm: int = 1000  # replies queued per client; a client that does not read loses replies
+    # after a busy iteration the loop polls without sleeping this long, so a steady stream of steps
+    # never pays a wakeup; adaptive, off while the cores are contended (manager/busy_poll.py); 0: off
+    busy_poll_us: int = 2000
     # -- operating (docs/operating.md) --
     metrics_port: int = 0  # Prometheus /metrics on this TCP port; 0: off (the packaged config: 9400)
     metrics_host: str = "127.0.0.1"  # address the metrics endpoint binds (0.0.0.0: every interface)
@@ -88,6 +90,8 @@ class ManagerConfig:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         if self.max_model_len > MAX_MODEL_LEN:
             raise ValueError(f"max_model_len must be at most {MAX_MODEL_LEN}, got {self.max_model_len}")
+        if type(self.busy_poll_us) is not int or not 0 <= self.busy_poll_us <= 100_000:
+            raise ValueError(f"busy_poll_us must be an int in [0, 100000] microseconds (0: off), got {self.busy_poll_us!r}")
         self._check_ops()
         self._check_durability()
 
@@ -126,14 +130,10 @@ class ManagerConfig:
         if self.events_replay_endpoint and not self.events_endpoint:
             raise ValueError("events_replay_endpoint needs events_endpoint: set both, or neither")
         check_format(self.events_format)
-        key, allowed = self.curve_secret_key_file, self.curve_allowed_keys_dir
-        if bool(key) != bool(allowed):
-            raise ValueError("CURVE needs both curve_secret_key_file (the manager's NAME.key_secret) and "
-                             "curve_allowed_keys_dir (a directory of allowed clients' NAME.key files)")
-        if key and not os.path.isfile(key):
-            raise ValueError(f"curve_secret_key_file {key} does not exist; create it with `kvpool keygen`")
-        if allowed and not os.path.isdir(allowed):
-            raise ValueError(f"curve_allowed_keys_dir {allowed} is not a directory")
+        key = self.curve_secret_key_file
+        check_curve_files(key, self.curve_allowed_keys_dir, needs_both=(
+            "CURVE needs both curve_secret_key_file (the manager's NAME.key_secret) and "
+            "curve_allowed_keys_dir (a directory of allowed clients' NAME.key files)"))
         self.log_level = check_level(self.log_level)
         curve = bool(key)
         check_bind(self.endpoint, curve=curve, insecure=self.insecure, what="endpoint")

@@ -45,6 +45,7 @@ class Shard:
     sid: str | None
     serve: dict | None = None  # where this shard takes generate requests (register's optional field)
     host_kv_bytes: int = 0  # host memory offered for the host tier (0: none)
+    host_kv_policy: str = "demote"  # or "write_through" (manager/core/host_tier.py)
 
     @property
     def host_num_blocks(self) -> int:
@@ -73,6 +74,12 @@ class PoolEntry:
     def host_num_blocks(self) -> int:
         """Blocks of the pool's host tier: the fewest any shard's host memory holds (0: no tier)."""
         return min((s.host_num_blocks for s in self.shards.values()), default=0)
+
+    @property
+    def host_policy(self) -> str:
+        """Write-through only when every shard asks for it (each one runs the copies); else demote."""
+        policies = {s.host_kv_policy for s in self.shards.values()}
+        return "write_through" if policies == {"write_through"} else "demote"
 
 
 def check_pools(pools: Iterable[PoolEntry], sessions: Container[str]) -> None:

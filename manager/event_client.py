@@ -1,8 +1,8 @@
 """A client of the manager's KV-event sockets (manager/events.py): subscribe, and replay first.
 
-``kvpool events`` prints what this reads; a KV-aware router would apply it. The subscription is
-made before any replay, so no batch falls between the buffered ones and the live ones: a
-caller skips live batches whose ``seq`` it already got from the replay.
+``kvpool events`` prints what this reads; a KV-aware router would apply it (``CachedView``). The
+subscription is made before any replay, so no batch falls between the buffered ones and the live
+ones: a caller skips live batches whose ``seq`` it already got from the replay.
 """
 
 from __future__ import annotations
@@ -33,6 +33,38 @@ def read_batch(topic: str, seq: int, payload: bytes) -> EventBatch:
     except (ValueError, msgpack.UnpackException) as e:  # a publisher that is neither kvpool nor vLLM
         return EventBatch(topic, seq, 0.0, [], "?", error=str(e))
     return EventBatch(topic, seq, batch.ts, batch.events, batch.format)
+
+
+DEVICE_MEDIUM = "GPU"  # vLLM's medium for the device tier (an event without one means it too)
+TIER_MEDIUM = {"device": DEVICE_MEDIUM, "host": "CPU"}  # the admin ops' ``tier`` -> the events' medium
+
+
+class CachedView:
+    """A subscriber's copy of one pool's cached hashes, one set per tier keyed by the events'
+    ``medium``: a pool with a host tier holds a hash on the device and on the host
+    independently, so one set would lose the host's copy when the device's is removed. What a
+    tier holds is what the manager's ``cached_hashes`` answers for it (``TIER_MEDIUM``)."""
+
+    def __init__(self) -> None:
+        self.tiers: dict[str, set[bytes]] = {}
+
+    def hashes(self, medium: str = DEVICE_MEDIUM) -> set[bytes]:
+        """The hashes cached in the tier named by ``medium`` (empty for a tier never seen)."""
+        return self.tiers.get(medium, set())
+
+    def apply(self, events: list[dict]) -> None:
+        """Folds decoded events (``EventBatch.events``) in, in order. ``AllBlocksCleared`` names
+        no medium and clears every tier, as vLLM means it."""
+        for ev in events:
+            kind = ev.get("type")
+            if kind == "AllBlocksCleared":
+                self.tiers.clear()
+                continue
+            medium = ev.get("medium") or DEVICE_MEDIUM
+            if kind == "BlockStored":
+                self.tiers.setdefault(medium, set()).update(ev["block_hashes"])
+            elif kind == "BlockRemoved":
+                self.tiers.get(medium, set()).difference_update(ev["block_hashes"])
 
 
 class EventTail:

@@ -38,13 +38,13 @@ def is_admin(sess: Session) -> bool:
     return sess.role == "admin" and sess.admin
 
 
-def owners(reg: Registry, entry: PoolEntry) -> set[str]:
-    """The live sessions holding a shard of the pool."""
-    return {s.sid for s in entry.shards.values() if s.sid is not None and s.sid in reg.sessions}
-
-
 def check_owner(reg: Registry, sess: Session, entry: PoolEntry) -> None:
-    if is_admin(sess) or sess.sid in owners(reg, entry):
+    """``sess`` is live (it sent the message), so it owns the pool when it holds one of its shards."""
+    sid = sess.sid
+    for shard in entry.shards.values():
+        if shard.sid == sid:
+            return
+    if is_admin(sess):
         return
     raise ManagerError("not_owner", f"pool {entry.name!r} belongs to the sessions of its shards; this session "
                        "holds none: register a shard of it first, or use an admin session")
@@ -85,53 +85,84 @@ def max_model_len(bounds: Bounds, entry: PoolEntry) -> int:
     return min([bounds.max_model_len, *declared])
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _count(op: dict, key: str) -> int:
-    v = op.get(key, 0)
-    return v if type(v) is int and v >= 0 else 0  # a bad field is the sub-op's own error, later
+def _counts(op: dict) -> tuple[int, int, int]:
+    """prompt_len, num_tokens, lookahead of a sub-op; 0 for a field that is absent or bad (a bad
+    field is the sub-op's own error, later)."""
+    p, n, la = op.get("prompt_len", 0), op.get("num_tokens", 0), op.get("lookahead", 0)
+    return (p if type(p) is int and p >= 0 else 0, n if type(n) is int and n >= 0 else 0,
+            la if type(la) is int and la >= 0 else 0)
 
 
 def check_step(bounds: Bounds, entry: PoolEntry, owner: str, ops: list) -> None:
     """Refuses (nothing run) a step whose sub-ops ask for more tokens than the pool's
-    max_model_len, or more new or shared blocks in all than ``max_step_blocks``. Block tables
-    are projected through the step (an extend or fork of a request admitted earlier in it)."""
+    max_model_len, or more new or shared blocks in all than ``max_step_blocks``.
+
+    One pass checks the tokens and sums a bound on the blocks that needs no block table: an
+    alloc's exact count, and for an extend the blocks of its whole token count plus one (a
+    copy-on-write of a shared last block), at least what it can add. Only a step over that bound,
+    or with a fork (whose work is its parent's table), is projected exactly (``_projected_work``).
+    A decode step of a few hundred requests is far under the bound and is never projected."""
     limit = max_model_len(bounds, entry)
-    pool = entry.pool
-    bs = pool.block_size  # type: ignore[union-attr]
-    sizes: dict[object, int] = {}  # request -> its block table's size after the sub-ops so far
-
-    def size(req: object) -> int:
-        if req not in sizes:
-            held = pool.requests.get((owner, req)) if type(req) in (int, str) else None  # type: ignore[union-attr]
-            sizes[req] = len(held.blocks) if held is not None else 0
-        return sizes[req]
-
-    work = 0
+    bs = entry.pool.block_size  # type: ignore[union-attr]
+    bound, exact = 0, False
     for i, op in enumerate(ops):
         if type(op) is not dict:
             continue
-        for key in ("prompt_len", "num_tokens", "lookahead"):
-            if _count(op, key) > limit:
-                raise ManagerError("bad_field", f"ops[{i}].{key} is {op[key]}; pool {entry.name!r} takes at most "
-                                   f"{limit} tokens per request (its max_model_len)")
+        get = op.get
+        p, n, la = get("prompt_len", 0), get("num_tokens", 0), get("lookahead", 0)
+        p = p if type(p) is int and p >= 0 else 0
+        n = n if type(n) is int and n >= 0 else 0
+        la = la if type(la) is int and la >= 0 else 0
+        if p > limit or n > limit or la > limit:
+            key = "prompt_len" if p > limit else "num_tokens" if n > limit else "lookahead"
+            raise ManagerError("bad_field", f"ops[{i}].{key} is {op[key]}; pool {entry.name!r} takes at most "
+                               f"{limit} tokens per request (its max_model_len)")
+        kind = get("op")
+        if kind == "extend":
+            bound += -(-(n + la) // bs) + 1
+        elif kind == "alloc":
+            new = get("max_new", 0)
+            bound += -(-(min(new if type(new) is int and new >= 0 else 0, p) + la) // bs) + 1
+        elif kind == "fork":
+            exact = True
+    if exact or bound > bounds.max_step_blocks:
+        work = _projected_work(bs, entry, owner, ops)
+        if work > bounds.max_step_blocks:
+            raise ManagerError("step_too_large", f"this step may hand out or share up to {work} blocks; at most "
+                               f"{bounds.max_step_blocks} per step (max_step_blocks): split it over several steps")
+
+
+def _projected_work(bs: int, entry: PoolEntry, owner: str, ops: list) -> int:
+    """The blocks the step may hand out or share, block tables projected through it (an extend
+    or fork of a request admitted earlier in the step). An extend may need one block beyond its
+    token count (a copy-on-write of a shared last block)."""
+    held = entry.pool.requests  # type: ignore[union-attr]
+    sizes: dict[object, int] = {}  # request -> its block table's size after the sub-ops so far
+    work = 0
+    for op in ops:
+        if type(op) is not dict:
+            continue
+        prompt, tokens, lookahead = _counts(op)
         kind, req = op.get("op"), op.get("req")
-        if type(req) not in (int, str):
+        if type(req) is not int and type(req) is not str:
             continue
         if kind == "alloc":
-            work += _cdiv(min(_count(op, "max_new"), _count(op, "prompt_len")) + _count(op, "lookahead"), bs) + 1
-            sizes[req] = _cdiv(_count(op, "prompt_len") + _count(op, "lookahead"), bs)
-        elif kind == "extend":
-            grown = max(size(req), _cdiv(_count(op, "num_tokens") + _count(op, "lookahead"), bs)) + 1  # +1: a copy
-            work += grown - size(req)
+            new = op.get("max_new", 0)
+            new = new if type(new) is int and new >= 0 else 0
+            work += -(-(min(new, prompt) + lookahead) // bs) + 1
+            sizes[req] = -(-(prompt + lookahead) // bs)
+            continue
+        size = sizes.get(req)
+        if size is None:
+            got = held.get((owner, req))
+            size = len(got.blocks) if got is not None else 0
+        if kind == "extend":
+            grown = max(size, -(-(tokens + lookahead) // bs)) + 1  # +1: a copy
+            work += grown - size
             sizes[req] = grown
         elif kind == "fork" and type(op.get("child")) in (int, str):
-            work += size(req)
-            sizes[op["child"]] = size(req)
+            work += size
+            sizes[op["child"]] = size
         elif kind == "free":
             sizes[req] = 0
-    if work > bounds.max_step_blocks:
-        raise ManagerError("step_too_large", f"this step may hand out or share up to {work} blocks; at most "
-                           f"{bounds.max_step_blocks} per step (max_step_blocks): split it over several steps")
+    return work

@@ -18,6 +18,7 @@ from kvpool.manager.health import pool_health
 from kvpool.manager.registry import PoolEntry, Registry, Session
 from kvpool.manager.stats import ServerStats
 from kvpool.shared.protocol import (
+    HOST_POLICIES,
     MAX_HASHES,
     POOL_NAME,
     PROTOCOL_VERSION,
@@ -60,6 +61,7 @@ def pool_info(entry: PoolEntry) -> dict:
     }
     if pool is not None and pool.host is not None:  # a pool without a host tier: as before
         info["host_num_blocks"] = pool.host.num_blocks
+        info["host_policy"] = pool.host.policy
     return info
 
 
@@ -153,12 +155,16 @@ class Handlers:
             raise bad_field("max_model_len", f"an int in [1, {self.bounds.max_model_len}]", spec.max_model_len)
         available = get_int(args, "available_kv_bytes", 0, U63)
         host_kv_bytes = get_int(args, "host_kv_bytes", 0, U63) if "host_kv_bytes" in args else 0
+        host_kv_policy = args.get("host_kv_policy", "demote")
+        if host_kv_policy not in HOST_POLICIES:
+            raise bad_field("host_kv_policy", " or ".join(f'"{p}"' for p in HOST_POLICIES), host_kv_policy)
         replace = args.get("replace", False)
         if type(replace) is not bool:
             raise bad_field("replace", "a bool", replace)
         serve = check_serve(args["serve"]) if "serve" in args else None  # where rank 0 takes generate requests
         check_register(self.reg, self.bounds, sess, name, rank, incarnation, available // spec.block_bytes, replace)
-        entry = self.reg.register(sess, name, rank, count, incarnation, spec, available, serve, host_kv_bytes)
+        entry = self.reg.register(sess, name, rank, count, incarnation, spec, available, serve, host_kv_bytes,
+                                  host_kv_policy)
         return {**pool_info(entry), "max_model_len": max_model_len(self.bounds, entry)}
 
     def step(self, sess: Session, args: dict, now: float) -> dict:
@@ -225,6 +231,11 @@ class Handlers:
             snap = entry.pool.snapshot_stats() if entry.pool is not None else {}
             pools[name] = {**snap, "state": entry.state, "epoch": entry.epoch, "shard_count": entry.shard_count,
                            **pool_health(entry, reg.sessions).as_dict()}
+        if _flag(args, "message_rows"):  # every recent message's timings, for a benchmark to join
+            if not sess.admin:
+                raise ManagerError("forbidden", "stats with message_rows is for admin sessions: hello with role "
+                                   "'admin' (and the admin key, when the manager has one)")
+            manager["message_rows"] = self.counters.message_times.columns()
         return {"manager": manager, "pools": pools, "store": self.store_stats()}
 
     # -- admin -----------------------------------------------------------------------------
@@ -320,9 +331,11 @@ class Handlers:
                 "requests": self.reg.total_requests()}
 
     def cached_hashes(self, sess: Session, args: dict, now: float) -> dict:
-        """The pool's prefix-cache keys (what a KV-event subscriber should hold), sorted."""
+        """One tier's prefix-cache keys (what a KV-event subscriber holds for that tier's
+        ``medium``), sorted; the device tier unless ``tier`` says "host"."""
         entry, pool = self.reg.ready_pool(args.get("pool"))
         limit = get_int(args, "limit", 1, MAX_HASHES, default=MAX_HASHES)
-        cached = pool.blocks.cached
-        return {"pool": entry.name, "epoch": entry.epoch, "total": len(cached),
+        tier = check_tier(args, pool)
+        cached = pool.host.blocks.cached if tier == "host" else pool.blocks.cached  # type: ignore[union-attr]
+        return {"pool": entry.name, "epoch": entry.epoch, "tier": tier, "total": len(cached),
                 "hashes": sorted(cached)[:limit], "event_batches": self.counters.event_batches}

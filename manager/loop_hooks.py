@@ -6,6 +6,7 @@ Everything here is optional (docs/operating.md) and driven by the loop's thread,
     start(ctx, sock, pub)     after binding: KV-event PUB/replay sockets, the metrics endpoint
     ready()                   once the store's state is recovered: READY=1
     wait(sock, timeout_ms)    instead of ``sock.poll``: also serves event replay requests
+    ready_now(sock)           the same without blocking, cheap: the busy-poll loop's check
     tick(now)                 every iteration: WATCHDOG=1, STATUS=, metrics text, key reloads
     stopping(), close()
 
@@ -29,6 +30,7 @@ from kvpool.shared.notify import Notifier
 
 logger = logging.getLogger(__name__)
 STATUS_EVERY_S = 5.0  # systemd STATUS= refresh
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: the busy-poll asks this in a loop
 
 
 class LoopHooks:
@@ -89,6 +91,13 @@ class LoopHooks:
         if self.events is not None and (self.events.replays or self.events.replay_socket in ready):
             self.events.serve_replay()  # a bounded slice of the replays in progress
         return sock in ready
+
+    def ready_now(self, sock: zmq.Socket) -> bool:
+        """``wait(sock, 0)`` for the busy-poll loop: without a replay socket, one getsockopt
+        (no Poller built, no poll(2) when a command is already queued)."""
+        if self._poller is None:
+            return bool(sock.getsockopt(_EVENTS) & _POLLIN)
+        return self.wait(sock, 0)
 
     def ready(self) -> None:
         self.notifier.ready(f"serving {self.cfg.endpoint}: {self.status()}")

@@ -42,6 +42,7 @@ HOST_COUNTERS = (
     ("kvpool_pool_host_hit_tokens_total", "host_hit_tokens", "Prompt tokens served by loads from the host tier"),
     ("kvpool_pool_host_saves_total", "host_saves", "Device-to-host block saves ordered (demotions)"),
     ("kvpool_pool_host_loads_total", "host_loads", "Host-to-device block loads ordered"),
+    ("kvpool_pool_host_writes_total", "host_writes", "Device-to-host block writes ordered (write-through policy)"),
 )
 MANAGER_COUNTERS = (
     ("kvpool_messages_total", "messages", "Request payloads received (bad ones included)"),

@@ -14,7 +14,8 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
     ["register", sid, pool, rank, count, incarnation, spec, available_kv_bytes, max_blocks, max_pools]
                                                             (+ serve, only when the worker announced one
                                                              or host_kv_bytes follows; + host_kv_bytes,
-                                                             only when > 0)
+                                                             only when > 0 or a policy follows;
+                                                             + host_kv_policy, only when not "demote")
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]   ["drop", pool] (PoolDropped)
     (reset and evict + tier "host" for the host tier)
@@ -58,6 +59,7 @@ class ShardRegistered:
     max_pools: int
     serve: dict | None = None  # {endpoint, model, max_model_len}: where rank 0 takes generate requests
     host_kv_bytes: int = 0  # host memory offered for the pool's host tier (0: none)
+    host_kv_policy: str = "demote"  # or "write_through"
 
 
 @dataclass(frozen=True)
@@ -115,10 +117,12 @@ def to_wire(rec: Mutation) -> list:
         wire.pop()  # the layout of journals from before the host tier
     if type(rec) is ShardRegistered:
         wire[6] = rec.spec.to_wire()
-        if not rec.host_kv_bytes:  # no host tier: the layout of journals from before it
+        if rec.host_kv_policy == "demote":  # the layout of journals from before the choice
             wire.pop()
-            if rec.serve is None:
-                wire.pop()  # records without serve keep their original layout
+            if not rec.host_kv_bytes:  # no host tier: the layout of journals from before it
+                wire.pop()
+                if rec.serve is None:
+                    wire.pop()  # records without serve keep their original layout
     return wire
 
 

@@ -1,6 +1,7 @@
-"""How a pool forms from its shards: whether a registering shard fits the pool, and the Pool and
-epoch a pool gets once every shard has registered. ``Registry._register`` (manager/registry.py)
-calls these on the entries it owns; neither touches anything but the entry it is given.
+"""How a pool forms from its shards: whether a registering shard is valid and fits the pool,
+the Pool and epoch a pool gets once every shard has registered, and which shards a pool keeps
+when some leave. ``Registry`` (manager/registry.py) calls these on the entries it owns; none
+touches anything but the entry or record it is given.
 """
 
 from __future__ import annotations
@@ -10,9 +11,34 @@ from collections.abc import Container
 
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.entries import COMMON_SPEC, PoolEntry
+from kvpool.manager.mutations import ShardRegistered
 from kvpool.shared.protocol import KVSpec, ManagerError
 
 logger = logging.getLogger(__name__)
+
+
+def shard_blocks(rec: ShardRegistered) -> int:
+    """The blocks a registering shard's KV memory holds; refuses a rank outside the pool and
+    memory for fewer than 2 blocks (block 0 is the null block). Changes nothing."""
+    if rec.rank >= rec.count:
+        raise ManagerError("bad_field", f"shard_rank {rec.rank} must be < shard_count {rec.count}")
+    per_block = rec.spec.block_bytes
+    num_blocks = rec.available_kv_bytes // per_block
+    if num_blocks < 2:
+        raise ManagerError(
+            "insufficient_memory",
+            f"shard {rec.rank} of pool {rec.pool!r}: {rec.available_kv_bytes} KV bytes hold "
+            f"{num_blocks} blocks of {per_block} bytes; at least 2 are needed: free memory or use "
+            "a smaller block_size",
+        )
+    return num_blocks
+
+
+def remove_shards(entry: PoolEntry, ranks: list[int]) -> None:
+    """Forgets the shards ``ranks`` of ``entry``; when all of them go, one stays (its session
+    gone) so the pool keeps its spec for the shards that return."""
+    for r in ranks if len(ranks) < len(entry.shards) else ranks[1:]:
+        del entry.shards[r]
 
 
 def compatible(entry: PoolEntry, rank: int, count: int, spec: KVSpec, sessions: Container[str]) -> bool:
@@ -46,19 +72,19 @@ def compatible(entry: PoolEntry, rank: int, count: int, spec: KVSpec, sessions: 
         "pool must run the same model, block_size, dtype and shard_count",
     )
 
-def new_epoch(entry: PoolEntry, max_blocks: int) -> None:
+def new_epoch(entry: PoolEntry, max_blocks: int, kv_events: bool = True) -> None:
     """Every shard has registered: the entry gets a Pool of the fewest blocks any shard holds
-    (at most ``max_blocks``) and the next epoch."""
+    (at most ``max_blocks``) and the next epoch; its KV events are queued when ``kv_events``."""
     num_blocks = min(s.num_blocks for s in entry.shards.values())
     if num_blocks > max_blocks:
         logger.warning("pool %s: %d blocks clamped to max_blocks %d", entry.name, num_blocks, max_blocks)
         num_blocks = max_blocks
     restarted = entry.epoch > 0  # an earlier Pool of this name had cached hashes
     entry.epoch += 1
-    entry.pool = Pool(num_blocks, entry.spec["block_size"], enable_events=True,
-                      host_blocks=min(entry.host_num_blocks, max_blocks))
+    entry.pool = Pool(num_blocks, entry.spec["block_size"], enable_events=kv_events,
+                      host_blocks=min(entry.host_num_blocks, max_blocks), host_policy=entry.host_policy)
     if restarted:
-        entry.pool.blocks.restate_events()  # the new pool is empty: a clear
+        entry.pool.restate_events()  # the new pool is empty, both tiers: a clear
         logger.warning("pool %s: a shard restarted; epoch %d, cache and requests dropped", entry.name, entry.epoch)
     else:
         logger.info("pool %s ready: %d blocks, epoch %d", entry.name, num_blocks, entry.epoch)

@@ -37,7 +37,7 @@ from kvpool.manager.mutations import (
     ShardRegistered,
     StepRan,
 )
-from kvpool.manager.pool_forming import compatible, new_epoch
+from kvpool.manager.pool_forming import compatible, new_epoch, remove_shards, shard_blocks
 from kvpool.shared.protocol import KVSpec, ManagerError, short_repr
 
 logger = logging.getLogger(__name__)
@@ -52,8 +52,13 @@ class Registry:
         max_sessions: int = 4096,
         max_pools: int = 256,
         max_blocks: int = 1 << 22,
+        kv_events: bool = True,
     ) -> None:
         self.incarnation = incarnation
+        # Whether new pools queue KV events: False when nothing can ever receive them (the manager
+        # publishes to no socket), which saves a third of a prefill step's CPU. What a subscriber
+        # sees is unchanged: there is none. A pool recovered from a store queues them regardless.
+        self.kv_events = kv_events
         self.session_timeout_s = session_timeout_s
         self.max_sessions, self.max_pools, self.max_blocks = max_sessions, max_pools, max_blocks
         self.sessions: dict[str, Session] = {}
@@ -98,16 +103,27 @@ class Registry:
 
     def adopt(self, other: Registry) -> None:
         """Takes over the state a store loaded into ``other``; this object (which the loop,
-        the handlers and the metrics hold) stays, with its incarnation and limits."""
+        the handlers and the metrics hold) stays, with its incarnation and limits.
+
+        A subscriber ends with the adopted view: each adopted pool restates its cache (a clear,
+        then every hash), and each pool that had a cache here but has none in ``other`` (gone
+        after a start-over or a reload, or not formed there) gets ``AllBlocksCleared`` on its
+        topic, without which a subscriber would keep hashes the manager no longer has."""
+        vanished = [(name, entry.epoch) for name, entry in self.pools.items()
+                    if entry.pool is not None and entry.pool.blocks.events_enabled
+                    and (name not in other.pools or other.pools[name].pool is None)]
         self.sessions, self.pools, self.draining = other.sessions, other.pools, other.draining
         self.next_num, self.state_id, self.durable = other.next_num, other.state_id, other.durable
         self.seq = other.seq
         self.log, self.dirty = other.log, set()
-        self.orphan_events = []
+        self.orphan_events = [(name, epoch, [AllBlocksCleared()]) for name, epoch in vanished]
         for entry in self.pools.values():
             if entry.pool is not None:
-                # Subscribers resynchronise to the recovered cache, whatever they saw before.
-                entry.pool.blocks.restate_events()
+                entry.pool.set_events(self.kv_events)  # a store loads pools with events on
+                # Subscribers resynchronise to the recovered cache, both tiers, whatever they saw
+                # before: the host map was journaled, and the workers that keep their process keep
+                # the host tensors it names (a new incarnation starts a new epoch, dropping both).
+                entry.pool.restate_events()
 
     # -- sessions --------------------------------------------------------------------------
 
@@ -160,8 +176,7 @@ class Registry:
     def _lose_shards(self, entry: PoolEntry, ranks: list[int]) -> None:
         """Shards of a multi-shard pool are gone: no block of the pool is whole any more. When all
         go, one stays (unbound) so the pool keeps its spec; the others' return re-forms it."""
-        for r in ranks if len(ranks) < len(entry.shards) else ranks[1:]:
-            del entry.shards[r]
+        remove_shards(entry, ranks)
         self._drop_pool(entry)
         entry.epoch += 1
         self.dirty.add(entry.name)
@@ -171,8 +186,7 @@ class Registry:
     def _forget_pending_shards(self, entry: PoolEntry, ranks: list[int]) -> None:
         """A waiting pool must not form with a shard whose process is gone: its registration is
         forgotten (one stays, unbound, when it is the last, so the pool keeps its spec)."""
-        for r in ranks if len(ranks) < len(entry.shards) else ranks[1:]:
-            del entry.shards[r]
+        remove_shards(entry, ranks)
         self.dirty.add(entry.name)
         logger.info("pool %s: shards %s left before the pool formed", entry.name, ranks)
 
@@ -202,11 +216,12 @@ class Registry:
         self, sess: Session, name: str, rank: int, count: int, incarnation: str, spec: KVSpec, available: int,
         serve: dict | None = None,
         host_kv_bytes: int = 0,
+        host_kv_policy: str = "demote",
     ) -> PoolEntry:
         """Registers one shard (idempotent for the same incarnation); see the module docstring.
         Who may (ownership, ``replace``) is checked before, in manager/guards.py."""
         rec = ShardRegistered(sess.sid, name, rank, count, incarnation, spec, available, self.max_blocks,
-                              self.max_pools, serve, host_kv_bytes)
+                              self.max_pools, serve, host_kv_bytes, host_kv_policy)
         return self.apply(rec, 0.0)  # type: ignore[return-value]
 
     def _register(self, rec: ShardRegistered) -> PoolEntry:
@@ -215,16 +230,7 @@ class Registry:
         sess = self.sessions[rec.sid]
         name, rank, count, incarnation, spec, available = (
             rec.pool, rec.rank, rec.count, rec.incarnation, rec.spec, rec.available_kv_bytes)
-        if rank >= count:
-            raise ManagerError("bad_field", f"shard_rank {rank} must be < shard_count {count}")
-        per_block = spec.block_bytes
-        num_blocks = available // per_block
-        if num_blocks < 2:
-            raise ManagerError(
-                "insufficient_memory",
-                f"shard {rank} of pool {name!r}: {available} KV bytes hold {num_blocks} blocks of "
-                f"{per_block} bytes; at least 2 are needed: free memory or use a smaller block_size",
-            )
+        num_blocks = shard_blocks(rec)
         entry = self.pools.get(name)
         if entry is None:
             if len(self.pools) >= rec.max_pools:
@@ -235,7 +241,8 @@ class Registry:
             entry = self.pools[name] = PoolEntry(name, count, epoch=entry.epoch)
         old = entry.shards.get(rank)
         if old is not None and old.incarnation == incarnation:
-            if old.spec != spec or old.available_kv_bytes != available or old.host_kv_bytes != rec.host_kv_bytes:
+            if (old.spec != spec or old.available_kv_bytes != available or old.host_kv_bytes != rec.host_kv_bytes
+                    or old.host_kv_policy != rec.host_kv_policy):
                 raise ManagerError(
                     "shard_conflict",
                     f"shard {rank} of pool {name!r} is registered as incarnation {incarnation!r} with "
@@ -245,9 +252,9 @@ class Registry:
             old.serve = rec.serve
             return entry
         entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid, rec.serve,
-                                   rec.host_kv_bytes)
+                                   rec.host_kv_bytes, rec.host_kv_policy)
         if len(entry.shards) == entry.shard_count:
-            new_epoch(entry, rec.max_blocks)
+            new_epoch(entry, rec.max_blocks, self.kv_events)
         self.dirty.add(name)
         return entry
 

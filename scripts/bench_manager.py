@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 from manager_daemon import start_daemon
+from rtt_breakdown import StepTimes, attribute, join, tail_line
 
 from kvpool.manager.core.bench import run_trace
 from kvpool.manager.core.pool import Pool
@@ -68,11 +69,9 @@ def alloc_ops(share: list[np.ndarray]) -> Iterator[dict]:
 
 def drive(allocs: Iterator[dict], batch: int, do_step: Callable[[list[dict]], list[dict]]) -> dict:
     """Steps: free the previous step's requests, admit up to ``batch`` new ones; retries no_space."""
-    rtts: list[float] = []
     alive: list[int] = []
     waiting: list[dict] = []
     cached = prompt_tokens = 0
-    clock = time.perf_counter
     more = True
     while more or alive or waiting:
         ops: list[dict] = [{"op": "free", "req": r} for r in alive]
@@ -82,9 +81,7 @@ def drive(allocs: Iterator[dict], batch: int, do_step: Callable[[list[dict]], li
             more = op is not None
             if more:
                 new.append(op)
-        t0 = clock()
         results = do_step(ops + new)
-        rtts.append(clock() - t0)
         alive, waiting = [], []
         for op, res in zip(new, results[len(ops):]):
             if res["ok"]:
@@ -95,7 +92,7 @@ def drive(allocs: Iterator[dict], batch: int, do_step: Callable[[list[dict]], li
                 waiting.append(op)
             else:
                 raise RuntimeError(f"alloc failed: {res}")
-    return {"rtts": rtts, "cached_tokens": cached, "prompt_tokens": prompt_tokens}
+    return {"cached_tokens": cached, "prompt_tokens": prompt_tokens}
 
 
 def client_main(endpoint: str, shard_file: str, out_file: str, epoch: int, batch: int, prehash: bool) -> None:
@@ -110,13 +107,18 @@ def client_main(endpoint: str, shard_file: str, out_file: str, epoch: int, batch
     client.hello()
     print("ready", flush=True)
     sys.stdin.readline()  # the parent's "go"
-    t_start = time.perf_counter()
-    res = drive(allocs, batch, lambda ops: client.step(POOL, epoch, ops))
+    timed = StepTimes(lambda ops: client.begin_step(POOL, epoch, ops), client.end_step)
+    t_start, wait0 = time.perf_counter(), run_delay(os.getpid())
+    res = drive(allocs, batch, timed.step)
     t_end = time.perf_counter()
+    res["cpu_wait_s"] = run_delay(os.getpid()) - wait0
+    timed.close()
+    session = client.session
     client.deregister()
     client.close()
-    np.save(out_file, np.array(res.pop("rtts")))
-    print(json.dumps({"start": t_start, "end": t_end, "requests": len(share), **res}), flush=True)
+    np.savez(out_file, **timed.columns())
+    print(json.dumps({"start": t_start, "end": t_end, "requests": len(share), "session": session,
+                      "gc_s": timed.gc_s, **res}), flush=True)
 
 
 def in_process_steps(shard_files: list[str], batch: int) -> dict:
@@ -157,20 +159,20 @@ def run_daemon(endpoint: str, shard_files: list[str], batch: int, prehash: bool,
         reg = admin.register(POOL, shard_rank=0, shard_count=1, incarnation="bench", spec=SPEC,
                              available_kv_bytes=TraceConfig.num_blocks * KVSpec.from_wire(SPEC).block_bytes)
         for k, shard in enumerate(shard_files):
-            cmd = [sys.executable, __file__, "--client", endpoint, shard, os.path.join(tmp, f"rtt{k}.npy"),
+            cmd = [sys.executable, __file__, "--client", endpoint, shard, os.path.join(tmp, f"steps{k}.npz"),
                    str(reg["epoch"]), str(batch), str(int(prehash))]
             procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for p in procs:
             assert p.stdout.readline().strip() == "ready", "a client failed to start"
-        sched0 = run_delay(daemon.pid)
+        sched0, others0 = run_delay(daemon.pid), other_threads_delay(daemon.pid)
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
         outs = [json.loads(p.stdout.readline()) for p in procs]
-        waited = run_delay(daemon.pid) - sched0
+        waited, others = run_delay(daemon.pid) - sched0, other_threads_delay(daemon.pid) - others0
         for p in procs:
             p.wait(60)
-        all_stats = admin.stats()
+        all_stats = admin.call("stats", message_rows=True)
         server, store = all_stats["manager"], all_stats.get("store", {})
         admin.call("shutdown")
         admin.close()
@@ -179,21 +181,37 @@ def run_daemon(endpoint: str, shard_files: list[str], batch: int, prehash: bool,
         for p in [*procs, daemon]:
             if p.poll() is None:
                 p.kill()
-    rtts = np.concatenate([np.load(os.path.join(tmp, f"rtt{k}.npy")) for k in range(len(shard_files))])
+    steps = {o["session"]: dict(np.load(os.path.join(tmp, f"steps{k}.npz"))) for k, o in enumerate(outs)}
+    rtts = np.concatenate([c["recv"] - c["begin"] for c in steps.values()])
+    tail = attribute(join(steps, server.pop("message_rows")))
+    step_msgs = server["message_recent"].get("step", {})
     n = sum(o["requests"] for o in outs)
     wall = max(o["end"] for o in outs) - min(o["start"] for o in outs)
     return {
         "requests": n,
+        "clients": len(outs),
         "seconds": wall,
         "requests_per_s": n / wall,
         "steps": len(rtts),
         "rtt_p50_us": float(np.percentile(rtts, 50) * 1e6),
         "rtt_p99_us": float(np.percentile(rtts, 99) * 1e6),
         "prefix_hit_rate": sum(o["cached_tokens"] for o in outs) / sum(o["prompt_tokens"] for o in outs),
-        "daemon_iteration_p50_us": server["iteration_latency"]["p50"] * 1e6,
-        "daemon_iteration_p99_us": server["iteration_latency"]["p99"] * 1e6,
+        "daemon_iteration_p50_us": server["iteration_recent"]["p50"] * 1e6,
+        "daemon_iteration_p99_us": server["iteration_recent"]["p99"] * 1e6,
+        "daemon_iteration_cpu_p50_us": server["iteration_recent"]["cpu_p50"] * 1e6,
+        "daemon_iteration_cpu_p99_us": server["iteration_recent"]["cpu_p99"] * 1e6,
+        "daemon_iteration_messages_max": server["iteration_recent"]["messages_max"],
+        "client_cpu_wait_s": sum(o["cpu_wait_s"] for o in outs),
         "daemon_cpu_wait_s": waited,
+        "daemon_io_cpu_wait_s": others,
         "daemon_messages_per_iteration": server["messages"] / max(1, server["iteration_latency"]["count"]),
+        "daemon_step_service_p50_us": step_msgs.get("service_p50", 0.0) * 1e6,
+        "daemon_step_service_p99_us": step_msgs.get("service_p99", 0.0) * 1e6,
+        "daemon_step_cpu_p50_us": step_msgs.get("cpu_p50", 0.0) * 1e6,
+        "daemon_step_cpu_p99_us": step_msgs.get("cpu_p99", 0.0) * 1e6,
+        "client_gc_s": sum(o["gc_s"] for o in outs),
+        "daemon_gc": server["gc"],
+        "tail": tail,
         "manager_errors": server["errors"],
         "manager_dropped": server["dropped"],
         "store": store,
@@ -207,6 +225,23 @@ def run_delay(pid: int) -> float:
             return int(fh.read().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def other_threads_delay(pid: int) -> float:
+    """run_delay of the process's threads but its main one (ZeroMQ's I/O thread, which moves
+    every message in and out of the daemon)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+    except OSError:
+        return 0.0
+    total = 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                total += int(fh.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            pass  # a thread that ended meanwhile
+    return total
 
 
 def compare(inproc: dict, daemon: dict) -> dict:
@@ -224,10 +259,25 @@ def report(title: str, r: dict) -> None:
     print(f"    step round trip p50 {d['rtt_p50_us']:,.0f} us, p99 {d['rtt_p99_us']:,.0f} us: "
           f"p99/p50 {r['p99_over_p50']:.2f} (target <= 2.00); {d['steps']:,} steps, "
           f"manager errors {d['manager_errors'] or 'none'}")
-    print(f"    where the tail is: the daemon's busy iterations p50 <= {d['daemon_iteration_p50_us']:,.0f} us, "
-          f"p99 <= {d['daemon_iteration_p99_us']:,.0f} us ({d['daemon_messages_per_iteration']:.1f} messages each); "
-          f"the daemon waited {d['daemon_cpu_wait_s'] * 1e3:,.0f} ms for a CPU while runnable "
-          f"({d['daemon_cpu_wait_s'] / d['seconds']:.0%} of the run, taken by the clients and other processes)")
+    print(f"    where the tail is: the daemon's busy iterations take p50 {d['daemon_iteration_p50_us']:,.0f} us, "
+          f"p99 {d['daemon_iteration_p99_us']:,.0f} us ({d['daemon_messages_per_iteration']:.1f} messages each, "
+          f"up to {d['daemon_iteration_messages_max']}) of which its own CPU p50 "
+          f"{d['daemon_iteration_cpu_p50_us']:,.0f} us, p99 {d['daemon_iteration_cpu_p99_us']:,.0f} us "
+          f"(own-work p99/p50 {d['daemon_iteration_cpu_p99_us'] / d['daemon_iteration_cpu_p50_us']:.2f}); "
+          f"waiting for a CPU while runnable: the daemon {d['daemon_cpu_wait_s'] / d['seconds']:.0%} of the run "
+          f"(its ZeroMQ I/O thread {d['daemon_io_cpu_wait_s'] / d['seconds']:.0%}), "
+          f"each client {d['client_cpu_wait_s'] / d['clients'] / d['seconds']:.0%} on average "
+          f"(machine load {os.getloadavg()[0]:.1f})")
+    t = d["tail"]
+    print(f"    per step message in the daemon (its own rows, joined to the clients' steps: {t['steps']:,}): "
+          f"handling p50 {d['daemon_step_service_p50_us']:,.0f} us, p99 {d['daemon_step_service_p99_us']:,.0f} us "
+          f"(p99/p50 {d['daemon_step_service_p99_us'] / d['daemon_step_service_p50_us']:.2f}), its own CPU p50 "
+          f"{d['daemon_step_cpu_p50_us']:,.0f} us, p99 {d['daemon_step_cpu_p99_us']:,.0f} us "
+          f"(p99/p50 {d['daemon_step_cpu_p99_us'] / d['daemon_step_cpu_p50_us']:.2f}); queueing behind other "
+          f"clients' messages p50 {t['queue_p50_us']:,.0f} us, p99 {t['queue_p99_us']:,.0f} us: "
+          f"{t['queue_share']:.0%} of all round-trip time; GC: the clients {d['client_gc_s'] * 1e3:,.1f} ms in all, "
+          f"the daemon {d['daemon_gc']['collections']} idle collections, longest {d['daemon_gc']['max_s'] * 1e3:,.2f} ms")
+    print(f"    tail: {tail_line(t)}")
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 
 One seeded trace (long-tailed lognormal prompt and output lengths; a share of requests start with
 one of a few shared system prompts; another share asks for n=4 parallel samples) is replayed
-token by token against four strategies holding the same number of KV token slots:
+token by token against five strategies holding the same number of KV token slots:
 
   static         each sequence reserves max_model_len contiguous slots (first-fit allocator).
   doubling       each sequence holds a contiguous region of pow2 >= prompt+1 slots; when full it
@@ -11,6 +11,11 @@ token by token against four strategies holding the same number of KV token slots
   paged          the real kvpool.manager.core.pool.Pool, enable_caching=False; n samples = n requests.
   paged+prefix   the real Pool with prefix caching; n samples = 1 allocation + (n-1) forks that
                  share the prompt copy-on-write (the worker copies a shared partial block).
+  paged+host     paged+prefix with the pool's host tier behind the device blocks (--host-budget-x
+                 times as many host blocks, default 4: 32 GiB of host memory at the default budget;
+                 --host-policy, default demote): evicted cached blocks are saved there and a prefix
+                 found there is loaded back. Host memory is outside the budget: the device metrics
+                 are paged+prefix's, the prefix hit rate counts the host tier's hits too.
 
 Time is in steps. Requests arrive as a Poisson stream (--arrival-rate per step, default 1: faster
 than any strategy serves them, so memory limits the batch; 0: all at step 0). A step: (1) admit
@@ -38,7 +43,9 @@ Metrics, all over the same pool of ``budget_tokens`` slots (paged: (num_blocks -
   bytes copied         doubling: written KV moved by reallocations; paged+prefix: whole blocks
                        copied on copy-on-write; others 0. KV bytes per token: --kv-bytes (default
                        Llama-3-8B, 2 * 32 layers * 8 kv heads * 128 * 2 bytes = 128 KiB).
-  prefix hit rate      prompt tokens served from the prefix cache / prompt tokens looked up.
+  prefix hit rate      prompt tokens served from the prefix cache / prompt tokens looked up
+                       (paged+host: host_hit_rate of them from the host tier, and
+                       host_bytes_copied between the tiers: saves, writes and loads).
   steps                steps to drain the trace; useful decode tokens per step is a memory-bound
                        throughput proxy (it ignores that a bigger batch makes a slower step).
   preemptions          requests restarted; discarded_tokens: KV slots they had written.
@@ -52,7 +59,8 @@ Metrics, all over the same pool of ``budget_tokens`` slots (paged: (num_blocks -
 
 End to end (--e2e): tokens/s of the real worker (scripts/bench_worker.py) in its
 static, paged and paged+prefix modes at one KV budget, on a trace with shared system prompts; its
-results go into the JSON under "end_to_end" and into e2e.png. Doubling has no real worker.
+results go into the JSON under "end_to_end" and into e2e.png. Doubling has no real worker;
+the host tier's real-worker comparison is scripts/bench_tier.py.
 The code lives in scripts/memsim/ (trace, contiguous, paged, sim, report, e2e).
 """
 
@@ -82,6 +90,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-bytes", type=int, default=d.kv_bytes_per_token, help="KV bytes per token")
     ap.add_argument("--arrival-rate", type=float, default=d.arrival_rate, help="requests per step; 0: all at once")
     ap.add_argument("--watermark", type=float, default=d.watermark)
+    ap.add_argument("--host-budget-x", type=float, default=d.host_budget_x,
+                    help="paged+host: host tier blocks per device block")
+    ap.add_argument("--host-policy", choices=("demote", "write_through"), default=d.host_policy,
+                    help="paged+host: when blocks are copied to the host tier")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--check", action="store_true", help="check the accounting and pool invariants every step")
     ap.add_argument("--no-plots", action="store_true")
@@ -99,7 +111,8 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
     if args.budget_tokens is not None:
         size["budget_tokens"] = args.budget_tokens
     return SimConfig(max_model_len=args.max_model_len, block_size=args.block_size, kv_bytes_per_token=args.kv_bytes,
-                     arrival_rate=args.arrival_rate, watermark=args.watermark, seed=args.seed, **size)
+                     arrival_rate=args.arrival_rate, watermark=args.watermark, seed=args.seed,
+                     host_budget_x=args.host_budget_x, host_policy=args.host_policy, **size)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -7,6 +7,8 @@
   their own socket at the path, and read what clients send (admin keys included).
 - ``check_bind(endpoint, curve, insecure)``: a TCP endpoint on an address other than loopback
   must use CURVE, unless the operator says ``--insecure`` (a trusted, isolated network).
+- ``check_connect(endpoint, curve, insecure)``: the same rule for a client's connection (the
+  front door's to managers and workers): what it sends would cross the network in clear text.
 
 - ``read_secret_file(path)``: a key kept in a file of mode 0600 (never on a command line, where
   ``/proc/PID/cmdline`` shows it to every local user).
@@ -79,6 +81,26 @@ def check_bind(endpoint: str, *, curve: bool, insecure: bool, what: str = "endpo
     raise BindRefused(f"{what} {endpoint} is reachable from other hosts without CURVE: anyone there could "
                       "connect. Configure CURVE keys (`kvpool keygen`; curve_secret_key_file and "
                       "curve_allowed_keys_dir), bind 127.0.0.1, or pass --insecure on a trusted network")
+
+
+def check_connect(endpoint: str, *, curve: bool, insecure: bool, what: str = "endpoint") -> None:
+    """Refuses to connect to a non-loopback TCP ``endpoint`` without CURVE unless ``insecure``."""
+    if curve or insecure or is_loopback_tcp(endpoint):
+        return
+    raise BindRefused(f"{what} {endpoint} is on the network and CURVE is off: requests (and admin keys) would "
+                      "cross it in clear text. Give this client's CURVE keys (the server's public key and "
+                      "--curve-key-file), or pass --insecure on a trusted network")
+
+
+def check_curve_files(key: str | None, allowed: str | None, *, needs_both: str) -> None:
+    """A CURVE server's files (curve_secret_key_file, curve_allowed_keys_dir): both or neither,
+    and both present. ``needs_both``: the message when only one is set, naming whose files."""
+    if bool(key) != bool(allowed):
+        raise ValueError(needs_both)
+    if key and not os.path.isfile(key):
+        raise ValueError(f"curve_secret_key_file {key} does not exist; create it with `kvpool keygen`")
+    if allowed and not os.path.isdir(allowed):
+        raise ValueError(f"curve_allowed_keys_dir {allowed} is not a directory")
 
 
 def read_secret_file(path: str, what: str) -> str:

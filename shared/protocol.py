@@ -44,6 +44,7 @@ MAX_MESSAGE_BYTES = 8 << 20  # a larger request gets "too_large"
 MAX_SUB_OPS = 1024  # sub-ops in one step message
 MAX_MODEL_LEN = 1 << 24  # the most tokens per request any spec may declare (a manager's own bound is lower)
 MAX_HASHES = 1 << 17  # hashes in one lookup/locate, or one sub-op (2M tokens at block_size 16)
+HOST_POLICIES = ("demote", "write_through")  # register.host_kv_policy: when blocks reach the host tier
 ROLES = ("worker", "admin", "router", "observer")
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}\Z")

@@ -36,7 +36,8 @@ def spec_num_blocks(spec: KVSpec, available_kv_bytes: int) -> int:
 class BlockManager(Protocol):
     pool: str
 
-    def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0) -> dict: ...
+    def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0,
+                 host_kv_policy: str = "demote") -> dict: ...
 
     def step(self, ops: list[dict]) -> list[dict]: ...
 
@@ -66,16 +67,19 @@ class LocalBlockManager:
         self.draining = False  # as the daemon's drain: allocations are refused
         self._pool: Pool | None = None
 
-    def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0) -> dict:
+    def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0,
+                 host_kv_policy: str = "demote") -> dict:
         num_blocks = spec_num_blocks(spec, available_kv_bytes)
         if self.max_blocks is not None:
             num_blocks = min(num_blocks, self.max_blocks)
         host_blocks = host_kv_bytes // spec.block_bytes
-        self._pool = Pool(num_blocks, spec.block_size, enable_caching=self.enable_caching, host_blocks=host_blocks)
+        self._pool = Pool(num_blocks, spec.block_size, enable_caching=self.enable_caching, host_blocks=host_blocks,
+                          host_policy=host_kv_policy)
         self.epoch += 1
         info = {"num_blocks": num_blocks, "block_size": spec.block_size, "epoch": self.epoch}
         if host_kv_bytes // spec.block_bytes:  # as the manager answers (PROTOCOL.md, register)
             info["host_num_blocks"] = host_kv_bytes // spec.block_bytes
+            info["host_policy"] = host_kv_policy
         return info
 
     def step(self, ops: list[dict]) -> list[dict]:
@@ -130,8 +134,12 @@ class RemoteBlockManager:
 
     def __init__(self, endpoints: str | list[str], pool: str, *, shard_rank: int = 0, shard_count: int = 1,
                  incarnation: str | None = None, timeout_s: float = 5.0, register_wait_s: float = 30.0,
-                 identity: str | None = None, serve: dict | None = None, replace: bool = False) -> None:
-        self.client = ManagerClient(endpoints, role="worker", identity=identity, timeout_s=timeout_s)
+                 identity: str | None = None, serve: dict | None = None, replace: bool = False,
+                 receiver_thread: bool = True) -> None:
+        # receiver_thread: a sent step's reply is read during the caller's compute (overlap on);
+        # with overlap off the caller waits at once and a thread would only add a hop
+        self.client = ManagerClient(endpoints, role="worker", identity=identity, timeout_s=timeout_s,
+                                    receiver_thread=receiver_thread)
         self.serve = serve  # announced at registration: where this pool takes generate requests
         self.pool = pool
         self.shard_rank, self.shard_count = shard_rank, shard_count
@@ -141,13 +149,15 @@ class RemoteBlockManager:
         self.epoch = 0
         self._fresh_session = False
 
-    def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0) -> dict:
+    def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0,
+                 host_kv_policy: str = "demote") -> dict:
         if self._fresh_session:
             self.client.hello()
             self._fresh_session = False
         info = self.client.register(self.pool, shard_rank=self.shard_rank, shard_count=self.shard_count,
                                     incarnation=self.incarnation, spec=spec.to_wire(),
                                     available_kv_bytes=available_kv_bytes, host_kv_bytes=host_kv_bytes,
+                                    host_kv_policy=host_kv_policy,
                                     wait_s=self.register_wait_s, serve=self.serve, replace=self.replace)
         self.replace = False  # a later re-registration must not take the pool back from a newer worker
         self.epoch = int(info["epoch"])

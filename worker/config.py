@@ -7,13 +7,12 @@ model: their output is not language).
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 
-from kvpool.shared.bind import check_bind
+from kvpool.shared.bind import check_bind, check_curve_files
 from kvpool.shared.logs import LEVELS
-from kvpool.shared.protocol import default_endpoint
+from kvpool.shared.protocol import HOST_POLICIES, default_endpoint
 
 DTYPES = ("float32", "float16", "bfloat16")
 BYTES = {"parse": lambda text: parse_bytes(text)}  # a size field takes "64MiB" in a file or env
@@ -139,6 +138,7 @@ class WorkerConfig:
     kv_cache_memory: int | None = field(default=None, metadata=BYTES)  # KV bytes, skipping profiling
     cpu_memory_budget: int = field(default=2 << 30, metadata=BYTES)  # host memory treated as the CPU "device"
     host_kv_memory: int = field(default=0, metadata=BYTES)  # host memory offered for the pool's host tier (0: none)
+    host_kv_policy: str = "demote"  # or "write_through": when blocks are copied to the host tier (docs/operating.md)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     static_prealloc: bool = False  # baseline: reserve max_model_len slots per request
@@ -187,6 +187,8 @@ class WorkerConfig:
             raise ValueError(f"cpu_memory_budget must be positive bytes, got {self.cpu_memory_budget}")
         if self.host_kv_memory < 0:
             raise ValueError(f"host_kv_memory must be bytes >= 0 (0: no host tier), got {self.host_kv_memory}")
+        if self.host_kv_policy not in HOST_POLICIES:
+            raise ValueError(f"host_kv_policy must be one of {', '.join(HOST_POLICIES)}, got {self.host_kv_policy!r}")
         if not self.pool or len(self.pool) > 128:
             raise ValueError("pool must be a name of 1-128 characters")
         if type(self.metrics_port) is not int or not 0 <= self.metrics_port <= 65535:
@@ -201,11 +203,6 @@ class WorkerConfig:
                              f"{self.tp_size} and tp_rank {self.tp_rank}")
 
     def _check_curve(self) -> None:
-        key, allowed = self.curve_secret_key_file, self.curve_allowed_keys_dir
-        if bool(key) != bool(allowed):
-            raise ValueError("CURVE on the generate socket needs both curve_secret_key_file (this worker's "
-                             "NAME.key_secret) and curve_allowed_keys_dir (a directory of allowed clients' NAME.key)")
-        if key and not os.path.isfile(key):
-            raise ValueError(f"curve_secret_key_file {key} does not exist; create it with `kvpool keygen`")
-        if allowed and not os.path.isdir(allowed):
-            raise ValueError(f"curve_allowed_keys_dir {allowed} is not a directory")
+        check_curve_files(self.curve_secret_key_file, self.curve_allowed_keys_dir, needs_both=(
+            "CURVE on the generate socket needs both curve_secret_key_file (this worker's "
+            "NAME.key_secret) and curve_allowed_keys_dir (a directory of allowed clients' NAME.key)"))

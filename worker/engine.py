@@ -56,12 +56,13 @@ class TokenEvent:
 class Engine:
     def __init__(self, model: LlamaForCausalLM, block_manager: BlockManager, scheduler: Scheduler,
                  available_kv_bytes: int, *, seed: int = 0, tp: TPLeader | None = None,
-                 overlap: bool = True, host_kv_bytes: int = 0) -> None:
+                 overlap: bool = True, host_kv_bytes: int = 0, host_kv_policy: str = "demote") -> None:
         self.model = model
         self.bm = block_manager
         self.scheduler = scheduler
         self.available_kv_bytes = available_kv_bytes
         self.host_kv_bytes = host_kv_bytes  # host memory offered for the pool's host tier
+        self.host_kv_policy = host_kv_policy  # "demote" or "write_through" (manager/core/host_tier.py)
         self.host_num_blocks = 0  # what the manager made of it
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
@@ -95,17 +96,17 @@ class Engine:
         """(Re-)registers with the manager; allocates the KV tensors when their size changes."""
         if self.tp is not None:
             self.tp.register()  # the other shards register alongside: the pool needs them all
-        info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes)
+        info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes, self.host_kv_policy)
         num_blocks = int(info["num_blocks"])
         self.host_num_blocks = int(info.get("host_num_blocks", 0))
         check_fits(num_blocks, self.block_size, self.scheduler.max_model_len)
         if num_blocks != self.num_blocks:
+            if self.runner is not None:
+                self.runner.attach_host(0)  # its host copies finish before its tensors go
             self.runner = None  # drop the old tensors before allocating new ones
             self.runner = allocate_runner(self.model, num_blocks, self.block_size)
             self.num_blocks = num_blocks
-        host = self.runner.host_caches
-        if (host[0].shape[1] if host else 0) != self.host_num_blocks:  # same size: keep the tensors
-            self.runner.attach_host(self.host_num_blocks)
+        self.runner.attach_host(self.host_num_blocks)  # same size: the tensors and their blocks stay
         self.scheduler.num_blocks = num_blocks
         self.registrations += 1
         logger.info("registered pool %s: %d blocks of %d tokens, %d KV bytes on tensor-parallel rank 0 of %d",
@@ -261,7 +262,7 @@ class Engine:
     def _run(self, batch: Batch) -> list[Output]:
         """The forward pass over ``batch`` and its sampled tokens (a new parallel sample of an
         n > 1 request comes with its parent)."""
-        if not batch.seqs and not batch.saves and not batch.loads:
+        if not batch.seqs and not batch.saves and not batch.loads and not batch.writes:
             return []
         self._ran = True
         if self.tp is not None:
@@ -344,7 +345,7 @@ class Engine:
     def shutdown(self, reach_manager: bool = True) -> None:
         """Frees every request's blocks, deregisters and stops the other ranks (SIGTERM path).
         ``reach_manager`` False (it is known unreachable): only the ranks are stopped."""
-        rids = [r.rid for r in self.scheduler.running] + self.scheduler.pending_frees
+        rids = self.scheduler.release_all()
         try:
             if not reach_manager:
                 raise ManagerReset("the manager is unreachable")
@@ -357,8 +358,6 @@ class Engine:
         finally:
             if self.tp is not None:
                 self.tp.stop()
-        self.scheduler.running.clear()
-        self.scheduler.pending_frees.clear()
 
     def stats(self) -> dict:
         s = self.scheduler.stats

@@ -47,10 +47,12 @@ from kvpool.shared.protocol import (
     raise_for_reply,
     unpack,
 )
+from kvpool.worker.reply_receiver import Job, ReplyReceiver
 
 __all__ = ["ManagerClient", "PendingCall", "ManagerError", "ManagerRestarted", "ManagerUnavailable", "SessionExpired", "StaleEpoch"]
 
 logger = logging.getLogger(__name__)
+_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: cheaper than enums
 
 
 @dataclass
@@ -62,6 +64,7 @@ class PendingCall:
     sid: str | None
     msg_id: int
     sent: bool = False
+    job: Job | None = None  # the receiver thread taking its reply, if the client has one
 
 
 class ManagerClient:
@@ -75,6 +78,7 @@ class ManagerClient:
         admin_key: str | None = None,
         failover_s: float = 30.0,
         curve: ClientKeys | None = None,
+        receiver_thread: bool = False,
     ) -> None:
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not self.endpoints:
@@ -102,6 +106,9 @@ class ManagerClient:
         self._next_id = 1
         self._last_call = 0.0
         self._retrying = True  # False once shutting down: every call is tried once
+        # begin_step's reply read and decoded during the caller's compute (worker/reply_receiver.py)
+        self._receiver = ReplyReceiver(self._take) if receiver_thread else None
+        self._job: Job | None = None  # the receiver's job in progress: the socket is its own until done
 
     @property
     def endpoint(self) -> str:
@@ -137,6 +144,7 @@ class ManagerClient:
         spec: dict,
         available_kv_bytes: int,
         host_kv_bytes: int = 0,
+        host_kv_policy: str = "demote",
         wait_s: float = 30.0,
         serve: dict | None = None,
         replace: bool = False,
@@ -148,6 +156,8 @@ class ManagerClient:
                 "incarnation": incarnation, "spec": spec, "available_kv_bytes": available_kv_bytes}
         if host_kv_bytes:  # optional: a host tier for the pool (PROTOCOL.md, register)
             args["host_kv_bytes"] = host_kv_bytes
+        if host_kv_policy != "demote":  # optional, default "demote" (PROTOCOL.md, register)
+            args["host_kv_policy"] = host_kv_policy
         if serve is not None:  # {endpoint, model, max_model_len}: front doors find the worker by it
             args["serve"] = serve
         if replace:
@@ -186,12 +196,14 @@ class ManagerClient:
             self._send(pending.op, pending.args, pending.sid, pending.msg_id)
             pending.sent = True
         except ManagerUnavailable:
-            pass  # end_step sends it again (or gives up) the way a call would
+            return pending  # end_step sends it again (or gives up) the way a call would
+        if self._receiver is not None and self._sock is not None:
+            self._job = pending.job = self._receiver.start(self._sock, self._last_call + self.timeout_s, pending.msg_id)
         return pending
 
     def end_step(self, pending: PendingCall) -> list[dict]:
         reply = self._roundtrip(pending.op, pending.args, pending.sid, retry=False, msg_id=pending.msg_id,
-                                sent=pending.sent)
+                                sent=pending.sent, job=pending.job)
         return self._check(reply)["results"]
 
     def lookup(self, pool: str, hashes: list[bytes]) -> int:
@@ -231,6 +243,9 @@ class ManagerClient:
         self._retrying = False
 
     def close(self) -> None:
+        self._settle()
+        if self._receiver is not None:
+            self._receiver.close()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -293,9 +308,10 @@ class ManagerClient:
             self.on_restart(old, new)
 
     def _roundtrip(self, op: str, args: dict, sid: str | None, *, retry: bool, msg_id: int | None = None,
-                   sent: bool = False) -> dict:
+                   sent: bool = False, job: Job | None = None) -> dict:
         """One request, resent with the same id while that is safe (see the module docstring).
-        ``sent``: its first copy already went out (``begin_step``): wait for that one first."""
+        ``sent``: its first copy already went out (``begin_step``): wait for that one first
+        (``job``: the receiver thread is taking it)."""
         if msg_id is None:
             msg_id = self._next_id
             self._next_id += 1
@@ -306,7 +322,7 @@ class ManagerClient:
             try:
                 if sent:
                     sent = False
-                    reply = self._receive(op, msg_id)
+                    reply = self._receive(op, msg_id, job)
                 else:
                     reply = self._exchange(op, args, sid, msg_id)
             except ManagerUnavailable:
@@ -324,7 +340,16 @@ class ManagerClient:
                 time.sleep(pause)
                 pause = min(2 * pause, 0.5)
 
+    def _settle(self) -> Job | None:
+        """Waits until the receiver thread is done with the socket (a step whose end_step was
+        never called: its reply comes, or its deadline passes); returns its job."""
+        job, self._job = self._job, None
+        if job is not None:
+            job.wait()
+        return job
+
     def _next_endpoint(self) -> None:
+        self._settle()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -335,6 +360,7 @@ class ManagerClient:
         return self._receive(op, msg_id)
 
     def _send(self, op: str, args: dict, sid: str | None, msg_id: int) -> None:
+        self._settle()
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
@@ -347,16 +373,31 @@ class ManagerClient:
         except zmq.Again:
             self._give_up(op)
 
-    def _receive(self, op: str, msg_id: int) -> dict:
-        """The reply to ``msg_id``, within timeout_s of its sending."""
-        sock = self._sock
-        deadline = self._last_call + self.timeout_s
-        while sock is not None:
+    def _receive(self, op: str, msg_id: int, job: Job | None = None) -> dict:
+        """The reply to ``msg_id``, within timeout_s of its sending (from ``job`` when the
+        receiver thread took it)."""
+        if job is not None and self._settle() is job:
+            reply = job.reply
+        else:
+            reply = self._take(self._sock, self._last_call + self.timeout_s, msg_id) if self._sock else None
+        if reply is None:
+            self._give_up(op)
+        return reply  # type: ignore[return-value]
+
+    @staticmethod
+    def _take(sock: zmq.Socket, deadline: float, msg_id: int) -> dict | None:
+        """Reads ``sock`` until the reply to ``msg_id`` (None at ``deadline``). Touches no client
+        state: the receiver thread runs it too."""
+        while True:
+            # A reply that came during the caller's work is read without a poll; asking the socket
+            # first costs less than the exception of a recv that finds nothing (the usual case
+            # right after sending).
+            if not sock.getsockopt(_EVENTS) & _POLLIN:
+                if (left := deadline - time.monotonic()) <= 0 or not sock.poll(left * 1000, _POLLIN):
+                    return None
             try:
-                raw = sock.recv(zmq.NOBLOCK)  # a reply that came during the caller's work: no poll
+                raw = sock.recv(_NOBLOCK)
             except zmq.Again:
-                if (left := deadline - time.monotonic()) <= 0 or not sock.poll(left * 1000, zmq.POLLIN):
-                    break
                 continue
             try:
                 reply = unpack(raw)
@@ -368,7 +409,6 @@ class ManagerClient:
             # with one request in flight on this socket, it is this one (PROTOCOL.md section 2).
             if reply.get("id") == msg_id or (reply.get("id") is None and reply.get("status") != "ok"):
                 return reply
-        self._give_up(op)
 
     def _give_up(self, op: str) -> Any:
         """Drops the socket (a late reply must not answer a later call) and moves on."""

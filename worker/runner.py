@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.kernels import AttentionMetadata, copy_blocks, paged_attention, reshape_and_cache
-from kvpool.worker.host_kv import allocate_host_caches, copy_blocks_across
+from kvpool.worker.host_kv import HostCopier, HostCopyStats
 from kvpool.worker.kv_cache import allocate_kv_caches
 from kvpool.worker.model import LlamaForCausalLM
 from kvpool.worker.step_plan import Batch
@@ -60,13 +60,26 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.scale = model.config.head_size**-0.5
         self.windows = [model.config.window_of(i) for i in range(model.config.num_layers)]
-        self.host_caches: list[torch.Tensor] = []  # the host tier's blocks (worker/host_kv.py)
+        self.host: HostCopier | None = None  # the host tier's blocks and copies (worker/host_kv.py)
 
     def attach_host(self, num_blocks: int) -> None:
-        """Host KV tensors of ``num_blocks`` blocks (none when 0)."""
-        self.host_caches = []
-        if num_blocks:
-            self.host_caches = allocate_host_caches(self.kv_caches, num_blocks)
+        """Host KV tensors of ``num_blocks`` blocks (none when 0). Tensors of that size already
+        attached stay, with their contents: a re-registration with the same manager state (a
+        restarted manager that recovered its journal) still names the blocks they hold."""
+        if self.host is not None and self.host.num_blocks == num_blocks:
+            return
+        if self.host is not None:
+            self.host.settle()  # nothing may still write into the tensors being dropped
+        self.host = HostCopier(self.kv_caches, num_blocks) if num_blocks else None
+
+    @property
+    def host_caches(self) -> list[torch.Tensor]:
+        return self.host.host_caches if self.host is not None else []
+
+    @property
+    def host_copies(self) -> HostCopyStats:
+        """The host tier's copies so far (zeros without one): scripts/bench_tier.py reports them."""
+        return self.host.stats if self.host is not None else HostCopyStats()
 
     @property
     def kv_bytes(self) -> int:
@@ -77,13 +90,16 @@ class ModelRunner:
     def execute(self, plan: Batch, *, sample: bool = True) -> torch.Tensor | None:
         """fp32 logits [R, vocab] for the plan's sampling sequences, in plan order; None without
         ``sample`` (a tensor-parallel follower only writes its KV slice and joins the all-reduces)."""
-        if plan.saves or plan.loads:
-            if not self.host_caches:
-                raise RuntimeError("the manager ordered host-tier copies but this worker has no host KV tensors")
-            copy_blocks_across(self.kv_caches, self.host_caches, plan.saves)  # before anything overwrites them
-            copy_blocks_across(self.host_caches, self.kv_caches, plan.loads)
-        if not plan.seqs:
-            return None
+        if self.host is not None:  # every step: the last step's saves and writes land (HostCopier.settle)
+            self.host.run(plan.saves, plan.loads)  # before anything overwrites or reads their blocks
+        elif plan.saves or plan.loads or plan.writes:
+            raise RuntimeError("the manager ordered host-tier copies but this worker has no host KV tensors")
+        logits = self._forward(plan, sample) if plan.seqs else None
+        if plan.writes:  # write-through: the blocks this forward filled, behind its work
+            self.host.write(plan.writes)
+        return logits
+
+    def _forward(self, plan: Batch, sample: bool) -> torch.Tensor | None:
         if plan.copies:  # copy-on-write orders from the manager, before any write of this step
             mapping = torch.tensor(plan.copies, dtype=torch.int64, device=self.device)
             copy_blocks(self.kv_caches, mapping)

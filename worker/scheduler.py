@@ -32,6 +32,11 @@ likely still cached. Admissions pause for one step after a preemption, a waiting
 for space blocks the ones behind it, and admissions stop while the blocks our requests hold leave
 no block of growth per running request (a policy on our own holdings; which blocks, and whether
 they fit, the manager decides). Those two flags are the only state one step leaves the next.
+
+Owners: this class holds the policy (what a step does, what an answer means) and the flags;
+``RunningSet`` (worker/running_set.py) owns the queues, the frees and forks owed to the manager
+and the counters; the admission-room and victim estimates are pure functions in
+worker/scheduling_policy.py.
 """
 
 from __future__ import annotations
@@ -39,40 +44,15 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass
 
 from kvpool.worker.request import Request
-from kvpool.worker.step_plan import Batch, BatchSeq, ScheduledSeq, StepPlan, SubOp
+from kvpool.worker.running_set import RunningSet, SchedulerStats
+from kvpool.worker.scheduling_policy import admission_room, cdiv, choose_victims
+from kvpool.worker.step_plan import Batch, BatchSeq, Output, ScheduledSeq, StepPlan, SubOp
 
 __all__ = ["Batch", "BatchSeq", "Output", "Scheduler", "SchedulerStats", "StepPlan"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Output:
-    """A sampled token; ``parent``: the request a new parallel sample ``req`` forks from."""
-
-    req: Request
-    token: int
-    parent: Request | None = None
-    logprob: float | None = None  # when the request asked for logprobs
-    top_logprobs: list[tuple[int, float]] | None = None
-
-
-@dataclass
-class SchedulerStats:
-    steps: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0  # tokens looked up by admissions
-    cached_tokens: int = 0  # of which the manager found cached
-    computed_tokens: int = 0
-    peak_blocks: int = 0  # distinct blocks held by running requests, at the peak
-    peak_running: int = 0
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class Scheduler:
@@ -88,11 +68,7 @@ class Scheduler:
         self.chunked = enable_chunked_prefill
         self.static = static_prealloc
         self.eos_token_ids = frozenset(eos_token_ids)  # any of them ends a request ("stop")
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order: newest last
-        self.pending_frees: list[int] = []
-        self.pending_forks: list[tuple[Request, Request]] = []  # (parent, child)
-        self.stats = SchedulerStats()
+        self.requests = RunningSet()
         self.num_blocks: int | None = None  # the pool's size, set at registration (admission room)
         self.hold_admissions = False  # a preemption happened: admit nobody next step
         self.head_blocked = False  # the head of the waiting queue was refused for space
@@ -100,11 +76,28 @@ class Scheduler:
         # overlap the refusal and the next plan's answers alternate: the flag spans them).
         self.drain_refused = False
 
+    # The running set's state, read-only here: RunningSet owns it and its changes.
+    @property
+    def waiting(self) -> deque[Request]:
+        return self.requests.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.requests.running
+
+    @property
+    def pending_frees(self) -> list[int]:
+        return self.requests.pending_frees
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.requests.stats
+
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        self.requests.add(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.pending_frees)
+        return self.requests.has_work()
 
     # -- composing the step message --------------------------------------------------------
 
@@ -121,11 +114,14 @@ class Scheduler:
         """The next step: its sub-ops and the sequences it runs (nothing changes but the
         requests' in-flight counters and the queues of frees and forks it sends)."""
         plan = StepPlan()
-        for parent, child in self.pending_forks:
+        forks, frees, computed = self.requests.take_pending()
+        for parent, child in forks:
             self._fork(plan, parent, child)
-        for rid in self.pending_frees:
-            plan.add({"op": "free", "req": rid}, SubOp("free", None))
-        self.pending_forks, self.pending_frees = [], []
+        for rid in frees:
+            op = {"op": "free", "req": rid}
+            if rid in computed:
+                op["computed"] = computed[rid]
+            plan.add(op, SubOp("free", None))
         budget = self.token_budget
         for req in self.running:
             n = min(req.num_remaining, budget)
@@ -162,7 +158,7 @@ class Scheduler:
         index = plan.add(op, SubOp("extend" if n else "sync", req, req.generation, n, undo))
         req.num_hashes_sent += len(hashes)
         req.synced_tokens = num_tokens
-        req.num_slots = max(req.num_slots, _cdiv(num_tokens + lookahead, self.block_size) * self.block_size)
+        req.num_slots = max(req.num_slots, cdiv(num_tokens + lookahead, self.block_size) * self.block_size)
         return index
 
     def _fork(self, plan: StepPlan, parent: Request, child: Request) -> None:
@@ -173,7 +169,7 @@ class Scheduler:
             self._extend(plan, parent, tokens, self._lookahead(tokens), 0)
         plan.add({"op": "fork", "req": parent.rid, "child": child.rid}, SubOp("fork", child, child.generation))
         child.synced_tokens = tokens
-        child.num_slots = _cdiv(tokens, self.block_size) * self.block_size
+        child.num_slots = cdiv(tokens, self.block_size) * self.block_size
         child.num_hashes_sent = min(parent.num_hashes_sent, tokens // self.block_size)
         parent.must_sync = child.must_sync = True
 
@@ -186,7 +182,7 @@ class Scheduler:
             n = min(len(req.tokens), budget)
             if slots <= 0 or n == 0 or (not self.chunked and n < len(req.tokens)):
                 break
-            blocks = _cdiv(n + self._lookahead(n), self.block_size)
+            blocks = cdiv(n + self._lookahead(n), self.block_size)
             room -= blocks
             if room < 0 and (self.running or admitted):
                 break  # an idle pool still tries its head: the manager has the last word
@@ -204,22 +200,10 @@ class Scheduler:
             slots -= 1
             if self.head_blocked:
                 break  # the head was refused for space: no one overtakes it
-        for req in admitted:  # running from now on; a refusal puts it back in front
-            self.waiting.popleft()
-            req.admitting = True
-            self.running.append(req)
+        self.requests.start(admitted)
 
     def _room(self) -> int:
-        """Blocks an admission may take and still leave every running request one block to
-        grow into: an estimate from the blocks our requests hold (cache hits not counted), so
-        admissions stop before decodes start to preempt. The manager still decides. Statically
-        preallocated requests hold their whole max_model_len already and never grow."""
-        if self.num_blocks is None:
-            return 1 << 62
-        held = len({b for r in self.running for b in r.block_table})
-        held += sum(r.num_slots // self.block_size for r in self.running if r.admitting)  # answers in flight
-        growth = 0 if self.static else len(self.running)
-        return self.num_blocks - 1 - held - growth
+        return admission_room(self.running, self.num_blocks, self.block_size, self.static)
 
     # -- applying the outcome --------------------------------------------------------------
 
@@ -248,17 +232,16 @@ class Scheduler:
                 errored.append(req)
             elif res.get("code") == "no_space" and req is head:
                 self.head_blocked = True
-        for req in reversed(refused_admissions):
-            self.waiting.appendleft(req)
+        self.requests.requeue(refused_admissions)
         ran = [(s.req, start, n) for s, start, n, _ in plan.runnable(results)]
-        victims = self._choose_victims(failed) if failed else []
-        self._settle(plan, ran)
+        victims = self._preempt_for(failed) if failed else []
+        self.requests.settle(plan, ran)
         for out in outputs:
             self._accept(out)
         for req in victims:  # the ones that ran this step: their blocks go back at the next
             if req in self.running:
-                self._preempt(req)
-        self._track_usage()
+                self.requests.preempt(req)
+        self.requests.track_usage()
         return errored
 
     def _apply_fork(self, child: Request, res: dict) -> None:
@@ -267,7 +250,7 @@ class Scheduler:
             child.num_slots = len(child.block_table) * self.block_size
         else:
             logger.warning("fork of %r refused (%s): recomputing it", child, res.get("msg"))
-            self._lose(child)
+            self.requests.lose(child)
 
     def _apply_extend(self, sub: SubOp, res: dict, failed: list) -> None:
         req = sub.req
@@ -283,7 +266,7 @@ class Scheduler:
             failed.append((req, sub.num_tokens))
         else:
             logger.warning("extend of %r refused (%s): recomputing it", req, res.get("msg"))
-            self._lose(req)
+            self.requests.lose(req)
 
     def _apply_alloc(self, sub: SubOp, res: dict, refused: list[Request]) -> bool:
         """False: refused as bad input."""
@@ -295,11 +278,9 @@ class Scheduler:
             req.num_computed, req.block_table = cached, list(res["blocks"])
             req.num_slots = max(req.num_slots, len(req.block_table) * self.block_size)
             req.synced_tokens = max(req.synced_tokens, cached + min(len(req.tokens) - cached, sub.num_tokens))
-            self.stats.prompt_tokens += len(req.tokens)
-            self.stats.cached_tokens += cached
+            self.requests.count_admission(len(req.tokens), cached)
             return True
-        self.running.remove(req)
-        req.reset_kv()  # a step built on this admission (overlap) no longer counts
+        self.requests.withdraw(req)
         if res.get("code") in ("no_space", "draining"):
             self.drain_refused = self.drain_refused or res.get("code") == "draining"
             refused.append(req)
@@ -307,48 +288,20 @@ class Scheduler:
         req.finish_reason = f"error: {res.get('msg', res.get('code'))}"
         return False
 
-    def _blocks_short(self, req: Request, n: int) -> int:
-        return max(0, _cdiv(req.num_computed + n, self.block_size) - len(req.block_table))
-
-    def _choose_victims(self, failed: list[tuple[Request, int]]) -> list[Request]:
+    def _preempt_for(self, failed: list[tuple[Request, int]]) -> list[Request]:
         """Preempts newest-first until the blocks they hold cover what the refused requests
-        lacked (an estimate: the manager stays the judge, a shortfall fails again next step).
-        Returns the victims that run this step (preempted after it)."""
-        short = {req: self._blocks_short(req, n) for req, n in failed}
-        need = sum(short.values())
-        victims = []
-        for victim in reversed(list(self.running)):
-            if need <= 0:
-                break
-            victims.append(victim)
-            need -= len(victim.block_table) + short.get(victim, 0)
+        lacked (scheduling_policy.choose_victims). Returns the victims that run this step
+        (preempted after it)."""
+        victims = choose_victims(self.running, failed, self.block_size)
         for req, n in failed:
             if req not in self.running:
                 continue
             if req in victims:
-                self._preempt(req)  # it did not run this step: preempt it now
+                self.requests.preempt(req)  # it did not run this step: preempt it now
             elif req.num_scheduled > n:
-                self._rewind(req)
+                self.requests.rewind(req)
         self.hold_admissions = True
         return victims
-
-    def _rewind(self, req: Request) -> None:
-        """``req`` was refused while its next step was already sent (overlap): that one carries
-        a ``base`` the manager no longer matches, so it is refused too and changes nothing; the
-        request keeps its blocks and retries from its computed tokens."""
-        req.num_scheduled = req.num_pending_samples = 0
-        req.generation += 1  # the in-flight step's entries no longer count
-
-    def _settle(self, plan: StepPlan, ran: list[tuple[Request, int, int]]) -> None:
-        """The plan's sequences are no longer in flight; the ones that ran are computed."""
-        for s in plan.seqs:
-            req = s.req
-            if req.generation == s.generation:
-                req.num_scheduled -= s.num_tokens
-                req.num_pending_samples -= s.sample
-        for req, start, n in ran:
-            req.num_computed = start + n
-            self.stats.computed_tokens += n
 
     def _accept(self, out: Output) -> None:
         req = out.req
@@ -367,76 +320,29 @@ class Scheduler:
         if reason is not None:
             self.finish(req, reason)
 
-    def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
-        self.pending_frees.append(req.rid)
-        req.reset_kv()
-        req.num_preemptions += 1
-        self.stats.preemptions += 1
-        self.waiting.appendleft(req)  # newest preempted first, so the oldest ends up in front
-        logger.info("preempted %r", req)
-
-    def _lose(self, req: Request) -> None:
-        """The manager refused ``req`` for bad input: recompute it from scratch. Its free tells
-        the manager to drop whatever it may still hold (unknown_request when nothing)."""
-        if req not in self.running:
-            return  # already lost (a refused fork, then its refused extend)
-        self.running.remove(req)
-        self.pending_frees.append(req.rid)
-        req.reset_kv()
-        self.waiting.appendleft(req)
-
-    def _track_usage(self) -> None:
-        s = self.stats
-        s.steps += 1
-        s.peak_running = max(s.peak_running, sum(not r.admitting for r in self.running))
-        blocks = {b for r in self.running for b in r.block_table}
-        s.peak_blocks = max(s.peak_blocks, len(blocks))
-
-    # -- state changes the next message carries --------------------------------------------
+    # -- state changes the next message carries (RunningSet makes them) ---------------------
 
     def finish(self, req: Request, reason: str) -> None:
-        req.finish_reason = reason
-        req.generation += 1
-        self.running.remove(req)
-        self.pending_frees.append(req.rid)
+        self.requests.finish(req, reason)
 
     def drop(self, req: Request) -> None:
         """Aborts ``req`` wherever it is; its blocks go back at the next step."""
-        req.generation += 1
-        if req in self.waiting:
-            self.waiting.remove(req)  # a preempted one's free is already pending
-            return
-        if req not in self.running:
-            return
-        req.finish_reason = req.finish_reason or "abort"
-        self.running.remove(req)
-        forks = [(p, c) for p, c in self.pending_forks if c is not req]
-        if len(forks) < len(self.pending_forks):
-            self.pending_forks = forks  # never forked: the manager holds nothing for it
-        else:
-            self.pending_frees.append(req.rid)
+        self.requests.drop(req)
 
     def spawn(self, parent: Request, child: Request) -> None:
         """A parallel sample sharing ``parent``'s computed blocks (forked at the next step)."""
-        child.num_computed = parent.num_computed
-        child.num_hashes_sent = parent.num_hashes_sent
-        self.running.append(child)
-        self.pending_forks.append((parent, child))
+        self.requests.spawn(parent, child)
 
     def abandon(self, plan: StepPlan) -> None:
         """The manager refused ``plan`` as a whole (nothing of it ran): its frees go out again,
         and every running request starts over, freeing whatever the manager holds for it (the
         plan's in-flight assumptions can no longer be reconciled)."""
-        self.pending_frees[:0] = [op["req"] for op in plan.ops if op["op"] == "free"]
-        self.pending_forks = []
-        for req in reversed(list(self.running)):
-            self._lose(req)
+        self.requests.abandon(op for op in plan.ops if op["op"] == "free")
 
     def reset(self) -> list[Request]:
         """The manager lost every request: all recompute; returns them (running first)."""
-        lost = list(self.running)
-        for req in reversed(lost):
-            self._lose(req)
-        self.pending_frees, self.pending_forks = [], []
-        return lost
+        return self.requests.reset()
+
+    def release_all(self) -> list[int]:
+        """Shutdown: the request ids to free at the manager; the running set forgets them."""
+        return self.requests.release_all()

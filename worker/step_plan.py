@@ -5,7 +5,7 @@ one is for (``subops``, aligned with ``ops``) and the sequences it means to run 
 sequence whose tokens fit blocks it already holds points at no sub-op). The manager's answers
 turn the plan into a ``Batch`` (``plan.batch(results)``: no state changes), the plain data the
 runner executes and tensor-parallel rank 0 broadcasts. ``Scheduler.update(plan, results,
-outputs)`` then applies the answers and the sampled tokens.
+outputs)`` then applies the answers and the sampled tokens (``Output``, one per token).
 
 A plan entry remembers its request's ``generation``; a request that finished, was aborted or
 lost its KV since (preempted, refused) has moved on, and the entry no longer counts.
@@ -17,6 +17,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvpool.worker.request import Request
+
+
+@dataclass(frozen=True)
+class Output:
+    """A sampled token; ``parent``: the request a new parallel sample ``req`` forks from."""
+
+    req: Request
+    token: int
+    parent: Request | None = None
+    logprob: float | None = None  # when the request asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -33,9 +44,11 @@ class BatchSeq:
 class Batch:
     seqs: list[BatchSeq] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
-    # the host tier's orders (manager/core/host_tier.py): every save, then every load, then copies
+    # the host tier's orders (manager/core/host_tier.py): every save, then every load, then
+    # copies and the forward pass, then every write (write-through of blocks it filled)
     saves: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    writes: list[tuple[int, int]] = field(default_factory=list)  # (device, host), after the forward
     reqs: list[Request] = field(default_factory=list)  # the request of each seq (rank 0 only)
 
     @property
@@ -97,6 +110,7 @@ class StepPlan:
         for r in results:  # every order of the step, whoever's sequence runs: the manager counts on them
             out.saves.extend((s, d) for s, d in r.get("saves", ()))
             out.loads.extend((s, d) for s, d in r.get("loads", ()))
+            out.writes.extend((s, d) for s, d in r.get("writes", ()))
         forked = {id(sub.req): r["blocks"] for sub, r in zip(self.subops, results) if sub.kind == "fork" and r.get("ok")}
         for s, start, n, res in self.runnable(results):
             req = s.req

@@ -45,13 +45,14 @@ HEAD = 4096
 def encode_plan(plan: Batch) -> dict:
     return {"op": "step", "seqs": [[s.token_ids, s.start, s.block_table, s.sample] for s in plan.seqs],
             "copies": [list(c) for c in plan.copies], "saves": [list(c) for c in plan.saves],
-            "loads": [list(c) for c in plan.loads]}
+            "loads": [list(c) for c in plan.loads], "writes": [list(c) for c in plan.writes]}
 
 
 def decode_plan(msg: dict) -> Batch:
     return Batch([BatchSeq(ids, start, table, sample) for ids, start, table, sample in msg["seqs"]],
                  [(src, dst) for src, dst in msg["copies"]],
-                 saves=[(s, d) for s, d in msg.get("saves", ())], loads=[(s, d) for s, d in msg.get("loads", ())])
+                 saves=[(s, d) for s, d in msg.get("saves", ())], loads=[(s, d) for s, d in msg.get("loads", ())],
+                 writes=[(s, d) for s, d in msg.get("writes", ())])
 
 
 class Channel:
@@ -126,11 +127,12 @@ class TPFollower:
 
     def __init__(self, model: LlamaForCausalLM, bm: BlockManager, channel: Channel, *, block_size: int,
                  available_kv_bytes: int, max_model_len: int, stop_grace_s: float = 5.0,
-                 host_kv_bytes: int = 0) -> None:
+                 host_kv_bytes: int = 0, host_kv_policy: str = "demote") -> None:
         self.model, self.bm, self.channel = model, bm, channel
         self.block_size, self.max_model_len = block_size, max_model_len
         self.available_kv_bytes = available_kv_bytes
         self.host_kv_bytes = host_kv_bytes
+        self.host_kv_policy = host_kv_policy
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.spec = kv_spec(model.config, block_size, self.dtype, model.tp_size)
@@ -183,15 +185,17 @@ class TPFollower:
         the pool's num_blocks. A failure is logged: rank 0's registration fails with it."""
         try:
             try:
-                info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes)
+                info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes, self.host_kv_policy)
             except ManagerRestarted:  # our session had expired: the retry opens a new one
-                info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes)
+                info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes, self.host_kv_policy)
         except ManagerError as e:
             logger.warning("rank %d could not register its shard: %s", self.model.tp_rank, e)
             return
         num_blocks = int(info["num_blocks"])
         check_fits(num_blocks, self.block_size, self.max_model_len)
         if num_blocks != self.num_blocks:
+            if self.runner is not None:
+                self.runner.attach_host(0)  # its host copies finish before its tensors go
             self.runner = None  # drop the old tensors before allocating new ones
             self.runner = allocate_runner(self.model, num_blocks, self.block_size)
             self.num_blocks = num_blocks

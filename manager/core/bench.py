@@ -127,5 +127,5 @@ def report_lines(cfg: TraceConfig, full: dict, bare: dict) -> list[str]:
         f"({bare['cpu_us_per_request']:.1f} us CPU/request; no hashing, no prefix caching)",
         f"  prefix hit rate      : {full['prefix_hit_rate']:>10.3%}",
         f"  blocks per request   : {full['blocks_per_request']:>10.2f}",
-        f"  evictions            : {full['evictions']:>10,}",
+        f"  evictions            : {full['evictions']:>10,.0f}",
     ]

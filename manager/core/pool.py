@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from kvpool.manager.core.block_pool import BlockPool, InvariantBroken
 from kvpool.manager.core.host_tier import Copy, HostTier
-from kvpool.manager.core.kv_events import KVEvent
+from kvpool.manager.core.kv_events import AllBlocksCleared, BlockStored, KVEvent
 
 
 class PoolError(ValueError):
@@ -59,7 +59,7 @@ def _cdiv(a: int, b: int) -> int:
 class Pool:
     def __init__(
         self, num_blocks: int, block_size: int, enable_caching: bool = True, enable_events: bool = False,
-        host_blocks: int = 0,
+        host_blocks: int = 0, host_policy: str = "demote",
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -70,29 +70,35 @@ class Pool:
         self.host: HostTier | None = None
         self.saves: list[Copy] = []  # this sub-op's save orders (device -> host), see take_copies
         self.loads: list[Copy] = []  # this sub-op's load orders (host -> device)
+        self.writes: list[Copy] = []  # this sub-op's write-through orders (device -> host, after the forward)
         self.fresh: set[int] = set()  # device blocks hashed this step: not computed yet, never saved
         if host_blocks >= 2 and enable_caching:
-            self.set_host(HostTier(host_blocks, block_size, enable_events))
+            self.set_host(HostTier(host_blocks, block_size, enable_events, host_policy))
 
     def set_host(self, host: HostTier) -> None:
-        """Puts ``host`` behind the device blocks: cached blocks reused from now on are demoted."""
+        """Puts ``host`` behind the device blocks: cached blocks reused from now on are demoted
+        (under write-through too: a hash the host tier dropped since its write is saved again)."""
         self.host = host
+        host.blocks.set_events(self.blocks.events_enabled)
         self.blocks.on_reuse = self._demote
 
     def _demote(self, block: int, h: bytes) -> None:
         if block in self.fresh:  # its K/V is written by this very step's forward: nothing to save
+            if self.host.writing:  # type: ignore[union-attr]
+                self.host.withdraw(block)  # type: ignore[union-attr]  # nor to write through
             return
         copy = self.host.demote(block, h, None)  # type: ignore[union-attr]
         if copy is not None:
             self.saves.append(copy)
 
-    def take_copies(self) -> tuple[list[Copy], list[Copy]]:
-        """The save and load orders of the sub-op just run (manager/core/step.py puts them in
-        its result): the worker runs every save of a step, then every load, then the forward."""
-        saves, loads = self.saves, self.loads
-        if saves or loads:
-            self.saves, self.loads = [], []
-        return saves, loads
+    def take_copies(self) -> tuple[list[Copy], list[Copy], list[Copy]]:
+        """The save, load and write orders of the sub-op just run (manager/core/step.py puts
+        them in its result): the worker runs every save of a step, then every load, then the
+        forward pass, then every write (write-through copies the K/V that forward computed)."""
+        saves, loads, writes = self.saves, self.loads, self.writes
+        if saves or loads or writes:
+            self.saves, self.loads, self.writes = [], [], []
+        return saves, loads, writes
 
     def end_step(self) -> None:
         """The step's orders are all out: the host tier's pins end."""
@@ -109,12 +115,37 @@ class Pool:
 
     # -- lookups ---------------------------------------------------------------------------
 
+    @property
+    def events_enabled(self) -> bool:
+        return self.blocks.events_enabled
+
+    def set_events(self, enabled: bool) -> None:
+        """KV events on or off for both tiers (``BlockPool.set_events``); a host tier added later
+        follows (``set_host``). Set at construction, and by the daemon on a recovered pool."""
+        self.blocks.set_events(enabled)
+        if self.host is not None:
+            self.host.blocks.set_events(enabled)
+
     def take_events(self) -> list[KVEvent]:
         """The KV events queued since the last call (``BlockPool.take_events``), the host
-        tier's after the device's (``medium: "CPU"``)."""
+        tier's after the device's (``medium: "CPU"``). vLLM's AllBlocksCleared names no medium,
+        so a subscriber drops both tiers on it: after a device clear (a device reset leaves the
+        host tier alone) the host tier is stated again whole instead of its own events."""
         if self.host is None:
             return self.blocks.take_events()
-        return [*self.blocks.take_events(), *self.host.take_events()]
+        device, host = self.blocks.take_events(), self.host.take_events()
+        if any(type(ev) is AllBlocksCleared for ev in device):
+            hashes = list(self.host.blocks.cached)
+            host = [BlockStored(hashes, None, "CPU")] if hashes else []
+        return [*device, *host]
+
+    def restate_events(self) -> None:
+        """Replaces the queued events with what a subscriber needs to match this pool whatever it
+        saw before (a recovered state, a re-formed pool): a clear, every device hash, then every
+        host hash with ``medium: "CPU"``."""
+        self.blocks.restate_events()
+        if self.host is not None:
+            self.host.restate_events()
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
         """Number of leading blocks of the chain that are cached (no side effects)."""
@@ -144,16 +175,25 @@ class Pool:
         if len(hashes) > num_prompt_tokens // self.block_size:
             raise PoolError("bad_hashes", f"{len(hashes)} hashes for {num_prompt_tokens} prompt tokens")
         bs, bp = self.block_size, self.blocks
-        limit = (num_prompt_tokens - 1) // bs
-        hits = bp.lookup(hashes[:limit])
-        host_hits = self.host.lookup(hashes[len(hits):limit]) if self.host is not None else []
+        limit = (num_prompt_tokens - 1) // bs  # the block of the last prompt token is computed
+        cached, hits = bp.cached, []  # BlockPool.lookup, inlined: the hot path of admission
+        for h in hashes:
+            b = cached.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        nh = len(hits)
+        if nh > limit:  # at most one over: len(hashes) <= num_prompt_tokens // bs was checked
+            del hits[limit:]
+            nh = limit
+        host_hits = self.host.lookup(hashes[nh:limit]) if self.host is not None else []
         stats = self.stats
-        num_cached = (len(hits) + len(host_hits)) * bs
+        num_cached = (nh + len(host_hits)) * bs
         stats.lookup_tokens += num_prompt_tokens
         stats.hit_tokens += num_cached
         num_tokens = num_cached + min(max_new_tokens, num_prompt_tokens - num_cached)
-        num_new = _cdiv(num_tokens + lookahead, bs) - len(hits)
-        if num_new > bp.num_free - (bp.num_reclaimable(hits) if hits else 0):
+        num_new = -(-(num_tokens + lookahead) // bs) - nh  # _cdiv, inlined
+        if num_new > len(bp.free_queue) - (bp.num_reclaimable(hits) if hits else 0):
             stats.no_space += 1
             return None
         stats.allocations += 1
@@ -161,13 +201,17 @@ class Pool:
             bp.touch(hits)
         if host_hits:
             self.host.pin(host_hits)  # type: ignore[union-attr]  # before any demotion below
-        new = bp.get_new_blocks(num_new)
+        # _cache_full, inlined: the blocks after the hits are fresh, the first of them full
+        n_full = min(num_tokens // bs, len(hashes))
+        new = bp.get_cached_blocks(num_new, hashes[nh:n_full], hashes[nh - 1] if nh else None)
         if host_hits:
             self.loads += self.host.load(host_hits, new[: len(host_hits)])  # type: ignore[union-attr]
         blocks = hits + new
-        req = RequestBlocks(blocks, num_tokens, list(hashes), len(hits))
-        self.requests[req_id] = req
-        self._cache_full(req)
+        req = self.requests[req_id] = RequestBlocks(blocks, num_tokens, list(hashes), n_full)
+        if self.host is not None and n_full > nh:
+            self.fresh.update(new[: n_full - nh])
+            if self.host.policy == "write_through":
+                self._write_through(req, nh, n_full, hashes[nh - 1] if nh else None)
         return num_cached, blocks
 
     def extend(
@@ -208,12 +252,30 @@ class Pool:
         self._cache_full(req)
         return new, copies
 
-    def free(self, req_id: object) -> None:
+    def free(self, req_id: object, computed: int | None = None) -> None:
+        """Releases the request's blocks. ``computed``: the tokens whose K/V the client wrote,
+        when it says so; the request's hashed blocks past them lose their hashes first, since
+        a step the client was answered for never ran (preempted or finished before it did),
+        and no later hit may read K/V that was never written (vLLM caches computed blocks)."""
         req = self.requests.pop(req_id, None)
         if req is None:
             raise PoolError("unknown_request", f"request {req_id!r} holds no blocks")
+        if computed is not None and computed // self.block_size < req.num_cached:
+            self._uncache_uncomputed(req, computed // self.block_size)
         self.blocks.free_blocks(reversed(req.blocks))
         self.stats.freed += 1
+
+    def _uncache_uncomputed(self, req: RequestBlocks, first: int) -> None:
+        """Drops the hashes of ``req``'s blocks from index ``first`` on (their K/V was never
+        written); under write-through also the host copies ordered of them."""
+        bp, host = self.blocks, self.host
+        for b in req.blocks[first:req.num_cached]:
+            h = bp.block_hash[b]
+            if h is None:
+                continue
+            bp.uncache(b)
+            if host is not None and host.policy == "write_through":
+                host.forget(b, h)
 
     def fork(self, parent_id: object, child_id: object) -> list[int]:
         """The child shares the parent's written blocks (not its empty lookahead blocks).
@@ -312,4 +374,15 @@ class Pool:
             self.blocks.cache_blocks(req.blocks[start:n_full], req.hashes[start:n_full], parent)
             if self.host is not None:
                 self.fresh.update(req.blocks[start:n_full])
+                if self.host.policy == "write_through":
+                    self._write_through(req, start, n_full, parent)
             req.num_cached = n_full
+
+    def _write_through(self, req: RequestBlocks, start: int, end: int, parent: bytes | None) -> None:
+        """Write orders for blocks ``[start, end)`` of ``req``, full as of this step."""
+        host = self.host
+        for b, h in zip(req.blocks[start:end], req.hashes[start:end]):
+            copy = host.write(b, h, parent)  # type: ignore[union-attr]
+            if copy is not None:
+                self.writes.append(copy)
+            parent = h

@@ -89,6 +89,8 @@ def dump_pool(pool: Pool) -> dict:
         if pool.host.pinned:
             raise ValueError("a pool with host-tier pins is mid-step: snapshot it between steps")
         d["host"] = {**_dump_blocks(pool.host.blocks), "stats": asdict(pool.host.stats)}
+        if pool.host.policy != "demote":  # absent: the layout of snapshots from before the choice
+            d["host"]["policy"] = pool.host.policy
     return d
 
 
@@ -116,7 +118,7 @@ def _load(d: dict, enable_events: bool, verify: bool = True) -> Pool:
         requests[key] = RequestBlocks(_unints(blocks, "request blocks"), num_tokens, _split_hashes(hs, "request hashes"), num_cached)
     pool = Pool.restore(bp, d["block_size"], requests, PoolStats(**d["stats"]))
     if d.get("host") is not None:
-        host = HostTier(2, d["block_size"])  # a placeholder block pool, replaced below
+        host = HostTier(2, d["block_size"], policy=d["host"].get("policy", "demote"))  # placeholder blocks
         host.blocks, host.stats = _load_blocks(d["host"], enable_events), HostStats(**d["host"]["stats"])
         pool.set_host(host)
     if not verify:

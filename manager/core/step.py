@@ -13,13 +13,17 @@ Sub-op schemas (msgpack maps; PROTOCOL.md is the reference):
       -> {"ok": true, "blocks": [new int...], "copies": [[index, src, dst]...]}
       base: refused with "stale_base" unless the request holds exactly that many tokens (a
       pipelined step whose previous sub-op for the request was refused must not run)
-  {"op": "free",   "req": R}                    -> {"ok": true}
+  {"op": "free",   "req": R, "computed": int = absent} -> {"ok": true}
+      computed: tokens of the request whose K/V the client wrote; the hashes of its blocks past
+      them are dropped (a step the client had sent for it never ran)
   {"op": "fork",   "req": R, "child": R}        -> {"ok": true, "blocks": [int...]}
   no space: {"ok": false, "code": "no_space", "msg": ...}; bad input: another code.
 With a host tier, an alloc or extend result may also carry "saves": [[device, host]...] (cached
 device blocks it reuses, saved first) and an alloc "loads": [[host, device]...] (its prefix blocks
-found in the host tier; counted in "cached"). The worker runs every save of the step, then every
-load, then its forward pass (manager/core/host_tier.py).
+found in the host tier; counted in "cached"). Under the write-through policy an alloc or extend
+result may carry "writes": [[device, host]...] (blocks that became full this step). The worker runs
+every save of the step, then every load, then its forward pass, then every write
+(manager/core/host_tier.py).
 R is an int in [0, 2**63) or a str of at most 128 bytes; ids are scoped by ``owner``.
 """
 
@@ -34,6 +38,7 @@ from kvpool.shared.protocol import MAX_HASHES, short_repr
 
 MAX_COUNT = 1 << 31  # bound on token and block counts in one sub-op
 MAX_REQ_ID_LEN = 128
+_REQ_INT_END = 1 << 63
 NO_SPACE = {"ok": False, "code": "no_space", "msg": "not enough free blocks"}
 OK = {"ok": True}
 
@@ -47,7 +52,7 @@ def _int(op: dict, key: str, default: int | None = None) -> int:
 
 def _req(op: dict, key: str = "req") -> int | str:
     v = op.get(key)
-    if type(v) is int and 0 <= v < (1 << 63):
+    if type(v) is int and 0 <= v < _REQ_INT_END:
         return v
     if type(v) is str and 0 < len(v) <= MAX_REQ_ID_LEN:
         return v
@@ -74,20 +79,33 @@ def _alloc(pool: Pool, owner: object, op: dict) -> dict:
 
 
 def _extend(pool: Pool, owner: object, op: dict) -> dict:
-    key = (owner, _req(op))
+    # The hot sub-op (every decode step): fields are checked inline, and only a field that
+    # fails the quick check goes through its full validator, which raises the error.
+    req = op.get("req")
+    if not ((type(req) is int and 0 <= req < _REQ_INT_END) or (type(req) is str and 0 < len(req) <= MAX_REQ_ID_LEN)):
+        req = _req(op)
+    key = (owner, req)
     if "base" in op:
         base, held = _int(op, "base"), pool.requests.get(key)
         if held is not None and held.num_tokens != base:
             raise PoolError("stale_base", f"request {key!r} holds {held.num_tokens} tokens, not base {base}: "
                             "an earlier sub-op for it was refused; free it")
-    res = pool.extend(key, _int(op, "num_tokens"), _hashes(op), _int(op, "lookahead", 0))
+    num_tokens = op.get("num_tokens")
+    if type(num_tokens) is not int or not 0 <= num_tokens < MAX_COUNT:
+        num_tokens = _int(op, "num_tokens")
+    hashes = _hashes(op) if "hashes" in op else ()
+    lookahead = op.get("lookahead", 0)
+    if type(lookahead) is not int or not 0 <= lookahead < MAX_COUNT:
+        lookahead = _int(op, "lookahead", 0)
+    res = pool.extend(key, num_tokens, hashes, lookahead)
     if res is None:
         return NO_SPACE
-    return {"ok": True, "blocks": res[0], "copies": [list(c) for c in res[1]]}
+    copies = res[1]
+    return {"ok": True, "blocks": res[0], "copies": [list(c) for c in copies] if copies else []}
 
 
 def _free(pool: Pool, owner: object, op: dict) -> dict:
-    pool.free((owner, _req(op)))
+    pool.free((owner, _req(op)), _int(op, "computed") if "computed" in op else None)
     return OK
 
 
@@ -114,6 +132,7 @@ def run_step(pool: Pool, owner: object, ops: list, allow_alloc: bool = True) -> 
     ``allow_alloc=False`` (a draining manager) refuses alloc and fork with code "draining".
     """
     results: list[dict] = []
+    append, host = results.append, pool.host
     for op in ops:
         try:
             if type(op) is not dict:
@@ -125,20 +144,22 @@ def run_step(pool: Pool, owner: object, ops: list, allow_alloc: bool = True) -> 
             if not allow_alloc and name in ("alloc", "fork"):
                 raise PoolError("draining", "the manager is draining: no new allocations")
             res = handler(pool, owner, op)
-            if pool.host is not None:
+            if host is not None:
                 _add_copies(pool, res)
-            results.append(res)
+            append(res)
         except PoolError as e:
-            results.append({"ok": False, "code": e.code, "msg": _public(str(e), owner)})
+            append({"ok": False, "code": e.code, "msg": _public(str(e), owner)})
         except TypeError as e:  # e.g. an unhashable request id inside a malformed map
-            results.append({"ok": False, "code": "bad_sub_op", "msg": f"malformed sub-op: {e}"})
+            append({"ok": False, "code": "bad_sub_op", "msg": f"malformed sub-op: {e}"})
     pool.end_step()
     return results
 
 
 def _add_copies(pool: Pool, res: dict) -> None:
     """The host tier's orders of the sub-op just run, in its result (only when there are any)."""
-    saves, loads = pool.take_copies()
+    saves, loads, writes = pool.take_copies()
+    if writes:
+        res["writes"] = [[c.src, c.dst] for c in writes]
     if saves:
         res["saves"] = [[c.src, c.dst] for c in saves]
     if loads:

@@ -109,7 +109,6 @@ class Recovery:
             return False
         self.registry.adopt(fresh)
         self.mode, self.went_back = "active", None
-        settle_heap()
         logger.warning("manager %s active: state %s, %d sessions, %d pools, %d requests", self.registry.incarnation,
                        fresh.state_id, len(fresh.sessions), len(fresh.pools), fresh.total_requests())
         return True
@@ -160,8 +159,10 @@ class Recovery:
         return [*frames[:-1], error_reply(msg_id, reg.incarnation, err, reg.state_id)]
 
 
-def settle_heap() -> None:
+def settle_heap() -> int:
     """Moves the state just loaded out of the garbage collector's sight (``gc.freeze``): the
-    loop's idle collections then traverse only what changed since, never a 1M-block state."""
+    loop's idle collections then traverse only what changed since, never a 1M-block state.
+    Returns how many objects are frozen (counted here, once: the count walks them all)."""
     gc.collect()
     gc.freeze()
+    return gc.get_freeze_count()

@@ -18,7 +18,7 @@ import hashlib
 
 from kvpool.manager.core.snapshot import CorruptState, dump_pool, load_pool
 from kvpool.manager.registry import PoolEntry, Registry, Session, Shard
-from kvpool.shared.protocol import KVSpec, ManagerError, pack, unpack
+from kvpool.shared.protocol import HOST_POLICIES, KVSpec, ManagerError, pack, unpack
 
 MAGIC = b"KVPOOL-STATE"
 FORMAT = 1
@@ -30,10 +30,7 @@ def dump_registry(reg: Registry, seq: int) -> dict:
                 for s in reg.sessions.values()]
     pools = []
     for e in reg.pools.values():
-        shards = [[s.rank, s.incarnation, s.spec.to_wire(), s.available_kv_bytes, s.num_blocks, s.sid,
-                   *([s.serve] if s.serve is not None or s.host_kv_bytes else []),
-                   *([s.host_kv_bytes] if s.host_kv_bytes else [])]
-                  for s in e.shards.values()]
+        shards = [_shard_row(s) for s in e.shards.values()]
         pools.append([e.name, e.shard_count, e.epoch, shards, dump_pool(e.pool) if e.pool is not None else None])
     return {"format": FORMAT, "state_id": reg.state_id, "seq": seq, "next_num": reg.next_num,
             "draining": reg.draining, "sessions": sessions, "pools": pools}
@@ -89,19 +86,33 @@ def _sessions(rows: list, now: float) -> list[Session]:
     return out
 
 
+def _shard_row(s: Shard) -> list:
+    """A shard as a list; trailing defaults are left off (the layouts of older snapshots)."""
+    row = [s.rank, s.incarnation, s.spec.to_wire(), s.available_kv_bytes, s.num_blocks, s.sid,
+           s.serve, s.host_kv_bytes, s.host_kv_policy]
+    for default in ("demote", 0, None):
+        if row[-1] != default:
+            break
+        row.pop()
+    return row
+
+
 def _pool(row: list) -> PoolEntry:
     name, shard_count, epoch, shard_rows, dump = row
     shards = {}
     for rank, inc, spec, available, num_blocks, sid, *rest in shard_rows:
         serve = rest[0] if rest else None
         host_kv_bytes = rest[1] if len(rest) > 1 else 0  # absent in snapshots from before the host tier
-        if type(host_kv_bytes) is not int or host_kv_bytes < 0 or len(rest) > 2:
+        if type(host_kv_bytes) is not int or host_kv_bytes < 0 or len(rest) > 3:
             raise TypeError(f"shard row {rank!r:.10}: host_kv_bytes {host_kv_bytes!r:.40}")
+        policy = rest[2] if len(rest) > 2 else "demote"  # absent in snapshots from before the choice
+        if policy not in HOST_POLICIES:
+            raise TypeError(f"shard row {rank!r:.10}: host_kv_policy {policy!r:.40}")
         try:
             kv_spec = KVSpec.from_wire(spec)
         except ManagerError as e:
             raise CorruptState(f"pool {name!r:.40}, shard {rank!r:.10}: {e}") from None
-        shards[rank] = Shard(rank, inc, kv_spec, available, num_blocks, sid, serve, host_kv_bytes)
+        shards[rank] = Shard(rank, inc, kv_spec, available, num_blocks, sid, serve, host_kv_bytes, policy)
     # verify=False: every caller checks the whole registry's invariants once it is complete
     # (journal.recover after the replay, kvpool snapshot/restore), instead of each pool twice
     pool = load_pool(dump, enable_events=True, verify=False) if dump is not None else None

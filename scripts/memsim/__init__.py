@@ -2,7 +2,7 @@
 
 trace.py       SimConfig, the seeded trace, the running-sequence record
 contiguous.py  static and doubling over a first-fit allocator
-paged.py       paged and paged+prefix over the real kvpool.manager.core.pool.Pool
+paged.py       paged, paged+prefix and paged+host over the real kvpool.manager.core.pool.Pool
 sim.py         the step loop, every strategy on one trace, the block-size sweep
 report.py      the text report and the figures
 e2e.py         the real worker's tokens/s at one KV budget (scripts/bench_worker.py)

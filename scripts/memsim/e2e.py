@@ -17,6 +17,8 @@ from pathlib import Path
 from .report import COLORS, _save
 from .sim import STRATEGIES
 
+PLOTTED = tuple(n for n in STRATEGIES if n != "paged+host")  # the tier's real-worker run: scripts/bench_tier.py
+
 E2E_FLAGS = {"--modes": "static,paged,paged+prefix", "--model": "small", "--requests": "16",
              "--min-prompt": "64", "--max-prompt": "320", "--shared-fraction": "0.4",
              "--shared-prefixes": "4", "--shared-prefix-len": "192", "--min-output": "64",
@@ -68,14 +70,14 @@ def plot_e2e(e2e: dict, out: Path) -> Path:
     res, a = e2e["strategies"], e2e["args"]
     fig, ax = plt.subplots(figsize=(7, 4))
     top = max(r["tokens_per_s"] for r in res.values())
-    for i, name in enumerate(STRATEGIES):
+    for i, name in enumerate(PLOTTED):
         if name not in res:
             ax.text(i, 0.03 * top, "no real\nworker", ha="center", va="bottom", fontsize=8, color="#7f7f7f")
             continue
         r = res[name]
         ax.bar(i, r["tokens_per_s"], 0.6, color=COLORS[name])
         ax.text(i, r["tokens_per_s"], f"{e2e['ratios'][name]:.2f}x", ha="center", va="bottom", fontsize=9)
-    ax.set_xticks(range(len(STRATEGIES)), [_label(n, res.get(n)) for n in STRATEGIES], fontsize=8)
+    ax.set_xticks(range(len(PLOTTED)), [_label(n, res.get(n)) for n in PLOTTED], fontsize=8)
     kv_mib = res["static"]["kv_bytes"] / 2**20
     ax.set(ylabel="generated tokens/s", ylim=(0, 1.15 * top),
            title=f"Real worker, one KV budget ({kv_mib:.1f} MiB, {a['kv_blocks']} blocks), model {a['model']} "

@@ -1,4 +1,5 @@
-"""The paged strategies on the real block-pool core, with or without prefix caching and forks."""
+"""The paged strategies on the real block-pool core: with or without prefix caching and forks, and
+with a host tier behind the device blocks (``cfg.host_policy``, demote by default)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from .trace import Seq, SimConfig, TraceRequest
 
 
 class Paged:
-    """The real block-pool core. ``sharing``: prefix caching on and n samples forked (CoW)."""
+    """The real block-pool core. ``sharing``: prefix caching on and n samples forked (CoW).
+    ``host``: a host tier of ``cfg.host_budget_x`` times the device blocks behind them (its
+    copies are counted, not made: the simulator holds no KV; each operation is its own step)."""
 
-    def __init__(self, cfg: SimConfig, sharing: bool) -> None:
+    def __init__(self, cfg: SimConfig, sharing: bool, host: bool = False) -> None:
         self.cfg, self.sharing, self.bs = cfg, sharing, cfg.block_size
         num_blocks = cfg.budget_tokens // cfg.block_size + 1  # + the null block
-        self.pool = Pool(num_blocks, cfg.block_size, enable_caching=sharing)
+        host_blocks = int(cfg.host_budget_x * (num_blocks - 1)) + 1 if host else 0
+        self.pool = Pool(num_blocks, cfg.block_size, enable_caching=sharing, host_blocks=host_blocks,
+                         host_policy=cfg.host_policy)
         self.watermark = math.ceil(cfg.watermark * (num_blocks - 1))
         self.frag_refusals = 0
         self._hashes: dict[int, list[bytes]] = {}  # prompt hashes of the queue head, kept across steps
@@ -28,6 +33,16 @@ class Paged:
     @property
     def copies(self) -> int:
         return self.pool.stats.cow_copies
+
+    @property
+    def host_bytes_copied(self) -> int:
+        """Device <-> host tier traffic (saves, writes and loads), whole blocks."""
+        s = self.pool.host.stats if self.pool.host else None
+        return (s.saves + s.writes + s.loads) * self.bs * self.cfg.kv_bytes_per_token if s else 0
+
+    @property
+    def host_hit_tokens(self) -> int:
+        return self.pool.host.stats.hit_tokens if self.pool.host else 0
 
     @property
     def lookup_tokens(self) -> int:
@@ -55,6 +70,7 @@ class Paged:
         else:
             for s in seqs:
                 assert self.pool.allocate(s.uid, hashes, p, p) is not None
+        self.pool.end_step()  # a host tier's pins: the step's copies are ordered
         last = hashes[-1] if hashes else SEED
         for s in seqs:
             s.num_tokens, s.last_hash = p, last
@@ -68,6 +84,7 @@ class Paged:
             new_hashes = (hash_block(s.last_hash, data),)
         if self.pool.extend(s.uid, n, new_hashes) is None:
             return False
+        self.pool.end_step()
         if new_hashes:
             s.last_hash = new_hashes[0]
         s.num_tokens = n

@@ -29,6 +29,10 @@ def print_report(cfg: SimConfig, report: dict) -> None:
               f"{r['ext_frag_pct']:>8.1f}%"
               f"{r['free_pct']:>6.1f}%{_gib(r['bytes_copied']):>12}{r['prefix_hit_rate']:>9.1%}"
               f"{r['preemptions']:>8}{r['steps']:>7}{rat[name]['tokens_per_step']:>7.1f}x")
+    h = res["paged+host"]
+    print(f"paged+host: {h['host_hit_rate']:.1%} of looked-up prompt tokens came from the host tier "
+          f"({cfg.host_budget_x:g}x the device blocks, {cfg.host_policy}); {_gib(h['host_bytes_copied'])} copied "
+          "between the tiers")
     print("block-size sweep (paged+prefix):")
     print(f"{'block':>7}{'int.waste':>10}{'entries/seq':>12}{'row width':>10}{'hit rate':>9}{'mean req':>9}"
           f"{'copied':>12}")
@@ -44,7 +48,8 @@ def print_report(cfg: SimConfig, report: dict) -> None:
           f"(>= 4x): {'met' if tg['peak_requests_4x_static'] and tg['mean_requests_4x_static'] else 'NOT met'}")
 
 
-COLORS = {"static": "#7f7f7f", "doubling": "#d62728", "paged": "#1f77b4", "paged+prefix": "#2ca02c"}
+COLORS = {"static": "#7f7f7f", "doubling": "#d62728", "paged": "#1f77b4", "paged+prefix": "#2ca02c",
+          "paged+host": "#9467bd"}
 
 
 def plot(report: dict, series: dict[str, list[int]], out: Path) -> list[Path]:
@@ -68,7 +73,9 @@ def plot(report: dict, series: dict[str, list[int]], out: Path) -> list[Path]:
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [3, 2]})
     names = list(res)
-    labels = [f"{n}\n{_gib(res[n]['bytes_copied'])} copied" for n in names]
+    labels = [f"{n}\n{_gib(res[n]['bytes_copied'])} copied" + (
+        f"\n+ {_gib(res[n]['host_bytes_copied'])} to/from host" if res[n].get("host_bytes_copied") else "")
+        for n in names]
     parts = [("written KV", [res[n]["written_pct"] for n in names], "#2ca02c"),
              ("internal waste", [res[n]["internal_waste_pct"] for n in names], "#d62728"),
              ("free, fragmented", [res[n]["ext_frag_pct"] for n in names], "#ff7f0e"),
@@ -87,7 +94,7 @@ def plot(report: dict, series: dict[str, list[int]], out: Path) -> list[Path]:
     for i, n in enumerate(names):
         a2.text(i - 0.2, res[n]["mean_requests"], f"{report['ratios'][n]['mean_requests']:.1f}x",
                 ha="center", va="bottom", fontsize=8)
-    a2.set_xticks(x, names, fontsize=8)
+    a2.set_xticks(x, [n.replace("+", "\n+") for n in names], fontsize=8)
     a2.set(ylabel="concurrent requests", title="Batch size (x = mean vs static)")
     a2.legend(fontsize=8)
     paths.append(_save(fig, out / "waste.png"))

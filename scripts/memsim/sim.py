@@ -12,15 +12,15 @@ from .contiguous import Contiguous
 from .paged import Paged
 from .trace import Seq, SimConfig, TraceRequest, make_trace, trace_stats
 
-STRATEGIES = ("static", "doubling", "paged", "paged+prefix")
+STRATEGIES = ("static", "doubling", "paged", "paged+prefix", "paged+host")
 SWEEP_BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 
 def make_strategy(name: str, cfg: SimConfig) -> Contiguous | Paged:
     if name in ("static", "doubling"):
         return Contiguous(cfg, doubling=name == "doubling")
-    if name in ("paged", "paged+prefix"):
-        return Paged(cfg, sharing=name == "paged+prefix")
+    if name in ("paged", "paged+prefix", "paged+host"):
+        return Paged(cfg, sharing=name != "paged", host=name == "paged+host")
     raise ValueError(f"unknown strategy {name!r}; known: {STRATEGIES}")
 
 
@@ -138,6 +138,8 @@ class Sim:
             "bytes_copied": st.bytes_copied,
             "copies": st.copies,
             "prefix_hit_rate": st.hit_tokens / st.lookup_tokens if st.lookup_tokens else 0.0,
+            "host_hit_rate": st.host_hit_tokens / st.lookup_tokens if paged and st.lookup_tokens else 0.0,
+            "host_bytes_copied": st.host_bytes_copied if paged else 0,
             "preemptions": self.preemptions,
             "discarded_tokens": self.discarded_tokens,
             "decode_tokens": self.decode_tokens,

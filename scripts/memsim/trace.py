@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.shared.hashing import SEED
+from kvpool.shared.protocol import HOST_POLICIES
 
 LLAMA3_8B_KV_BYTES = 2 * 32 * 8 * 128 * 2  # K and V * layers * kv heads * head size * bf16
 
@@ -31,6 +32,8 @@ class SimConfig:
     parallel_n: int = 4
     arrival_rate: float = 1.0  # Poisson arrivals, requests per step; 0: all at step 0
     watermark: float = 0.01
+    host_budget_x: float = 4.0  # paged+host: host tier blocks per device block (32 GiB of host RAM at the default)
+    host_policy: str = "demote"  # paged+host: or "write_through" (manager/core/host_tier.py)
     vocab_size: int = 32000
     seed: int = 0
 
@@ -46,6 +49,10 @@ class SimConfig:
             raise ValueError("need 1 <= system_min <= system_max < max_model_len / 2")
         if self.num_requests < 1 or self.parallel_n < 1 or not 0 <= self.watermark < 0.5:
             raise ValueError("need num_requests >= 1, parallel_n >= 1, 0 <= watermark < 0.5")
+        if self.host_budget_x < 0:
+            raise ValueError(f"host_budget_x must be >= 0 (host tier blocks per device block), got {self.host_budget_x}")
+        if self.host_policy not in HOST_POLICIES:
+            raise ValueError(f"host_policy must be one of {HOST_POLICIES}, got {self.host_policy!r}")
         if self.arrival_rate < 0:
             raise ValueError(f"arrival_rate must be >= 0 (0: all at step 0), got {self.arrival_rate}")
 

@@ -53,6 +53,22 @@ def test_status_pools_sessions_requests_as_tables_and_json(busy):
     assert live.server.registry.sessions.keys() == {busy[1].sid}  # the CLI's sessions ended
 
 
+def test_pools_table_shows_each_host_tier_and_its_policy(busy):
+    live, _, _ = busy
+    other = ManagerClient(live.endpoint, identity="worker-b")
+    try:
+        other.register("q", shard_rank=0, shard_count=1, incarnation="j", spec=SPEC, available_kv_bytes=kv_bytes(40),
+                       host_kv_bytes=kv_bytes(64), host_kv_policy="write_through")
+        out = run(live.endpoint, "pools").splitlines()
+        header = out[0].split()
+        assert header[7:9] == ["HOST_CACHED", "HOST_POLICY"]
+        rows = {line.split()[0]: line.split() for line in out[1:]}
+        assert rows["p"][7:9] == ["-", "-"]  # no host tier
+        assert rows["q"][7:9] == ["0/64", "write_through"]
+    finally:
+        other.close()
+
+
 def test_errors_exit_1_with_the_managers_message(busy):
     live, _, _ = busy
     assert "unknown_pool" in run(live.endpoint, "requests", "-p", "nope", code=1)
@@ -116,6 +132,12 @@ def test_stats_watch_refreshes_until_ctrl_c(busy, monkeypatch):
     assert ticks == [0.5, 0.5] and len(out) == 2
     assert [json.loads(line)["pools"]["p"]["requests"] for line in out] == [1, 1]
     assert live.server.registry.sessions.keys() == {busy[1].sid}
+
+
+def test_evict_help_says_a_device_eviction_is_not_saved_to_the_host_tier():
+    out = CliRunner().invoke(cli, ["evict", "--help"]).output
+    assert "--tier device drops the blocks' hashes without saving them" in " ".join(out.split())
+    assert "The host tier" in out
 
 
 def test_evict_drops_free_cached_blocks_lru_first(busy):

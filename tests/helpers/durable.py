@@ -1,4 +1,5 @@
-"""Helpers for the durability tests: Redis access, a journaling in-memory store, unique ids.
+"""Helpers for the durability tests: Redis access, a journaling in-memory store, unique ids,
+manager daemons, private redis-servers and the chaos clients that step on them.
 
 Tests that need Redis use REDIS_URL (default redis://127.0.0.1:6379/0). When it cannot be
 reached they skip, except under CI (env CI set), where they fail: CI must run them.
@@ -7,10 +8,14 @@ reached they skip, except under CI (env CI set), where they fail: CI must run th
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +28,7 @@ from kvpool.shared.hashing import hash_blocks
 from kvpool.shared.protocol import encode_request, unpack
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+CHAOS = [sys.executable, str(Path(__file__).with_name("chaos_procs.py"))]
 _ids = itertools.count(1000)
 
 
@@ -61,6 +67,19 @@ def call(srv: Server, op: str, sid: str | None = None, now: float | None = None,
     """One request through ``handle_payload`` with a fresh id (durable managers cache step ids)."""
     payload = encode_request(next(_ids) if msg_id is None else msg_id, op, sid, args)
     return unpack(srv.handle_payload(payload, time.monotonic() if now is None else now))
+
+
+def dump_keys(r, ns: str) -> dict[bytes, bytes]:
+    return {k: r.dump(k) for k in r.scan_iter(f"kvpool:{{{ns}}}:*")}
+
+
+def put_back(r, ns: str, copy: dict[bytes, bytes]) -> None:
+    """The namespace as it was when ``copy`` was taken (an operator restoring an older RDB)."""
+    keys = list(r.scan_iter(f"kvpool:{{{ns}}}:*"))
+    if keys:
+        r.delete(*keys)
+    for k, v in copy.items():
+        r.restore(k, 0, v, replace=True)
 
 
 def durable_server(endpoint: str = "ipc:///tmp/kvpool-unused.sock", store=None, **cfg) -> Server:
@@ -228,6 +247,25 @@ def redis_server(spawn, directory: str, *extra: str, port: int | None = None):
         if proc.poll() is None:
             proc.kill()
     raise AssertionError(f"redis-server would not start in {directory} ({' '.join(extra)})")
+
+
+def chaos_clients(spawn, endpoint: str, stop: Path, n: int, *check_every: str) -> list[subprocess.Popen]:
+    """``n`` chaos clients (chaos_procs.py, seeds 0..n-1) stepping on pool "chaos" until ``stop``
+    exists; ``check_every`` ("1": compare views after every step) else chaos_procs' default."""
+    return [spawn([*CHAOS, endpoint, "chaos", str(seed), str(stop), *check_every], stderr=subprocess.STDOUT)
+            for seed in range(n)]
+
+
+def finish_chaos_clients(clients: list[subprocess.Popen], stop: Path) -> list[dict]:
+    """Stops the chaos clients and returns each one's last report (a JSON line). A client exits
+    non-zero when its view of its blocks differed from the manager's without being told."""
+    stop.touch()
+    outs = []
+    for c in clients:
+        out, _ = c.communicate(timeout=120)
+        assert c.returncode == 0, out  # no client's view ever differed from the manager's untold
+        outs.append(json.loads(out.splitlines()[-1]))
+    return outs
 
 
 def seed_big_state(namespace: str, blocks: int, redis_url: str = REDIS_URL) -> None:

@@ -1,6 +1,7 @@
 """Factories for every test that talks to a manager: the base spec, one request through a
-Server, a Server looping in a thread (``LiveServer``), metrics scraping, event applying, and the
-one way to stop a process politely (``stop_process``; the ``procs`` fixture kills leftovers)."""
+Server, a Server looping in a thread (``LiveServer``), metrics scraping, and the one way to
+stop a process politely (``stop_process``; the ``procs`` fixture kills leftovers). A KV-event
+subscriber folds events with ``kvpool.manager.event_client.CachedView``, one set per tier."""
 
 from __future__ import annotations
 
@@ -123,14 +124,3 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int:
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
     return proc.wait(timeout)
-
-
-def apply(cached: set, events: list[dict]) -> None:
-    """What a KV-aware router does with vLLM-format events (as ``decode_batch`` gives them)."""
-    for ev in events:
-        if ev["type"] == "BlockStored":
-            cached.update(ev["block_hashes"])
-        elif ev["type"] == "BlockRemoved":
-            cached.difference_update(ev["block_hashes"])
-        elif ev["type"] == "AllBlocksCleared":
-            cached.clear()

@@ -2,7 +2,7 @@
 
     stepper ENDPOINT POOL RANK COUNT INC BLOCKS STEPS   register a shard, then step with shared prefixes
     holder  ENDPOINT POOL                               hold blocks, heartbeat until killed
-    flooder ENDPOINT N                                  send N garbage messages, never read a reply
+    flooder ENDPOINT N                                  send N garbage messages unread, stay until they were read
 
 Each prints one JSON line per milestone on stdout.
 """
@@ -17,7 +17,7 @@ import time
 import zmq
 
 from kvpool.shared.hashing import hash_blocks
-from kvpool.shared.protocol import KVSpec, pack
+from kvpool.shared.protocol import KVSpec, pack, unpack
 from kvpool.worker.manager_client import ManagerClient
 
 SPEC = {"block_size": 4, "num_layers": 2, "num_kv_heads": 2, "head_size": 8, "dtype": "float16"}
@@ -84,8 +84,20 @@ def flooder(endpoint: str, n: int) -> None:
     for i in range(n):
         sock.send(bad[i % len(bad)])
     say(event="sent", n=n)
-    time.sleep(1.0)  # let the queue drain to the manager before closing
-    sock.close(linger=5000)
+    # ZeroMQ drops what a peer has not read yet when the sender disconnects: stay until the
+    # manager has read the whole flood, shown by its answer to a marker sent after it (resent:
+    # the manager drops replies this socket has not read while its queue is full)
+    deadline, k = time.monotonic() + 60, 0
+    while time.monotonic() < deadline:
+        k += 1
+        sock.send(pack({"v": 1, "id": (1 << 63) + k, "op": "heartbeat", "args": {}}))
+        answered, until = False, time.monotonic() + 0.5
+        while not answered and sock.poll(max(1, int(1000 * (until - time.monotonic())))):
+            reply = unpack(sock.recv())
+            answered = type(reply) is dict and type(reply.get("id")) is int and reply["id"] > 1 << 63
+        if answered:
+            break
+    sock.close(linger=0)
     ctx.term()
 
 

@@ -89,20 +89,22 @@ class TPPair:
     """Rank 0's engine on this thread, the other ranks' followers on threads."""
 
     def __init__(self, num_blocks: int = 256, *, size: int = 2, max_blocks: int | None = None,
-                 max_model_len: int = 256, max_num_batched_tokens: int = 512) -> None:
+                 max_model_len: int = 256, max_num_batched_tokens: int = 512, host_blocks: int = 0,
+                 host_kv_policy: str = "demote", overlap: bool = True) -> None:
         models = sharded_models(size)
         channel = QueueChannel(size - 1)
         kv = rank_kv_bytes(num_blocks, size)
+        host = {"host_kv_bytes": rank_kv_bytes(host_blocks, size), "host_kv_policy": host_kv_policy}
         self.followers = [TPFollower(models[r], LocalBlockManager(f"rank{r}", max_blocks=max_blocks),
                                      channel.follower(r), block_size=16, available_kv_bytes=kv,
-                                     max_model_len=max_model_len) for r in range(1, size)]
+                                     max_model_len=max_model_len, **host) for r in range(1, size)]
         self.threads = [threading.Thread(target=f.follow, daemon=True) for f in self.followers]
         for t in self.threads:
             t.start()
         sched = Scheduler(16, max_num_batched_tokens, 64, max_model_len)
         self.channel = channel
         self.engine = Engine(models[0], LocalBlockManager("test", max_blocks=max_blocks), sched, kv,
-                             tp=TPLeader(channel, size))  # type: ignore[arg-type]
+                             tp=TPLeader(channel, size), overlap=overlap, **host)  # type: ignore[arg-type]
         self.settle()  # the followers registered too (each has its own in-process manager)
 
     def settle(self) -> None:

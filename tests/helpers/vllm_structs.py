@@ -105,26 +105,38 @@ STRUCTS = ("EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBloc
 CACHE = Path(os.environ.get("KVPOOL_TEST_CACHE", Path.home() / ".cache" / "kvpool-tests"))
 
 
-def vllm_sources(version: str) -> tuple[str, str] | None:
-    """(kv_events.py, kv_cache_utils.py) of the vLLM ``version`` wheel, cached under CACHE; the
-    wheel is fetched once with ``pip download --no-deps`` (None when that fails: no index)."""
+def vllm_tree(version: str) -> Path | None:
+    """The ``vllm/`` package tree (its .py files) of the vLLM ``version`` wheel, extracted once
+    under CACHE; the wheel is fetched with ``pip download --no-deps`` and deleted after (None
+    when that fails: no index)."""
     where = CACHE / f"vllm-{version}"
-    files = [where / "kv_events.py", where / "kv_cache_utils.py"]
-    if not all(f.is_file() for f in files):
-        where.mkdir(parents=True, exist_ok=True)
-        try:  # well inside pytest's 300 s per test
-            fetch = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(where),
-                                    f"vllm=={version}"], capture_output=True, text=True, timeout=240)
-        except subprocess.TimeoutExpired:
-            return None
-        wheels = sorted(where.glob("vllm-*.whl"))
-        if fetch.returncode != 0 or not wheels:
-            return None
-        with zipfile.ZipFile(wheels[0]) as z:
-            for f, member in zip(files, ("vllm/distributed/kv_events.py", "vllm/v1/core/kv_cache_utils.py")):
-                f.write_bytes(z.read(member))
-        wheels[0].unlink()
-    return files[0].read_text(), files[1].read_text()
+    tree = where / "tree"
+    if (tree / "vllm" / "__init__.py").is_file():
+        return tree
+    where.mkdir(parents=True, exist_ok=True)
+    try:  # well inside pytest's 300 s per test
+        fetch = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(where),
+                                f"vllm=={version}"], capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        return None
+    wheels = sorted(where.glob("vllm-*.whl"))
+    if fetch.returncode != 0 or not wheels:
+        return None
+    partial = where / "tree.partial"  # renamed into place when complete: a killed run leaves no half tree
+    with zipfile.ZipFile(wheels[0]) as z:
+        z.extractall(partial, [m for m in z.namelist() if m.startswith("vllm/") and m.endswith(".py")])
+    partial.rename(tree)
+    wheels[0].unlink()
+    return tree
+
+
+def vllm_sources(version: str) -> tuple[str, str] | None:
+    """(kv_events.py, kv_cache_utils.py) of the vLLM ``version`` wheel (``vllm_tree``)."""
+    tree = vllm_tree(version)
+    if tree is None:
+        return None
+    return ((tree / "vllm/distributed/kv_events.py").read_text(),
+            (tree / "vllm/v1/core/kv_cache_utils.py").read_text())
 
 
 def load_vllm_structs(kv_events_src: str, kv_cache_utils_src: str) -> SimpleNamespace:

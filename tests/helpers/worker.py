@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from kvpool.worker.block_manager import LocalBlockManager
 from kvpool.worker.config import PRESETS, WorkerConfig
 from kvpool.worker.engine import Engine
@@ -43,3 +45,29 @@ def assert_drained(engine: Engine) -> None:
     pool.check_invariants()
     stats = pool.snapshot_stats()
     assert stats["requests"] == 0 and stats["used_blocks"] == 0
+
+
+def evict_with_others(engine: Engine, n: int = 4, seed: int = 100) -> None:
+    """Runs ``n`` unrelated prompts through ``engine``: a small device pool evicts earlier prefixes."""
+    engine.generate([make_prompt(48, seed + i) for i in range(n)], greedy(4))
+
+
+def assert_load_restores_kv(engine: Engine) -> None:
+    """A prompt's first three blocks, computed, then evicted by others' work and brought back by a
+    host-tier load into other blocks, hold exactly the K/V computed the first time."""
+    a = make_prompt(50, 2)
+    engine.add_request(a, greedy(2))
+    engine.step()  # prefill: blocks 0..2 of a are full and cached
+    table = list(engine.scheduler.running[0].block_table[:3])
+    computed = [c[:, table].clone() for c in engine.runner.kv_caches]
+    while engine.has_work():
+        engine.step()
+    evict_with_others(engine)  # demotes a's blocks to the host tier
+    engine.add_request(a, greedy(2))
+    engine.step()  # loads, then the forward pass
+    new_table = list(engine.scheduler.running[0].block_table[:3])
+    assert engine.bm.core.host.stats.loads > 0 and new_table != table
+    for layer, cache in enumerate(engine.runner.kv_caches):
+        assert torch.equal(cache[:, new_table], computed[layer])
+    while engine.has_work():
+        engine.step()

@@ -8,22 +8,18 @@ killed mid-generation.
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from helpers.durable import Daemon
-from helpers.manager import HELPERS, wait_until
+from helpers.durable import Daemon, chaos_clients, finish_chaos_clients
+from helpers.manager import wait_until
 
 from kvpool.worker.manager_client import ManagerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
-CHAOS = [sys.executable, str(HELPERS / "chaos_procs.py")]
 KILLS = 22
 CLIENTS = 3
 
@@ -33,8 +29,7 @@ def test_sigkill_the_manager_at_random_under_load(procs, sock_dir, namespace):
     daemon.start()
     daemon.wait_active()
     stop = Path(sock_dir) / "stop"
-    clients = [procs([*CHAOS, daemon.endpoint, "chaos", str(seed), str(stop)], stderr=subprocess.STDOUT)
-               for seed in range(CLIENTS)]
+    clients = chaos_clients(procs, daemon.endpoint, stop, CLIENTS)
     admin = ManagerClient(daemon.endpoint, role="admin", identity="chaos-admin", timeout_s=0.5, failover_s=60)
     rng = random.Random(1)
     downtime = []
@@ -53,12 +48,7 @@ def test_sigkill_the_manager_at_random_under_load(procs, sock_dir, namespace):
             assert body["pools"] == 1
         stats = admin.stats()
         assert stats["store"]["snapshots"] >= 1 or stats["store"]["snapshot_seq"] > 0
-        stop.touch()
-        outs = []
-        for c in clients:
-            out, _ = c.communicate(timeout=120)
-            assert c.returncode == 0, out
-            outs.append(json.loads(out.splitlines()[-1]))
+        outs = finish_chaos_clients(clients, stop)
         assert all(o["event"] == "done" and o["steps"] > 20 and o["managers_seen"] > KILLS // 2 for o in outs), outs
         assert len({o["state_id"] for o in outs}) == 1  # every client kept its state across the kills
         assert all(o["told"] == 0 for o in outs), outs  # sync: no acknowledged step was ever lost

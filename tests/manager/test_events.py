@@ -5,11 +5,11 @@ import msgpack
 import msgspec
 import pytest
 import zmq
-from helpers.manager import apply
 from helpers.vllm_structs import V011, V033, load_vllm_structs, vllm_sources
 
 from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvpool.manager.core.pool import Pool
+from kvpool.manager.event_client import TIER_MEDIUM, CachedView
 from kvpool.manager.events import END_SEQ, EventPublisher, decode_batch, encode_batch, encode_events
 from kvpool.shared.hashing import hash_blocks
 
@@ -128,7 +128,7 @@ def test_subscriber_rebuilds_cached_set_and_replay(tmp_path, fmt):
         publisher.publish("pool-a", pool.take_events(), 4)
     pool.evict(100)
     publisher.publish("pool-a", pool.take_events(), 4)
-    seen, cached, last = [], set(), -1
+    seen, cached, last = [], CachedView(), -1
     while sub.poll(2000):
         topic, seq, payload = sub.recv_multipart()
         assert topic == b"pool-a"
@@ -136,11 +136,11 @@ def test_subscriber_rebuilds_cached_set_and_replay(tmp_path, fmt):
         assert seq == last + 1
         last = seq
         msgspec.msgpack.decode(payload, type=FORMAT_STRUCTS[fmt].KVEventBatch)  # as vLLM's subscribers do
-        apply(cached, decode_batch(payload).events)
+        cached.apply(decode_batch(payload).events)
         seen.append(payload)
         if seq == publisher.next_seq - 1:
             break
-    assert cached == set(pool.blocks.cached), "events alone rebuild the manager's cached set"
+    assert cached.hashes() == set(pool.blocks.cached), "events alone rebuild the manager's cached set"
     # replay from seq 3 on
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(replay_ep)
@@ -247,3 +247,99 @@ def test_replay_never_holds_the_loop_and_a_burst_of_requests_is_rate_limited(tmp
     publisher.close()
     dealer.close(0)
     ctx.term()
+
+
+def _tiers(view: CachedView) -> dict[str, set]:
+    return {medium: view.hashes(medium) for medium in TIER_MEDIUM.values()}
+
+
+def _receive_until(sub, view: CachedView, want: dict[str, set]) -> None:
+    while _tiers(view) != want and sub.poll(3000):
+        _, _, payload = sub.recv_multipart()
+        view.apply(decode_batch(payload).events)
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("policy", ["demote", "write_through"])
+def test_a_restarted_manager_restates_both_tiers_to_a_subscriber(tmp_path, policy):
+    """The host map is journaled: after a restart a subscriber ends with the recovered view of
+    both tiers (host hashes stored again with medium CPU after the clear), as the manager has it;
+    under write-through those include the copies of blocks still on the device."""
+    from helpers.durable import (
+        REDIS_URL,
+        call,
+        drop_namespace,
+        durable_server,
+        new_namespace,
+        redis_or_skip,
+    )
+    from helpers.manager import SPEC, kv_bytes, ok
+
+    r, name = redis_or_skip(), new_namespace()
+    ev_ep, replay_ep = f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/replay.sock"
+    cfg = dict(endpoint=f"ipc://{tmp_path}/m.sock", events_endpoint=ev_ep, events_replay_endpoint=replay_ep,
+               redis_url=REDIS_URL, namespace=name, lease_ms=1000, redis_timeout_s=0.5)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(ev_ep)
+    view = CachedView()  # a two-tier subscriber: each medium's cached set
+    servers = []
+
+    def tiers_of(srv) -> dict[str, set]:
+        pool = srv.registry.pools["p"].pool
+        return {"GPU": set(pool.blocks.cached), "CPU": set(pool.host.blocks.cached)}
+
+    try:
+        first = durable_server(**cfg)
+        servers.append(first)
+        first.bind()
+        time.sleep(0.3)  # slow joiner
+        sid = ok(call(first, "hello"))["sid"]
+        ok(call(first, "register", sid, pool="p", shard_rank=0, shard_count=1, incarnation="i", spec=SPEC,
+                available_kv_bytes=kv_bytes(6), host_kv_bytes=kv_bytes(8), host_kv_policy=policy))
+        for i in range(4):  # each chain fills the device: the one before is demoted to the host tier
+            toks = [1000 * i + t for t in range(17)]
+            ops = [{"op": "alloc", "req": i, "hashes": hash_blocks(toks, 4), "prompt_len": 17, "max_new": 17}]
+            ok(call(first, "step", sid, pool="p", epoch=1, ops=ops))
+            ok(call(first, "step", sid, pool="p", epoch=1, ops=[{"op": "free", "req": i}]))
+            first.run_once(0)  # commits and publishes
+        before = tiers_of(first)
+        assert len(before["CPU"]) == 7 and len(before["GPU"]) == 4
+        # demote: the last chain is on the device only; write-through: also on the host
+        assert (before["GPU"] <= before["CPU"]) is (policy == "write_through")
+        _receive_until(sub, view, before)
+        assert _tiers(view) == before
+        first.close()
+        servers.remove(first)
+        view.apply([{"type": "BlockStored", "block_hashes": [b"x" * 32], "medium": "CPU"}])  # the subscriber may hold anything stale: the restatement clears it
+        second = durable_server(**cfg)
+        servers.append(second)
+        second.bind()
+        second.run_once(0)  # the restatement: published in the first iteration, kept for replay
+        after = tiers_of(second)
+        assert after == before
+        # A reconnecting SUB socket misses what a new publisher sends before it joined (ZeroMQ's
+        # slow joiner); a subscriber that sees the sequence start over asks the replay from 0.
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(replay_ep)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs = []
+        for _ in range(500):
+            second.run_once(10)
+            if dealer.poll(0):
+                frames = dealer.recv_multipart()
+                seq = int.from_bytes(frames[-2], "big")
+                if seq == END_SEQ:
+                    break
+                seqs.append(seq)
+                view.apply(decode_batch(frames[-1]).events)
+        dealer.close(0)
+        assert seqs == [0] and _tiers(view) == after
+    finally:
+        for srv in servers:
+            srv.close()
+        sub.close(0)
+        ctx.term()
+        drop_namespace(r, name)
+        r.close()

@@ -62,6 +62,21 @@ def test_manager_and_worker_configs_refuse_exposed_sockets_without_curve(tmp_pat
     WorkerConfig(endpoint="tcp://127.0.0.1:5560")
 
 
+@pytest.mark.parametrize("make", [ManagerConfig, WorkerConfig], ids=["manager", "worker"])
+def test_curve_files_are_both_given_and_both_exist(make, tmp_path):
+    """One rule for the manager's and the worker's CURVE files (shared/bind.check_curve_files)."""
+    _, secret = write_keypair(tmp_path, "server")
+    with pytest.raises(ValueError, match="needs both curve_secret_key_file"):
+        make(curve_secret_key_file=str(secret))
+    with pytest.raises(ValueError, match="needs both curve_secret_key_file"):
+        make(curve_allowed_keys_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"curve_secret_key_file \S+nope does not exist; create it with `kvpool keygen`"):
+        make(curve_secret_key_file=str(tmp_path / "nope"), curve_allowed_keys_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"curve_allowed_keys_dir \S+nope is not a directory"):
+        make(curve_secret_key_file=str(secret), curve_allowed_keys_dir=str(tmp_path / "nope"))
+    assert make(curve_secret_key_file=str(secret), curve_allowed_keys_dir=str(tmp_path)).curve_secret_key_file
+
+
 def test_kvpool_manager_refuses_an_exposed_endpoint_and_says_how_to_fix_it():
     res = CliRunner().invoke(cli, ["manager", "--manager", "tcp://0.0.0.0:5999"])
     assert res.exit_code == 1 and "--insecure" in res.output and "CURVE" in res.output, res.output
@@ -171,7 +186,11 @@ def test_packaged_configs_expose_nothing_without_curve():
     assert "kvpool keygen" in " ".join(services["keys"]["command"])  # the init step
     for name, svc in services.items():
         assert all(str(p).startswith("127.0.0.1:") for p in svc.get("ports", [])), (name, svc["ports"])
-        assert "insecure" not in str(svc).lower() and "KVPOOL_WORKER_ENDPOINT" not in svc.get("environment", {})
+        assert "insecure" not in str(svc).lower()
+        env = svc.get("environment") or {}
+        if "KVPOOL_WORKER_ENDPOINT" in env:  # a generate socket on the compose network: CURVE on it
+            assert not is_loopback_tcp(env["KVPOOL_WORKER_ENDPOINT"])
+            assert env["KVPOOL_WORKER_CURVE_SECRET_KEY_FILE"] and env["KVPOOL_WORKER_CURVE_ALLOWED_KEYS_DIR"]
         if name.startswith("worker"):
             assert svc["environment"]["KVPOOL_CURVE_KEY_FILE"] and svc["environment"]["KVPOOL_CURVE_SERVER_KEY"]
 

@@ -13,9 +13,9 @@ from kvpool.manager.store.state_file import dump_registry, load_registry
 from kvpool.shared.protocol import KVSpec
 
 
-def reg(srv, sid, rank=0, count=1, inc="i0", blocks=32, host_blocks=None, spec=SPEC):
+def reg(srv, sid, rank=0, count=1, inc="i0", blocks=32, host_blocks=None, spec=SPEC, **extra):
     args = dict(pool="p", shard_rank=rank, shard_count=count, incarnation=inc, spec=spec,
-                available_kv_bytes=kv_bytes(blocks))
+                available_kv_bytes=kv_bytes(blocks), **extra)
     if host_blocks is not None:
         args["host_kv_bytes"] = kv_bytes(host_blocks, spec)
     return call(srv, "register", sid, **args)
@@ -157,3 +157,115 @@ def test_stats_metrics_and_the_pools_table_show_the_host_tier():
     plain = make_server()
     ok(reg(plain, hello(plain)))
     assert "kvpool_pool_host" not in render(plain.registry, plain.stats, 1.0)
+
+
+def test_the_host_policy_is_registered_answered_and_kept_through_journal_and_snapshot():
+    srv = make_server()
+    sid = hello(srv)
+    body = ok(reg(srv, sid, host_blocks=8, host_kv_policy="write_through"))
+    assert body["host_policy"] == "write_through"
+    assert srv.registry.pools["p"].pool.host.policy == "write_through"
+    assert reg(srv, sid, host_blocks=8)["status"] == "shard_conflict"  # same incarnation, other policy
+    bad = call(srv, "register", hello(srv), pool="q", shard_rank=0, shard_count=1, incarnation="i0", spec=SPEC,
+               available_kv_bytes=kv_bytes(32), host_kv_bytes=kv_bytes(8), host_kv_policy="write-back")
+    assert bad["status"] == "bad_field" and "host_kv_policy" in bad["msg"] and "q" not in srv.registry.pools
+    rec = ShardRegistered("s", "p", 0, 1, "i", KVSpec(**SPEC), 1, 2, 3, None, 0, "write_through")
+    assert from_wire(to_wire(rec)) == rec and len(to_wire(rec)) == 13
+    assert len(to_wire(ShardRegistered("s", "p", 0, 1, "i", KVSpec(**SPEC), 1, 2, 3))) == 10  # the old layout
+    r = Registry("inc", session_timeout_s=10.0)
+    s = r.open_session("w", "worker", True, 1, 0.0)
+    r.register(s, "p", 0, 1, "a", KVSpec(**SPEC), kv_bytes(16), host_kv_bytes=kv_bytes(8),
+               host_kv_policy="write_through")
+    back = Registry("inc", session_timeout_s=10.0)
+    load_registry(dump_registry(r, 7), back, 0.0)
+    assert back.pools["p"].shards[0].host_kv_policy == "write_through"
+    assert back.pools["p"].pool.host.policy == "write_through"
+
+
+def test_write_through_only_when_every_shard_asks_for_it():
+    srv = make_server()
+    s0, s1 = hello(srv), hello(srv)
+    ok(reg(srv, s0, rank=0, count=2, host_blocks=8, host_kv_policy="write_through"))
+    assert ok(reg(srv, s1, rank=1, count=2, inc="i1", host_blocks=8))["host_policy"] == "demote"
+
+
+def _chain(i: int) -> dict:
+    from kvpool.shared.hashing import hash_blocks
+
+    toks = [1000 * i + t for t in range(17)]  # 4 full blocks of SPEC's 4 tokens and one more
+    return {"op": "alloc", "req": i, "hashes": hash_blocks(toks, 4), "prompt_len": 17, "max_new": 17}
+
+
+@pytest.mark.parametrize("evict_first", [False, True], ids=["pressure-demotes", "manual-evict-drops"])
+def test_a_manual_device_evict_drops_without_saving_while_pressure_demotes(evict_first):
+    """``evict --tier device`` on a pool with a host tier forgets the hashes: no save is ordered,
+    now or with the next step, and the chain is recomputed; the same reuse under pressure saves."""
+    srv = make_server()
+    sid = hello(srv)
+    ok(reg(srv, sid, blocks=6, host_blocks=8))
+    pool = srv.registry.pools["p"].pool
+    first = ok(call(srv, "step", sid, pool="p", epoch=1, ops=[_chain(0), {"op": "free", "req": 0}]))["results"]
+    assert "saves" not in first[0]
+    if evict_first:
+        admin = hello(srv, role="admin")
+        assert ok(call(srv, "evict", admin, pool="p", n=10))["evicted"] == 4
+        assert pool.blocks.cached == {} and pool.host.blocks.cached == {}
+    res = ok(call(srv, "step", sid, pool="p", epoch=1, ops=[_chain(1), {"op": "free", "req": 1}]))["results"]
+    saves = pool.host.stats.saves
+    again = ok(call(srv, "step", sid, pool="p", epoch=1, ops=[_chain(0)]))["results"][0]
+    if evict_first:
+        assert "saves" not in res[0] and saves == 0
+        assert again["cached"] == 0 and "loads" not in again
+    else:
+        assert len(res[0]["saves"]) == 4 and saves == 4
+        assert again["cached"] == 16 and len(again["loads"]) == 4
+    pool.check_invariants()
+
+
+class RecordingSink:
+    """An event sink that is not the NullSink: the server then builds KV events for it."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def publish(self, pool: str, epoch: int, events: list) -> None:
+        self.events += events
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("policy", ["demote", "write_through"])
+@pytest.mark.parametrize("events", [False, True], ids=["events-off", "events-on"])
+def test_the_host_tier_event_paths_with_events_off_and_on(policy, events):
+    """Saves, writes, loads, a host evict and reset, a shard restart: with no events socket no
+    KV event is built, none crashes; with one, the host tier's events carry medium CPU."""
+    from kvpool.manager.config import ManagerConfig
+    from kvpool.manager.server import Server
+
+    sink = RecordingSink()
+    srv = (Server(ManagerConfig(endpoint="ipc:///tmp/kvpool-unused.sock"), publisher=sink) if events
+           else make_server())
+    sid = hello(srv)
+    ok(reg(srv, sid, blocks=6, host_blocks=8, host_kv_policy=policy))
+    pool = srv.registry.pools["p"].pool
+    admin = hello(srv, role="admin")
+    for ops in ([_chain(0), {"op": "free", "req": 0}], [_chain(1), {"op": "free", "req": 1}], [_chain(0)],
+                [{"op": "free", "req": 0}]):
+        ok(call(srv, "step", sid, pool="p", epoch=1, ops=ops))
+        srv._commit()
+    assert pool.host.stats.loads >= 3 and (pool.host.stats.writes > 0) is (policy == "write_through")
+    assert ok(call(srv, "evict", admin, pool="p", n=2, tier="host"))["evicted"] == 2
+    assert ok(call(srv, "reset_cache", admin, pool="p", tier="host"))["reset"]
+    srv._commit()
+    ok(reg(srv, hello(srv), inc="i1", blocks=6, host_blocks=8, host_kv_policy=policy, replace=True))
+    srv._commit()  # a re-formed pool: both tiers restated
+    pool.check_invariants()
+    cpu = [e for e in sink.events if getattr(e, "medium", None) == "CPU"]
+    if not events:
+        assert srv.stats.events == 0 and sink.events == [] and not pool.host.blocks.events_enabled
+        return
+    kinds = {type(e).__name__ for e in cpu}
+    assert srv.stats.events == len(sink.events) and kinds == {"BlockStored", "BlockRemoved"}
+    stored = {h for e in cpu if type(e).__name__ == "BlockStored" for h in e.hashes}
+    assert set(_chain(0)["hashes"]) <= stored  # saved or written, then loaded back

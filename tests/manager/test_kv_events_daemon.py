@@ -10,11 +10,13 @@ import time
 import msgspec
 import pytest
 import zmq
-from helpers.manager import CLI, SPEC, apply, kv_bytes, shared_prefix_allocs, wait_until
+from helpers.manager import CLI, SPEC, kv_bytes, shared_prefix_allocs, wait_until
 from helpers.vllm_structs import V011
 
+from kvpool.manager.event_client import TIER_MEDIUM, CachedView
 from kvpool.manager.events import END_SEQ, decode_batch
-from kvpool.worker.manager_client import ManagerClient, ManagerUnavailable
+from kvpool.shared.hashing import hash_blocks
+from kvpool.worker.manager_client import ManagerClient, ManagerError, ManagerUnavailable
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +89,7 @@ def test_subscriber_rebuilds_the_cached_set_from_events_alone(procs, sock_dir):
         total = stats["manager"]["event_batches"]
         assert stats["pools"]["p"]["evictions"] > 0 and total > 10
 
-        cached: dict[bytes, set] = {b"p": set(), b"q": set()}
+        cached = {b"p": CachedView(), b"q": CachedView()}
         seqs, batches, kinds = [], {}, set()
         while len(seqs) < total:
             assert sub.poll(5000), f"got {len(seqs)} of {total} batches"
@@ -96,14 +98,14 @@ def test_subscriber_rebuilds_the_cached_set_from_events_alone(procs, sock_dir):
             batches[seqs[-1]] = payload
             events = decode_batch(payload).events
             kinds.update(e["type"] for e in events)
-            apply(cached[topic], events)
+            cached[topic].apply(events)
         assert seqs == list(range(total)), "one sequence, no gaps"
         assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
         for pool in ("p", "q"):
             body = a.call("cached_hashes", pool=pool)
             assert body["event_batches"] == total
-            assert cached[pool.encode()] == set(body["hashes"]) and body["total"] == len(body["hashes"])
-        assert cached[b"p"], "pool p still has a prefix cache"
+            assert cached[pool.encode()].hashes() == set(body["hashes"]) and body["total"] == len(body["hashes"])
+        assert cached[b"p"].hashes(), "pool p still has a prefix cache"
 
         # the replay socket serves the same payloads; `kvpool events` prints them
         assert replay(ctx, rp_ep, 5) == [(s, batches[s]) for s in range(5, total)]
@@ -146,6 +148,70 @@ def test_events_format_flag_selects_vllm_0_11_arrays(procs, sock_dir):
         assert {"BlockStored", "AllBlocksCleared"} <= set(kinds)
         out, _ = tail.communicate(timeout=30)
         assert [json.loads(line)["format"] for line in out.splitlines()] == ["vllm-0.11", "vllm-0.11"]
+    finally:
+        c.close()
+        sub.close(0)
+        ctx.term()
+
+
+def _chain(i: int) -> dict:
+    toks = [1000 * i + t for t in range(17)]  # 4 full blocks of SPEC's 4 tokens and one more
+    return {"op": "alloc", "req": i, "hashes": hash_blocks(toks, 4), "prompt_len": 17, "max_new": 17}
+
+
+def test_a_subscriber_keeps_one_view_per_tier_on_a_pool_with_a_host_tier(procs, sock_dir):
+    """Demotions store a hash on the host (``medium: "CPU"``) as the device removes it; a load
+    stores it on the device again while the host keeps it; a device eviction then removes the
+    device copy only. The subscriber's view per medium matches ``cached_hashes`` per tier."""
+    ep, ev_ep = f"ipc://{sock_dir}/m.sock", f"ipc://{sock_dir}/ev.sock"
+    procs([*CLI, "manager", "-m", ep, "--events-endpoint", ev_ep])
+    c = ManagerClient(ep, identity="a", role="admin", timeout_s=0.5)
+    ctx = zmq.Context()
+    sub = subscriber(ctx, ev_ep)
+    view = CachedView()
+
+    def follow() -> None:
+        total = c.stats()["manager"]["event_batches"]
+        while follow.seen < total:
+            assert sub.poll(5000), f"got {follow.seen} of {total} batches"
+            _topic, seq_b, payload = sub.recv_multipart()
+            assert int.from_bytes(seq_b, "big") == follow.seen
+            follow.seen += 1
+            view.apply(decode_batch(payload).events)
+        for tier, medium in TIER_MEDIUM.items():
+            body = c.call("cached_hashes", pool="p", tier=tier)
+            assert body["tier"] == tier and body["event_batches"] == total
+            assert view.hashes(medium) == set(body["hashes"]), tier
+
+    follow.seen = 0
+    try:
+        wait_for_daemon(c)
+        time.sleep(0.3)  # the subscription reaches the publisher before the first event
+        epoch = c.register("p", shard_rank=0, shard_count=1, incarnation="w", spec=SPEC,
+                           available_kv_bytes=kv_bytes(6), host_kv_bytes=kv_bytes(8))["epoch"]
+        first = set(_chain(0)["hashes"])
+        c.step("p", epoch, [_chain(0), {"op": "free", "req": 0}])
+        res = c.step("p", epoch, [_chain(1), {"op": "free", "req": 1}])
+        assert len(res[0]["saves"]) == 4  # chain 0 demoted: removed from the device, stored on the host
+        follow()
+        assert view.hashes("CPU") == first and not view.hashes("GPU") & first
+        again = c.step("p", epoch, [_chain(0), {"op": "free", "req": 0}])[0]
+        assert len(again["loads"]) == 4  # back on the device, still on the host
+        follow()
+        assert first <= view.hashes("GPU") and first <= view.hashes("CPU")
+        assert c.call("evict", pool="p", n=10)["evicted"] > 0  # the device copies go, the host's stay
+        follow()
+        assert not view.hashes("GPU") and first <= view.hashes("CPU")
+        c.step("p", epoch, [_chain(2), {"op": "free", "req": 2}])
+        assert c.call("reset_cache", pool="p")["reset"]  # the device tier only: the host keeps its hashes
+        follow()
+        assert not view.hashes("GPU") and first <= view.hashes("CPU")
+        assert c.call("cached_hashes", pool="p")["tier"] == "device"  # the default
+        assert c.call("reset_cache", pool="p", tier="host")["reset"]
+        follow()
+        assert not view.hashes("CPU")
+        with pytest.raises(ManagerError, match="tier"):
+            c.call("cached_hashes", pool="p", tier="disk")
     finally:
         c.close()
         sub.close(0)

@@ -60,11 +60,12 @@ def test_a_step_is_one_round_trip_and_a_stale_epoch_raises(live_server):
     c.close()
 
 
-def test_a_step_sent_with_begin_is_answered_while_the_caller_works(live_server):
+@pytest.mark.parametrize("receiver_thread", [False, True])
+def test_a_step_sent_with_begin_is_answered_while_the_caller_works(live_server, receiver_thread):
     """begin_step returns before the reply; the manager runs the step meanwhile; end_step
     collects it (the worker's overlap of the round trip with its forward pass)."""
     live = live_server()
-    c = ManagerClient(live.endpoint)
+    c = ManagerClient(live.endpoint, receiver_thread=receiver_thread)
     epoch = reg(c)["epoch"]
     before = live.server.stats.messages
     pending = c.begin_step("p", epoch, [{"op": "alloc", "req": 1, "hashes": [], "prompt_len": 3, "max_new": 3}])
@@ -72,6 +73,9 @@ def test_a_step_sent_with_begin_is_answered_while_the_caller_works(live_server):
     while live.server.stats.messages == before and time.monotonic() < deadline:
         time.sleep(0.001)  # "computing": the manager handles the step without our waiting on it
     assert live.server.stats.messages == before + 1
+    if receiver_thread:  # the thread read and decoded the reply while we "computed"
+        assert pending.job is not None and pending.job.done.wait(10)
+        assert pending.job.reply["id"] == pending.msg_id
     assert c.end_step(pending) == [{"ok": True, "cached": 0, "blocks": [1]}]
     assert c.step("p", epoch, [{"op": "free", "req": 1}]) == [{"ok": True}]  # the socket is free again
     reg(c, inc="restarted")
@@ -80,15 +84,29 @@ def test_a_step_sent_with_begin_is_answered_while_the_caller_works(live_server):
     c.close()
 
 
-def test_an_unanswered_begin_step_raises_unavailable_at_end(sock_dir):
+@pytest.mark.parametrize("receiver_thread", [False, True])
+def test_an_unanswered_begin_step_raises_unavailable_at_end(sock_dir, receiver_thread):
     live = LiveServer(f"ipc://{sock_dir}/gone.sock")
-    c = ManagerClient(live.endpoint, timeout_s=10)
+    c = ManagerClient(live.endpoint, timeout_s=10, receiver_thread=receiver_thread)
     epoch = reg(c)["epoch"]
     live.stop()
     c.timeout_s = 0.3
     pending = c.begin_step("p", epoch, [])
     with pytest.raises(ManagerUnavailable, match="no reply to 'step'"):
         c.end_step(pending)
+    c.close()
+
+
+def test_a_call_after_an_uncollected_begin_step_waits_for_the_receiver_thread(live_server):
+    """A step whose end_step never comes (the caller gave up on it): the next call waits until
+    the thread is done with the socket, then runs; the late reply answers nothing else."""
+    live = live_server()
+    c = ManagerClient(live.endpoint, receiver_thread=True)
+    epoch = reg(c)["epoch"]
+    abandoned = c.begin_step("p", epoch, [{"op": "alloc", "req": 1, "hashes": [], "prompt_len": 3, "max_new": 3}])
+    assert c.step("p", epoch, [{"op": "alloc", "req": 2, "hashes": [], "prompt_len": 3, "max_new": 3}]) == [
+        {"ok": True, "cached": 0, "blocks": [2]}]
+    assert abandoned.job is not None and abandoned.job.done.is_set() and abandoned.job.reply["id"] == abandoned.msg_id
     c.close()
 
 

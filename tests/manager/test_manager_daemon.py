@@ -125,6 +125,15 @@ def test_a_flood_from_one_client_does_not_starve_another(daemon, procs):
     worker.close()
 
 
+def test_the_daemon_keeps_its_start_up_heap_out_of_its_collections(daemon):
+    """serve() freezes what start-up left (modules, config, sockets): the loop's idle full
+    collection then walks only what came since (manager/server.py, serve)."""
+    _, _, admin = daemon()
+    wait_until(lambda: admin.stats()["manager"]["gc"]["collections"] >= 1, 10, "an idle collection")
+    gc_stats = admin.stats()["manager"]["gc"]
+    assert gc_stats["frozen"] > 1000
+
+
 def test_sigterm_stops_the_daemon_cleanly(daemon):
     proc, ep, admin = daemon()
     admin.call("stats")

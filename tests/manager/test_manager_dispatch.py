@@ -6,7 +6,8 @@ import msgpack
 import pytest
 from helpers.manager import SPEC, call, hello, kv_bytes, make_server, ok, register
 
-from kvpool.manager.server import OPS
+from kvpool.manager.config import ManagerConfig
+from kvpool.manager.server import OPS, Server
 from kvpool.shared.hashing import hash_blocks
 from kvpool.shared.protocol import ERROR_CODES, MAX_HASHES, pack, unpack
 
@@ -192,14 +193,40 @@ def test_silent_sessions_expire_in_the_loop_and_are_counted():
     assert ok(call(srv, "check", live))["requests"] == 0
 
 
+class CountingSink:
+    """An event sink that is not the NullSink: the server then builds KV events for it."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[str, int, list]] = []
+
+    def publish(self, pool: str, epoch: int, events: list) -> None:
+        self.batches.append((pool, epoch, events))
+
+    def close(self) -> None:
+        pass
+
+
 def test_commit_and_events_run_once_per_iteration_before_replies():
-    srv, sid = ready_server()
+    sink = CountingSink()
+    srv = Server(ManagerConfig(endpoint="ipc:///tmp/kvpool-unused.sock"), publisher=sink)
+    sid = hello(srv)
+    ok(register(srv, sid, blocks=32))
     ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1, 32)]))
     assert "p" in srv.registry.dirty
     srv._commit()
     assert srv.store.commits == 1 and srv.registry.dirty == set()
-    assert srv.publisher.events == 1  # one "stored" event for the 7 cached blocks
+    assert [len(events) for _, _, events in sink.batches] == [1]  # one "stored" event for the 7 cached blocks
     assert srv.registry.pools["p"].pool.take_events() == []
+    assert srv.stats.events == 1 and srv.stats.event_batches == 1
+
+
+def test_a_manager_that_publishes_no_events_builds_none():
+    srv, sid = ready_server()  # no events_endpoint: nothing could ever receive them
+    ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1, 32)]))
+    assert not srv.registry.pools["p"].pool.blocks.events_enabled
+    srv._commit()
+    assert srv.stats.events == srv.stats.event_batches == 0
+    assert ok(call(srv, "lookup", sid, pool="p", hashes=H[:7]))["blocks"] == 7  # cached all the same
 
 
 def test_an_internal_error_is_answered_and_counted(monkeypatch):

@@ -82,7 +82,7 @@ def test_bytes_copied_only_by_doubling_and_copy_on_write(results):
 
 
 def test_waste_and_fragmentation_ordering(results):
-    st, dbl, pg, pp = (results[n] for n in ms.STRATEGIES)
+    st, dbl, pg, pp = (results[n] for n in ("static", "doubling", "paged", "paged+prefix"))
     assert pp["internal_waste_pct"] < dbl["internal_waste_pct"] < st["internal_waste_pct"]
     assert pg["internal_waste_pct"] < dbl["internal_waste_pct"]
     assert pg["ext_frag_pct"] == pp["ext_frag_pct"] == 0.0
@@ -94,7 +94,7 @@ def test_waste_and_fragmentation_ordering(results):
 
 
 def test_concurrency_ordering_and_static_bound(results):
-    st, dbl, pg, pp = (results[n] for n in ms.STRATEGIES)
+    st, dbl, pg, pp = (results[n] for n in ("static", "doubling", "paged", "paged+prefix"))
     assert st["peak_seqs"] == TINY.budget_tokens // TINY.max_model_len
     assert st["preemptions"] == 0
     assert st["mean_requests"] < dbl["mean_requests"] < pg["mean_requests"] <= pp["mean_requests"]
@@ -106,6 +106,18 @@ def test_prefix_hits_only_with_prefix_caching(results):
     assert results["paged+prefix"]["prefix_hit_rate"] > 0.2
     for name in ("static", "doubling", "paged"):
         assert results[name]["prefix_hit_rate"] == 0.0
+
+
+def test_the_host_tier_keeps_prefix_hits_beyond_the_device_budget_and_changes_no_device_metric(results):
+    pp, ph = results["paged+prefix"], results["paged+host"]
+    assert ph["prefix_hit_rate"] > pp["prefix_hit_rate"] and ph["host_hit_rate"] > 0
+    assert ph["prefix_hit_rate"] - ph["host_hit_rate"] <= pp["prefix_hit_rate"]  # device hits: no more
+    assert ph["host_bytes_copied"] > 0 and pp["host_bytes_copied"] == 0
+    # the sim charges nothing for prefill, and loaded blocks take device blocks like computed ones
+    for key in ("steps", "peak_requests", "mean_requests", "written_pct", "internal_waste_pct", "preemptions"):
+        assert ph[key] == pp[key], key
+    off = ms.simulate(replace(TINY, host_budget_x=0.0), ms.make_trace(TINY), "paged+host")
+    assert off["prefix_hit_rate"] == pp["prefix_hit_rate"] and off["host_bytes_copied"] == 0
 
 
 @pytest.mark.parametrize("name", ms.STRATEGIES)
@@ -137,6 +149,8 @@ def test_config_errors_say_what_to_change():
         ms.SimConfig(budget_tokens=8192, max_model_len=4096)
     with pytest.raises(ValueError, match="multiple of block_size"):
         ms.SimConfig(budget_tokens=65536 + 8, block_size=16)
+    with pytest.raises(ValueError, match="host_budget_x"):
+        ms.SimConfig(host_budget_x=-1)
     with pytest.raises(ValueError, match="unknown strategy"):
         ms.make_strategy("buddy", TINY)
 

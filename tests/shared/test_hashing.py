@@ -101,3 +101,19 @@ def test_incremental_hasher_equals_one_shot():
 def test_out_of_range_tokens_rejected(bad):
     with pytest.raises(OverflowError):
         tokens_to_bytes(bad)
+
+
+@pytest.mark.parametrize("container", [list, tuple, iter])
+@pytest.mark.parametrize("bad", [[5, -1], [5, 2**32]])
+def test_out_of_range_tokens_rejected_from_any_container(container, bad):
+    """A list takes a faster conversion than other sequences: both refuse the same ids."""
+    with pytest.raises(OverflowError):
+        tokens_to_bytes(container(bad))
+    with pytest.raises(OverflowError):
+        hash_blocks(container(bad * 8), 16)
+
+
+def test_list_tuple_and_independent_implementation_agree_on_long_prompts():
+    tokens = [(i * 104729) % 2**32 for i in range(16 * 40 + 7)]
+    assert tokens_to_bytes(tokens) == tokens_to_bytes(tuple(tokens)) == struct.pack(f"<{len(tokens)}I", *tokens)
+    assert hash_blocks(tokens, 16) == hash_blocks(tuple(tokens), 16) == naive_chain(tokens, 16)

@@ -169,7 +169,7 @@ def test_a_worker_that_cannot_reach_its_manager_is_reported_within_seconds(servi
     def lost(ops):
         raise ManagerReset("unavailable: no reply to 'step'")
 
-    def unreachable(spec, available, host_kv_bytes=0):
+    def unreachable(spec, available, host_kv_bytes=0, host_kv_policy="demote"):
         time.sleep(0.2)  # as a call that times out, shortened
         raise ManagerUnavailable("no reply to 'hello'")
 

@@ -14,24 +14,24 @@ import time
 
 import pytest
 from helpers.worker import make_prompt
+from helpers.worker_procs import CLI, Cluster, ClusterConfig
 
 from kvpool.worker.client import GenerateClient
-from kvpool.worker.demo import CLI, Cluster, DemoConfig
 from kvpool.worker.manager_client import ManagerClient
 
 pytestmark = pytest.mark.slow
 
 
 class OpsCluster(Cluster):
-    """The demo's cluster with a short session timeout (a dead worker is seen in ~1.5 s)."""
+    """The test cluster with a short session timeout (a dead worker is seen in ~1.5 s)."""
 
     def start_manager(self) -> subprocess.Popen:
-        return self._spawn(["manager", "--manager", self.manager_ep, "--session-timeout", "1.5"], "manager")
+        return self.spawn(["manager", "--manager", self.manager_ep, "--session-timeout", "1.5"], "manager")
 
 
 @pytest.fixture
 def cluster():
-    c = OpsCluster(DemoConfig(num_workers=1, max_model_len=1024, kv_blocks=80))
+    c = OpsCluster(ClusterConfig(num_workers=1, max_model_len=1024, kv_blocks=80))
     try:
         c.start()
         yield c

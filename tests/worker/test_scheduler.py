@@ -269,7 +269,7 @@ def test_overlap_a_finished_request_frees_the_block_its_next_step_took():
     assert {"op": "extend", "req": 0, "num_tokens": 9, "hashes": hash_blocks(a.tokens[:8], BS)[1:2],
             "lookahead": 0, "base": 7} in ops
     assert a.finish_reason == "length" and len(a.tokens) == 9
-    assert ops[-1] == {"op": "free", "req": 0} and not sched.has_work()
+    assert ops[-1] == {"op": "free", "req": 0, "computed": 8} and not sched.has_work()  # token 9 never ran
     assert pool.snapshot_stats()["used_blocks"] == 0
     pool.check_invariants()
 
@@ -328,3 +328,22 @@ def test_with_overlap_the_next_block_is_asked_for_before_the_token_that_needs_it
     assert asked == ([(17, 16, 16), (33, 32, 17), (49, 48, 33)] if overlap
                      else [(17, 17, None), (33, 33, None), (49, 49, None)])
     assert rid not in engine._requests
+
+
+def test_release_all_hands_over_running_and_owed_frees():
+    """Shutdown takes every request the manager holds blocks for from the running set (running
+    ones and frees not yet sent), and freeing those ids returns the whole pool."""
+    sched, pool = make_sched(), Pool(32, BS)
+    a, b, c = make_req(0, 8), make_req(1, 6), make_req(2, 5, first=40)
+    for r in (a, b):
+        sched.add(r)
+    run(sched, pool)
+    sched.finish(b, "stop")  # its free is owed to the manager, not yet sent
+    sched.add(c)  # waiting: the manager holds nothing for it
+    assert pool.snapshot_stats()["used_blocks"] > 0
+    rids = sched.release_all()
+    assert sorted(rids) == [0, 1]
+    assert sched.running == [] and sched.pending_frees == []
+    assert list(sched.waiting) == [c] and sched.has_work()
+    run_step(pool, "w", [{"op": "free", "req": rid} for rid in rids])
+    assert pool.snapshot_stats()["used_blocks"] == 0 and pool.snapshot_stats()["requests"] == 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import subprocess
 import time
@@ -11,10 +9,10 @@ import time
 import pytest
 import torch
 from helpers.worker import make_prompt
+from helpers.worker_procs import CLI, Cluster, ClusterConfig
 
 from kvpool.worker.client import GenerateClient
 from kvpool.worker.config import PRESETS
-from kvpool.worker.demo import CLI, Cluster, DemoConfig, format_report, run_demo
 from kvpool.worker.manager_client import ManagerClient
 from kvpool.worker.model import build_model
 from kvpool.worker.reference import reference_generate
@@ -29,7 +27,7 @@ def model():
 
 @pytest.fixture
 def cluster():
-    c = Cluster(DemoConfig(num_workers=1))
+    c = Cluster(ClusterConfig(num_workers=1))
     try:
         c.start()
         yield c
@@ -110,46 +108,3 @@ def test_sigterm_frees_everything_and_deregisters(cluster):
     finally:
         client.close()
         admin.close()
-
-
-def test_demo_report():
-    # 6 in flight: most requests are routed after the workers admitted earlier ones, so their
-    # prefixes are cached in one pool (12 raced the workers' first admissions on a busy machine:
-    # every system prompt could reach both pools uncached, and every later decision tied)
-    cfg = DemoConfig(num_requests=24, max_inflight=6)
-    r = run_demo(cfg, progress=False)
-    assert r["requests"] == 24 and r["generated_tokens"] > 24 * cfg.max_tokens[0]
-    assert 0 < r["prefix_hit_rate"] < 1
-    assert r["routing"]["by_prefix"] + r["routing"]["by_load"] == 24 and r["routing"]["by_prefix"] > 0
-    for p in r["pools"]:
-        assert 0 < p["peak_blocks"] < p["static_blocks"]
-    out = subprocess.run(CLI + ["demo", "--requests", "8", "--json"], capture_output=True, text=True,
-                         timeout=120, check=True)
-    assert "tokens_per_s" in out.stdout
-    text = format_report(r)
-    for figure in ("tokens/s", "prefix-cache hits", "preemptions", "routing", "peak ... blocks"):
-        assert f"\n  {figure}" in text, f"the report explains {figure}"
-
-
-def test_demo_says_what_starts_and_stops_at_once_on_ctrl_c():
-    p = subprocess.Popen(CLI + ["demo", "--requests", "5000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)  # its own group: a failure kills its children too
-    try:
-        first = p.stderr.readline()
-        assert first.startswith("starting a manager") and "seeded random weights" in first, first
-        assert "waiting for the workers" in p.stderr.readline()
-        assert p.stderr.readline().startswith("ready in")
-        time.sleep(1.0)
-        p.send_signal(signal.SIGINT)
-        t0 = time.monotonic()
-        assert p.wait(15) == 130
-        assert time.monotonic() - t0 < 10
-        rest = p.stderr.read()
-        assert "Traceback" not in rest
-        lines = [ln for ln in rest.replace("\r", "\n").splitlines() if ln.strip() and "/s]" not in ln
-                 and "requests" not in ln and "?" not in ln]
-        assert lines == ["interrupted: the demo's manager and workers are stopped"], lines
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()

@@ -9,7 +9,16 @@ import threading
 import pytest
 import torch
 from helpers.tp import TPPair, rank_kv_bytes, sharded_models
-from helpers.worker import TINY, assert_drained, greedy, make_engine, make_prompt, reference
+from helpers.worker import (
+    BLOCK_BYTES,
+    TINY,
+    assert_drained,
+    evict_with_others,
+    greedy,
+    make_engine,
+    make_prompt,
+    reference,
+)
 
 from kvpool.manager.registry import Registry
 from kvpool.shared.protocol import KVSpec, ManagerError
@@ -147,6 +156,65 @@ def test_preemption_and_chunked_prefill_equal_one_shard():
         single = make_engine(max_blocks=14, max_model_len=128, max_num_batched_tokens=32)
         assert outs == single.generate(prompts, greedy(60))
         assert_drained(pair.engine)
+    finally:
+        pair.close()
+
+
+def load_round_trip(pair: TPPair) -> None:
+    """A prompt's first three blocks computed on both ranks, evicted from the device by others'
+    work, then brought back by host-tier loads into other blocks: every rank's device blocks hold
+    exactly the K/V slice that rank computed the first time."""
+    engine, ranks = pair.engine, (pair.engine.runner, pair.followers[0].runner)
+    a = make_prompt(50, 2)
+    engine.add_request(a, greedy(2))
+    engine.step()  # prefill: blocks 0..2 of a are full and cached
+    pair.settle()
+    table = list(engine.scheduler.running[0].block_table[:3])
+    computed = [[c[:, table].clone() for c in r.kv_caches] for r in ranks]
+    while engine.has_work():
+        engine.step()
+    evict_with_others(engine)  # a's blocks go to the host tier (demoted, or written through)
+    engine.add_request(a, greedy(2))
+    engine.step()  # loads on every rank, then the forward pass
+    pair.settle()
+    new_table = list(engine.scheduler.running[0].block_table[:3])
+    assert new_table != table and engine.runner.host.stats.loads >= 3  # the followers' K/V below shows theirs
+    for runner, before in zip(ranks, computed):
+        for layer, cache in enumerate(runner.kv_caches):
+            assert torch.equal(cache[:, new_table], before[layer])
+    while engine.has_work():
+        engine.step()
+
+
+@pytest.mark.parametrize("policy", ["demote", "write_through"])
+def test_with_a_host_tier_each_rank_copies_its_own_slice_and_the_output_equals_one_shard(policy):
+    pair = TPPair(max_blocks=12, max_model_len=128, host_blocks=64, host_kv_policy=policy, overlap=False)
+    try:
+        assert pair.engine.host_num_blocks == 64 and pair.followers[0].runner.host.num_blocks == 64
+        assert pair.followers[0].runner.host_caches[0].shape[-2] == TINY.num_kv_heads // 2  # its slice
+        load_round_trip(pair)
+        system = make_prompt(32, 30)
+        prompts = [system + make_prompt(10 + i, 20 + i) for i in range(4)]
+        outs = pair.engine.generate(prompts, greedy(40))
+        single = make_engine(max_blocks=12, max_model_len=128, host_kv_memory=64 * BLOCK_BYTES,
+                             host_kv_policy=policy)
+        assert outs == single.generate(prompts, greedy(40))
+        assert outs == [[reference(single, p, 40)] for p in prompts]
+        assert pair.engine.bm.core.host.stats.loads > 0
+        assert_drained(pair.engine)
+    finally:
+        pair.close()
+
+
+def test_a_follower_that_skips_its_loads_holds_the_wrong_kv():
+    """The round-trip check above fails when only rank 0 makes the host tier's loads."""
+    pair = TPPair(max_blocks=12, max_model_len=128, host_blocks=64, overlap=False)
+    try:
+        host = pair.followers[0].runner.host
+        real = host.run
+        host.run = lambda saves, loads: real(saves, [])
+        with pytest.raises(AssertionError):
+            load_round_trip(pair)
     finally:
         pair.close()
 

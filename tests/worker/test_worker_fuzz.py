@@ -16,17 +16,17 @@ import pytest
 import torch
 import zmq
 from helpers.worker import make_prompt
+from helpers.worker_procs import Cluster, ClusterConfig
 
 from kvpool.worker.client import GenerateClient
 from kvpool.worker.config import PRESETS
-from kvpool.worker.demo import Cluster, DemoConfig
 from kvpool.worker.model import build_model
 from kvpool.worker.reference import reference_generate
 
 pytestmark = pytest.mark.slow
 
 VOCAB = PRESETS["tiny"].vocab_size
-MAX_MODEL_LEN = 512  # DemoConfig's
+MAX_MODEL_LEN = 512  # ClusterConfig's
 NAN, INF = float("nan"), float("inf")
 COMMON_BAD = [None, [], {}, [[]], {"a": {}}, b"\x00", "x" * 3000]
 BAD = {  # per field: values that field must refuse (the others in the message are valid)
@@ -98,7 +98,7 @@ def served_correctly(client: GenerateClient, model, rng: random.Random) -> None:
 
 
 def test_worker_survives_hostile_messages_and_serves_a_good_client_throughout(model):
-    cluster = Cluster(DemoConfig(num_workers=1))
+    cluster = Cluster(ClusterConfig(num_workers=1))
     ctx = zmq.Context()
     evil = ctx.socket(zmq.DEALER)
     evil.setsockopt(zmq.LINGER, 0)

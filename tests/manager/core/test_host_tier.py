@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.core.host_tier import Copy, HostTier
@@ -90,9 +90,41 @@ def test_a_pin_the_step_forgot_breaks_the_invariants():
         t.load([2], [5])
 
 
+def test_a_write_is_unreadable_until_its_step_ends_and_a_withdrawn_one_loses_its_hash():
+    t = HostTier(4, 16)
+    c = t.write(7, h(1), None)
+    assert c == Copy(7, c.dst) and t.lookup([h(1)]) == []  # written after the forward: no load yet
+    assert t.write(8, h(1), None) is None and t.stats.writes_skipped == 1
+    t.check_invariants()
+    t.end_step()
+    assert t.lookup([h(1)]) == [c.dst] and t.stats.writes == 1
+    c2 = t.write(9, h(2), h(1))
+    t.withdraw(9)  # device block 9 reused within the step: its write would copy other tokens
+    assert t.lookup([h(2)]) == [] and h(2) not in t.blocks.cached and t.stats.writes_withdrawn == 1
+    t.check_invariants()
+    t.end_step()
+    assert t.blocks.ref_cnt[c2.dst] == 0 and t.blocks.block_hash[c2.dst] is None
+    t.check_invariants()
+
+
+def test_a_write_and_its_withdrawal_are_cpu_events():
+    t = HostTier(4, 16, enable_events=True)
+    t.write(3, h(1), None)
+    t.write(4, h(2), h(1))
+    t.withdraw(4)
+    assert t.take_events() == [BlockStored([h(1)], None, "CPU"), BlockStored([h(2)], h(1), "CPU"),
+                               BlockRemoved([h(2)], "CPU")]
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="write_through"):
+        HostTier(4, 16, policy="write-back")
+
+
 class HostTierMachine(RuleBasedStateMachine):
     """Orders executed the way the worker executes them: every save of a step, then every
-    load, against simulated memories holding which hash each block's contents stand for."""
+    load, then the forward (which computes the blocks being written through), then every
+    write, against simulated memories holding which hash each block's contents stand for."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -101,6 +133,8 @@ class HostTierMachine(RuleBasedStateMachine):
         self.host: dict[int, bytes] = {}  # host block -> the tokens it holds
         self.saves: list[Copy] = []
         self.loads: list[tuple[Copy, bytes]] = []
+        self.writes: list[Copy] = []
+        self.computed: dict[int, bytes] = {}  # device block -> what this step's forward writes there
         self.next_device = 1
 
     def _fresh_device_block(self, content: bytes | None) -> int:
@@ -124,6 +158,21 @@ class HostTierMachine(RuleBasedStateMachine):
         for copy, hb in zip(self.tier.load(hits, dst), hits):
             self.loads.append((copy, self.tier.blocks.block_hash[hb]))
 
+    @rule(i=st.integers(0, 5))
+    def block_becomes_full(self, i: int) -> None:
+        d = self._fresh_device_block(None)
+        self.computed[d] = h(i)
+        copy = self.tier.write(d, h(i), None)
+        if copy is not None:
+            self.writes.append(copy)
+
+    @precondition(lambda self: self.computed)
+    @rule(data=st.data())
+    def reuse_a_block_full_this_step(self, data) -> None:
+        d = data.draw(st.sampled_from(sorted(self.computed)))
+        self.tier.withdraw(d)
+        self.computed[d] = h(99)  # the forward writes another request's tokens there
+
     @rule()
     def run_step(self) -> None:
         for c in self.saves:
@@ -132,7 +181,10 @@ class HostTierMachine(RuleBasedStateMachine):
             if self.host.get(c.src) != want:
                 raise AssertionError(f"load of host block {c.src} read {self.host.get(c.src)!r:.20}, not its hash")
             self.device[c.dst] = self.host[c.src]
-        self.saves, self.loads = [], []
+        self.device.update(self.computed)
+        for c in self.writes:
+            self.host[c.dst] = self.device[c.src]
+        self.saves, self.loads, self.writes, self.computed = [], [], [], {}
         self.tier.end_step()
 
     @rule(n=st.integers(0, 3))
@@ -142,7 +194,7 @@ class HostTierMachine(RuleBasedStateMachine):
     @invariant()
     def holds(self) -> None:
         self.tier.check_invariants()
-        if not self.saves:  # between steps every cached host block holds its hash's tokens
+        if not self.saves and not self.writes:  # between steps every cached host block holds its hash's tokens
             for hsh, hb in self.tier.blocks.cached.items():
                 if self.host.get(hb) != hsh:
                     raise AssertionError(f"host block {hb} does not hold the hash it is mapped under")

@@ -205,3 +205,79 @@ def test_caching_disabled_never_hits():
     pool.free("a")
     assert pool.allocate("b", hash_blocks(list(range(8)), BS), 8, 8)[0] == 0
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_a_hash_repeated_within_one_allocation_is_a_duplicate_of_its_first_block(events):
+    """Bad input (a chain cannot repeat a hash) that the map still records exactly: the first
+    block holds the entry, the second is its duplicate; evicting them leaves no stale entry."""
+    pool = make_pool(num_blocks=6, events=events)
+    h = hash_blocks([7] * BS, BS)[0]
+    assert pool.allocate("a", [h, h], 2 * BS + 1, 2 * BS + 1) == (0, [1, 2, 3])
+    pool.check_invariants()
+    assert pool.blocks.cached == {h: 1}
+    assert pool.blocks.duplicates() == {h: [2]}
+    if events:
+        assert pool.take_events() == [BlockStored([h], None)]
+    pool.free("a")
+    assert alloc(pool, "b", list(range(5 * BS))) == (0, [3, 4, 5, 2, 1])  # evicts both holders
+    assert h not in pool.blocks.cached and not pool.blocks.duplicates()
+    if events:
+        assert pool.take_events()[0] == BlockRemoved([h])
+
+
+def test_a_free_with_computed_drops_the_hashes_of_blocks_never_computed():
+    """A client that was answered for a step its request never ran (preempted or finished
+    first, with overlap) frees it with ``computed``: blocks past those tokens lose their hash,
+    and go back unhashed, so no later hit reads K/V nobody wrote."""
+    pool = make_pool(events=True)
+    toks = list(range(100, 117))  # 4 full blocks and one token
+    _, blocks = alloc(pool, "a", toks, max_new=8)  # step 1 computes 8 tokens: blocks 0, 1 hashed
+    pool.extend("a", 17, [], 0)  # step 2, answered: blocks 2, 3 hashed, never computed
+    assert pool.requests["a"].num_cached == 4
+    pool.take_events()
+    pool.free("a", computed=8)
+    pool.check_invariants()
+    assert pool.take_events() == [BlockRemoved([hash_blocks(toks, BS)[2]]), BlockRemoved([hash_blocks(toks, BS)[3]])]
+    cached, _ = alloc(pool, "b", toks)
+    assert cached == 8  # the two computed blocks only
+    pool.free("b", computed=17)  # everything computed: nothing dropped
+    assert len(pool.blocks.cached) == 4
+    pool.check_invariants()
+
+
+def test_a_free_without_computed_or_past_the_cached_blocks_keeps_the_cache():
+    pool = make_pool()
+    toks = list(range(200, 217))
+    alloc(pool, "a", toks)
+    pool.free("a")
+    assert len(pool.blocks.cached) == 4
+    alloc(pool, "b", toks)
+    pool.free("b", computed=16)
+    assert len(pool.blocks.cached) == 4
+    pool.check_invariants()
+
+
+def test_write_through_copies_of_uncomputed_blocks_are_dropped_from_the_host_tier_too():
+    pool = Pool(11, BS, host_blocks=8, host_policy="write_through")
+    toks = list(range(300, 317))
+    hashes = hash_blocks(toks, BS)
+    pool.allocate("a", hashes, 17, 8)
+    pool.take_copies()
+    pool.end_step()
+    pool.extend("a", 17, [], 0)
+    assert [c.src for c in pool.take_copies()[2]] == pool.requests["a"].blocks[2:4]  # written after the forward
+    pool.end_step()  # the client's update preempts "a": that forward never ran for it
+    pool.free("a", computed=8)
+    pool.check_invariants()
+    assert set(pool.host.blocks.cached) == set(hashes[:2]) and set(pool.blocks.cached) == set(hashes[:2])
+
+
+@pytest.mark.parametrize("bad", [-1, "8", 1.5, 1 << 31])
+def test_a_bad_computed_is_a_bad_field_and_frees_nothing(bad):
+    from kvpool.manager.core.step import run_step
+
+    pool = make_pool()
+    alloc(pool, (None, 1), list(range(9)))
+    (res,) = run_step(pool, None, [{"op": "free", "req": 1, "computed": bad}])
+    assert res["code"] == "bad_field" and "computed" in res["msg"] and (None, 1) in pool.requests

@@ -84,3 +84,45 @@ def test_a_snapshot_keeps_the_host_tier_so_a_replay_orders_the_same_copies():
     assert replayed == run_step(pool, "o", step) and len(replayed[0]["loads"]) == 2
     copy.check_invariants()
     assert "host" not in dump_pool(Pool(6, BS))
+
+
+def wt_pool(num_blocks: int) -> Pool:
+    return Pool(num_blocks, BS, host_blocks=8, host_policy="write_through")
+
+
+def test_write_through_writes_each_block_in_the_step_it_becomes_full_and_eviction_copies_nothing():
+    pool = wt_pool(6)  # 5 device blocks
+    toks_a, ha = chain(1, 3)
+    (ra,) = run_step(pool, "o", [alloc("a", ha, len(toks_a))])
+    assert [d for d, _ in ra["writes"]] == ra["blocks"][:3] and "saves" not in ra
+    assert pool.host.lookup(ha) == [host for _, host in ra["writes"]]  # readable from the next step
+    run_step(pool, "o", [{"op": "free", "req": "a"}])
+    toks_b, hb = chain(2, 3)
+    (rb,) = run_step(pool, "o", [alloc("b", hb, len(toks_b))])  # reuses a's cached blocks
+    assert "saves" not in rb and len(rb["writes"]) == 3  # a's hashes are in the host tier already
+    run_step(pool, "o", [{"op": "free", "req": "b"}])
+    (ra2,) = run_step(pool, "o", [alloc("a2", ha, len(toks_a))])
+    assert ra2["cached"] == 3 * BS and len(ra2["loads"]) == 2 and "writes" not in ra2  # loaded: held
+    s = pool.host.stats
+    assert (s.writes, s.saves, s.saves_skipped) == (6, 0, 4)  # b evicted 2 of a, a2 2 of b: all held
+    pool.check_invariants()
+
+
+def test_a_write_through_whose_block_is_reused_in_the_same_step_is_withdrawn():
+    pool = wt_pool(5)  # 4 device blocks
+    toks_a, ha = chain(1, 3)
+    toks_b, hb = chain(2, 3)
+    res = run_step(pool, "o", [alloc("a", ha, len(toks_a)), {"op": "free", "req": "a"},
+                               alloc("b", hb, len(toks_b))])
+    assert len(res[0]["writes"]) == 3 and "saves" not in res[2]
+    assert set(pool.host.blocks.cached) == set(hb)  # a's writes read blocks b overwrites: dropped
+    assert pool.host.stats.writes_withdrawn == 3 and not pool.host.writing
+    pool.check_invariants()
+
+
+def test_a_snapshot_keeps_the_policy():
+    from kvpool.manager.core.snapshot import dump_pool, load_pool
+
+    assert load_pool(dump_pool(wt_pool(6))).host.policy == "write_through"
+    assert "policy" not in dump_pool(Pool(6, BS, host_blocks=8))["host"]  # the older layout
+    assert wt_pool(6).snapshot_stats()["host_policy"] == "write_through"

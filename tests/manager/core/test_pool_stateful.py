@@ -8,8 +8,9 @@ table, performs copy-on-write copies, and after every step checks that
 - no slot is written while its block is shared.
 
 ``HostPoolMachine`` runs the same rules on a pool with a host tier and a simulated host memory:
-each rule is one step whose saves run, then its loads, before any write; every load must read
-back exactly the tokens its hash stands for, and every host-cached hash must hold them.
+each rule is one step whose saves run, then its loads, before any write, and its write-through
+copies after them; every load must read back exactly the tokens its hash stands for, and every
+host-cached hash must hold them. ``WriteThroughPoolMachine`` does so under the write-through policy.
 """
 
 from hypothesis import settings
@@ -29,15 +30,17 @@ prefix_st = st.sampled_from([[], [0, 1, 2, 0], [0, 1, 2, 0, 1, 1, 2, 2]])
 
 class PoolMachine(RuleBasedStateMachine):
     HOST_BLOCKS = 0
+    HOST_POLICY = "demote"
 
     def __init__(self):
         super().__init__()
-        self.pool = Pool(NUM_BLOCKS, BS, enable_events=True, host_blocks=self.HOST_BLOCKS)
+        self.pool = Pool(NUM_BLOCKS, BS, enable_events=True, host_blocks=self.HOST_BLOCKS, host_policy=self.HOST_POLICY)
         self.host_kv: dict[int, list] = {}
         self.kv: dict[int, list] = {b: [None] * BS for b in range(NUM_BLOCKS)}
         self.tokens: dict[int, list[int]] = {}  # the model: every live request's token ids
         self.next_id = 0
         self.content: dict[bytes, list[int]] = {}  # block hash -> the tokens it stands for
+        self.host_reset = False  # the host tier's hashes were dropped by an admin reset
 
     def _write(self, rid, start, end):
         req = self.pool.requests[rid]
@@ -47,14 +50,20 @@ class PoolMachine(RuleBasedStateMachine):
             self.kv[b][pos % BS] = self.tokens[rid][pos]
 
     def _copy_tiers(self):
-        """The step's host-tier orders as the worker runs them: every save, then every load."""
-        saves, loads = self.pool.take_copies()
+        """The step's host-tier orders as the worker runs them before the forward: every save,
+        then every load; returns the writes, which run after it (``_write_through``)."""
+        saves, loads, writes = self.pool.take_copies()
         for c in saves:
             self.host_kv[c.dst] = list(self.kv[c.src])
         for c in loads:
             h = self.pool.host.blocks.block_hash[c.src]
             assert self.host_kv.get(c.src) == self.content[h], f"load of host block {c.src} reads other tokens"
             self.kv[c.dst] = list(self.host_kv[c.src])
+        return writes
+
+    def _write_through(self, writes):
+        for c in writes:
+            self.host_kv[c.dst] = list(self.kv[c.src])
 
     def _hashes(self, rid, upto):
         tokens = self.tokens[rid][:upto]
@@ -72,11 +81,12 @@ class PoolMachine(RuleBasedStateMachine):
         if res is None:
             del self.tokens[rid]
             return
-        self._copy_tiers()
+        writes = self._copy_tiers()
         cached, blocks = res
         assert cached % BS == 0 and cached < len(tokens)
         assert len(blocks) * BS >= min(len(tokens), cached + chunk) + lookahead
         self._write(rid, cached, self.pool.requests[rid].num_tokens)
+        self._write_through(writes)
         self.pool.end_step()
 
     @precondition(lambda self: self.tokens)
@@ -94,12 +104,13 @@ class PoolMachine(RuleBasedStateMachine):
         res = self.pool.extend(rid, new_len, new_hashes, lookahead)
         if res is None:
             return
-        self._copy_tiers()
+        writes = self._copy_tiers()
         _, copies = res
         for index, src, dst in copies:
             assert self.pool.requests[rid].blocks[index] == dst
             self.kv[dst] = list(self.kv[src])
         self._write(rid, old, new_len)
+        self._write_through(writes)
         self.pool.end_step()
 
     @precondition(lambda self: self.tokens)
@@ -167,6 +178,41 @@ class HostPoolMachine(PoolMachine):
             self.pool.free(rid)
             del self.tokens[rid]
 
+    @rule(k=st.integers(0, 7), j=st.integers(0, 7))
+    def free_and_reuse_in_one_step(self, k, j):
+        # one step: A admitted (its blocks full, hashed, written through after the forward), A
+        # freed, B admitted into A's blocks if it must; the forward writes A's tokens where B did
+        # not take the block over (a worker would not compute A at all), then B's
+        orders, ran, first = [], [], self.next_id
+        for rid, tokens in ((self.next_id, [10 + k] * 8 + [1]), (self.next_id + 1, [20 + j] * 8 + [2])):
+            self.tokens[rid] = tokens
+            res = self.pool.allocate(rid, self._hashes(rid, len(tokens)), len(tokens), len(tokens), 0)
+            if res is None:
+                del self.tokens[rid]
+                continue
+            orders.append(self.pool.take_copies())
+            req = self.pool.requests[rid]
+            ran.append((rid, list(req.blocks), res[0], req.num_tokens))
+            if rid == first:
+                self.pool.free(rid)
+        self.next_id += 2
+        for saves, _, _ in orders:
+            for c in saves:
+                self.host_kv[c.dst] = list(self.kv[c.src])
+        for _, loads, _ in orders:
+            for c in loads:
+                assert self.host_kv.get(c.src) == self.content[self.pool.host.blocks.block_hash[c.src]]
+                self.kv[c.dst] = list(self.host_kv[c.src])
+        taken = set(ran[-1][1]) if len(ran) == 2 else set()  # A's blocks B holds now: B's loads and writes
+        for rid, blocks, cached, num_tokens in ran:
+            for pos in range(cached, num_tokens):
+                if rid != first or blocks[pos // BS] not in taken:
+                    self.kv[blocks[pos // BS]][pos % BS] = self.tokens[rid][pos]
+        for _, _, writes in orders:
+            self._write_through(writes)
+        self.pool.end_step()
+        self.tokens.pop(first, None)
+
     @rule(n=st.integers(0, 3))
     def evict_host(self, n):
         free_hashed = self.pool.host.blocks.free_queue.num_hashed()
@@ -174,6 +220,7 @@ class HostPoolMachine(PoolMachine):
 
     @rule()
     def reset_host(self):
+        self.host_reset = True
         assert self.pool.reset_prefix_cache("host") is True  # between steps nothing is pinned
 
     @invariant()
@@ -187,3 +234,21 @@ class HostPoolMachine(PoolMachine):
 
 HostPoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestHostPoolMachine = HostPoolMachine.TestCase
+
+
+class WriteThroughPoolMachine(HostPoolMachine):
+    HOST_POLICY = "write_through"
+
+    @invariant()
+    def a_full_block_is_in_the_host_tier_unless_host_capacity_ran_out(self):
+        # write-through: every hash cached on the device was given a host block when it became
+        # full, so the host lacks one only once host LRU, an admin evict or reset, or a host
+        # with every block pinned (saves_dropped) lost some hash
+        host = self.pool.host
+        if host.stats.saves_dropped == 0 and host.blocks.num_evictions == 0 and not self.host_reset:
+            missing = set(self.pool.blocks.cached) - set(host.blocks.cached)
+            assert not missing, f"{len(missing)} device hashes never written through"
+
+
+WriteThroughPoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestWriteThroughPoolMachine = WriteThroughPoolMachine.TestCase

@@ -38,7 +38,7 @@ def free_but_unqueued(p: Pool) -> None:
 
 def unhashed_behind_hashed(p: Pool) -> None:
     b = p.blocks.free_queue._front.pop()
-    p.blocks.free_queue._lru[b] = None
+    p.blocks.free_queue._lru.append(b)
 
 
 def wrong_map_entry(p: Pool) -> None:

@@ -8,28 +8,20 @@ the manager's, unless the manager told it that the state is gone (PROTOCOL.md se
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers.durable import Daemon, free_port
-from helpers.manager import HELPERS, wait_until
+from helpers.durable import Daemon, chaos_clients, finish_chaos_clients, free_port
+from helpers.manager import wait_until
 from helpers.redis_topologies import Sentinel, cli, cluster
 
 from kvpool.worker.manager_client import ManagerClient, ManagerRestarted
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
-CHAOS = [sys.executable, str(HELPERS / "chaos_procs.py")]
-
-
-def chaos_clients(procs, endpoint: str, stop: Path, n: int) -> list[subprocess.Popen]:
-    return [procs([*CHAOS, endpoint, "chaos", str(seed), str(stop), "1"], stderr=subprocess.STDOUT)
-            for seed in range(n)]
 
 
 def admin_call(admin: ManagerClient, op: str) -> dict:
@@ -52,12 +44,7 @@ def allocations(admin: ManagerClient) -> int:
 
 
 def finish(clients: list[subprocess.Popen], stop: Path) -> list[dict]:
-    stop.touch()
-    outs = []
-    for c in clients:
-        out, _ = c.communicate(timeout=120)
-        assert c.returncode == 0, out  # no client's view ever differed from the manager's untold
-        outs.append(json.loads(out.splitlines()[-1]))
+    outs = finish_chaos_clients(clients, stop)
     # progress, not speed: a client may spend most of a loaded run waiting out the failover
     assert all(o["event"] == "done" and o["steps"] > 0 for o in outs) and sum(o["steps"] for o in outs) > 30, \
         [{k: v for k, v in o.items() if k != "tables"} for o in outs]
@@ -79,7 +66,7 @@ def test_a_sentinel_failover_of_the_redis_master_under_load(procs, sock_dir, tmp
     d.start()
     d.wait_active()
     stop = Path(sock_dir) / "stop"
-    clients = chaos_clients(procs, d.endpoint, stop, 3)
+    clients = chaos_clients(procs, d.endpoint, stop, 3, "1")
     admin = ManagerClient(d.endpoint, role="admin", identity="admin", timeout_s=0.5, failover_s=60)
     try:
         wait_until(lambda: all_registered(admin, 3), 60, "the clients")
@@ -120,7 +107,7 @@ def test_a_three_master_cluster_under_manager_kills(procs, sock_dir, tmp_path):
     slots = {cli(ports[0], "CLUSTER", "KEYSLOT", f"kvpool:{{cluster}}:{k}") for k in ("snap", "journal", "seq")}
     assert len(slots) == 1  # one hash tag: every key of the namespace in one slot, so scripts are atomic
     stop = Path(sock_dir) / "stop"
-    clients = chaos_clients(procs, d.endpoint, stop, 2)
+    clients = chaos_clients(procs, d.endpoint, stop, 2, "1")
     admin = ManagerClient(d.endpoint, role="admin", identity="admin", timeout_s=0.5, failover_s=60)
     try:
         wait_until(lambda: all_registered(admin, 2), 60, "the clients")

@@ -253,3 +253,20 @@ def test_a_clean_stop_under_async_proves_nothing_was_lost(ns, tmp_path):
     again = server(name, durability="async", high_water_file=str(tmp_path / "c.seq"))
     assert again.registry.state_id != state and again.store.counts["start_overs"] == 1
     again.close()
+
+
+@pytest.mark.redis
+def test_a_pool_recovered_without_a_subscriber_socket_builds_no_events(ns):
+    """No events_endpoint: no KV events on any path, a pool loaded from Redis included (the
+    store loads it with events on; the daemon's switch turns them off before the restatement)."""
+    _r, name = ns
+    srv = server(name, snapshot_bytes=4096)
+    sid = workload(srv, 30, snapshots_done=True)
+    assert not srv.registry.pools["p"].pool.events_enabled  # fresh: none
+    srv.store.wait_for_snapshot()
+    back = server(name)
+    pool = back.registry.pools["p"].pool
+    assert back.mode == "active" and pool.blocks.cached and not pool.events_enabled
+    ok(call(back, "evict", sid, pool="p", n=1))
+    assert back._commit([]) == []
+    assert pool.take_events() == [] and back.stats.events == back.stats.event_batches == 0

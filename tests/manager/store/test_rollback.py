@@ -9,24 +9,29 @@ Redis restored from an older copy while the manager was down, with and without t
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers.durable import Daemon, call, durable_server, redis_or_skip, redis_server
-from helpers.manager import HELPERS, SPEC, kv_bytes, ok, wait_until
+from helpers.durable import (
+    Daemon,
+    call,
+    chaos_clients,
+    dump_keys,
+    durable_server,
+    finish_chaos_clients,
+    put_back,
+    redis_or_skip,
+    redis_server,
+)
+from helpers.manager import SPEC, kv_bytes, ok, wait_until
 
 from kvpool.manager.store.high_water import HighWater, Mark, start_over_reason
 from kvpool.shared.protocol import encode_request, unpack
 from kvpool.worker.manager_client import ManagerClient, ManagerRestarted
-
-CHAOS = [sys.executable, str(HELPERS / "chaos_procs.py")]
 
 
 def alloc(rid: int) -> list[dict]:
@@ -63,19 +68,6 @@ def test_high_water_mark_file(tmp_path):
     with pytest.raises(OSError):  # a link planted at the path is never followed
         HighWater(str(planted)).note("c" * 32, 1)
     assert target.read_bytes() == b"keep" and HighWater(str(planted)).read() is None
-
-
-def dump_keys(r, ns: str) -> dict[bytes, bytes]:
-    return {k: r.dump(k) for k in r.scan_iter(f"kvpool:{{{ns}}}:*")}
-
-
-def put_back(r, ns: str, copy: dict[bytes, bytes]) -> None:
-    """The namespace as it was when ``copy`` was taken (an operator restoring an older RDB)."""
-    keys = list(r.scan_iter(f"kvpool:{{{ns}}}:*"))
-    if keys:
-        r.delete(*keys)
-    for k, v in copy.items():
-        r.restore(k, 0, v, replace=True)
 
 
 def hello_and_register(srv) -> str:
@@ -179,8 +171,7 @@ def test_async_kills_tell_every_client_whose_acks_were_lost(procs, sock_dir, tmp
     daemon.start()
     daemon.wait_active()
     stop = Path(sock_dir) / "stop"
-    clients = [procs([*CHAOS, daemon.endpoint, "chaos", str(seed), str(stop), "1"], stderr=subprocess.STDOUT)
-               for seed in range(3)]
+    clients = chaos_clients(procs, daemon.endpoint, stop, 3, "1")
     admin = ManagerClient(daemon.endpoint, role="admin", identity="admin", timeout_s=0.5, failover_s=60)
     rng = random.Random(5)
     kills = paused = 0
@@ -203,12 +194,7 @@ def test_async_kills_tell_every_client_whose_acks_were_lost(procs, sock_dir, tmp
                     break
                 except ManagerRestarted:
                     pass
-        stop.touch()
-        outs = []
-        for c in clients:
-            out, _ = c.communicate(timeout=120)
-            assert c.returncode == 0, out  # no client's view ever differed from the manager's untold
-            outs.append(json.loads(out.splitlines()[-1]))
+        outs = finish_chaos_clients(clients, stop)
     finally:
         stop.touch()
         os.kill(redis_proc.pid, signal.SIGCONT)

@@ -1,0 +1,192 @@
+"""The requests a scheduler holds and what it owes the manager for them: the running-set bookkeeping.
+
+One owner for the queues (waiting, running), the frees and forks the next step message carries,
+and the counters: the scheduler's policies (what to admit, whom to preempt, worker/scheduler.py
+and worker/scheduling_policy.py) decide, and this class moves requests between the queues.
+
+``running`` is in admission order, newest last (preemption takes the newest). ``waiting`` is
+FCFS, with preempted and refused requests put back at its front.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvpool.worker.request import Request
+from kvpool.worker.step_plan import StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0  # tokens looked up by admissions
+    cached_tokens: int = 0  # of which the manager found cached
+    computed_tokens: int = 0
+    peak_blocks: int = 0  # distinct blocks held by running requests, at the peak
+    peak_running: int = 0
+
+
+class RunningSet:
+    def __init__(self) -> None:
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: newest last
+        self.pending_frees: list[int] = []
+        # rid -> tokens whose K/V was written when its free was decided (the free's ``computed``)
+        self.computed_at_free: dict[int, int] = {}
+        self.pending_forks: list[tuple[Request, Request]] = []  # (parent, child)
+        self.stats = SchedulerStats()
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.pending_frees)
+
+    def take_pending(self) -> tuple[list[tuple[Request, Request]], list[int], dict[int, int]]:
+        """The forks and frees the next step message carries, with the computed tokens of the
+        freed requests; they are owed no more."""
+        forks, frees, computed = self.pending_forks, self.pending_frees, self.computed_at_free
+        self.pending_forks, self.pending_frees, self.computed_at_free = [], [], {}
+        return forks, frees, computed
+
+    def _owe_free(self, req: Request) -> None:
+        """``req``'s blocks go back with the next message, which says how many of its tokens
+        were computed: a step of it already answered (overlap) may never run now, and the
+        manager must not keep hashes of blocks whose K/V that step was to write."""
+        self.pending_frees.append(req.rid)
+        self.computed_at_free[req.rid] = req.num_computed
+
+    # -- admissions ------------------------------------------------------------------------
+
+    def start(self, admitted: list[Request]) -> None:
+        """``admitted`` (the head of the waiting queue, in order) run from now on; a refusal
+        puts one back in front (``requeue``)."""
+        for req in admitted:
+            self.waiting.popleft()
+            req.admitting = True
+            self.running.append(req)
+
+    def withdraw(self, req: Request) -> None:
+        """An admission the manager refused: out of the running set, its KV state forgotten (a
+        step built on this admission, with overlap, no longer counts)."""
+        self.running.remove(req)
+        req.reset_kv()
+
+    def requeue(self, refused: list[Request]) -> None:
+        """Refused admissions back at the front of the waiting queue, in their order."""
+        for req in reversed(refused):
+            self.waiting.appendleft(req)
+
+    def count_admission(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.stats.prompt_tokens += prompt_tokens
+        self.stats.cached_tokens += cached_tokens
+
+    # -- after a step ----------------------------------------------------------------------
+
+    def settle(self, plan: StepPlan, ran: list[tuple[Request, int, int]]) -> None:
+        """The plan's sequences are no longer in flight; the ones that ran are computed."""
+        for s in plan.seqs:
+            req = s.req
+            if req.generation == s.generation:
+                req.num_scheduled -= s.num_tokens
+                req.num_pending_samples -= s.sample
+        for req, start, n in ran:
+            req.num_computed = start + n
+            self.stats.computed_tokens += n
+
+    def rewind(self, req: Request) -> None:
+        """``req`` was refused while its next step was already sent (overlap): that one carries
+        a ``base`` the manager no longer matches, so it is refused too and changes nothing; the
+        request keeps its blocks and retries from its computed tokens."""
+        req.num_scheduled = req.num_pending_samples = 0
+        req.generation += 1  # the in-flight step's entries no longer count
+
+    def track_usage(self) -> None:
+        s = self.stats
+        s.steps += 1
+        s.peak_running = max(s.peak_running, sum(not r.admitting for r in self.running))
+        blocks = {b for r in self.running for b in r.block_table}
+        s.peak_blocks = max(s.peak_blocks, len(blocks))
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._owe_free(req)
+        req.reset_kv()
+        req.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req)  # newest preempted first, so the oldest ends up in front
+        logger.info("preempted %r", req)
+
+    def lose(self, req: Request) -> None:
+        """The manager refused ``req`` for bad input: recompute it from scratch. Its free tells
+        the manager to drop whatever it may still hold (unknown_request when nothing)."""
+        if req not in self.running:
+            return  # already lost (a refused fork, then its refused extend)
+        self.running.remove(req)
+        self._owe_free(req)
+        req.reset_kv()
+        self.waiting.appendleft(req)
+
+    # -- state changes the next message carries --------------------------------------------
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.generation += 1
+        self.running.remove(req)
+        self._owe_free(req)
+
+    def drop(self, req: Request) -> None:
+        """Aborts ``req`` wherever it is; its blocks go back at the next step."""
+        req.generation += 1
+        if req in self.waiting:
+            self.waiting.remove(req)  # a preempted one's free is already pending
+            return
+        if req not in self.running:
+            return
+        req.finish_reason = req.finish_reason or "abort"
+        self.running.remove(req)
+        forks = [(p, c) for p, c in self.pending_forks if c is not req]
+        if len(forks) < len(self.pending_forks):
+            self.pending_forks = forks  # never forked: the manager holds nothing for it
+        else:
+            self._owe_free(req)
+
+    def spawn(self, parent: Request, child: Request) -> None:
+        """A parallel sample sharing ``parent``'s computed blocks (forked at the next step)."""
+        child.num_computed = parent.num_computed
+        child.num_hashes_sent = parent.num_hashes_sent
+        self.running.append(child)
+        self.pending_forks.append((parent, child))
+
+    def abandon(self, frees: Iterable[dict]) -> None:
+        """The manager refused a whole step (nothing of it ran): its ``frees`` (the sub-ops) go
+        out again, and every running request starts over, freeing whatever the manager holds
+        for it."""
+        frees = list(frees)
+        self.pending_frees[:0] = [op["req"] for op in frees]
+        self.computed_at_free.update((op["req"], op["computed"]) for op in frees if "computed" in op)
+        self.pending_forks = []
+        for req in reversed(list(self.running)):
+            self.lose(req)
+
+    def reset(self) -> list[Request]:
+        """The manager lost every request: all recompute; returns them (running first)."""
+        lost = list(self.running)
+        for req in reversed(lost):
+            self.lose(req)
+        self.pending_frees, self.pending_forks, self.computed_at_free = [], [], {}
+        return lost
+
+    def release_all(self) -> list[int]:
+        """Shutdown: the ids of every request the manager holds blocks for (running, then the
+        frees still owed), forgotten here from now on; the caller frees them at the manager or
+        leaves them to its session timeout. Waiting requests hold nothing and stay queued."""
+        rids = [r.rid for r in self.running] + self.pending_frees
+        self.running, self.pending_frees, self.pending_forks = [], [], []
+        return rids
