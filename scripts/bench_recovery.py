@@ -10,7 +10,9 @@ steps after the last snapshot. Then, in the same run, each against the old path:
   forks a child that writes it (manager/store/snapshot_child.py); the pause is the fork.
 - cold start: read snapshot + journal from Redis, decode, load, replay the tail, check every
   invariant. Old: the per-block Python invariant check with the garbage collector running.
-  New: ``recover`` (bulk checks, GC paused).
+  New: ``recover`` (bulk checks, GC paused). A thread beside it records the longest time it
+  waited for its turn (the thread that renews the lease while a state loads waits as long),
+  against the same recovery with each bulk step in one call instead of pieces.
 
     python scripts/bench_recovery.py                      # 1M blocks
     python scripts/bench_recovery.py --blocks 200000 --json
@@ -24,9 +26,14 @@ import json
 import os
 import random
 import resource
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+from kvpool.manager.config import ManagerConfig
+from kvpool.manager.core import bulk
 from kvpool.manager.registry import Registry
 from kvpool.manager.store.journal import recover, replay
 from kvpool.manager.store.redis_store import RedisStore, namespace_keys
@@ -36,6 +43,7 @@ from kvpool.shared.protocol import KVSpec
 
 SPEC = {"block_size": 16, "num_layers": 1, "num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
 REQ_BLOCKS = 64  # blocks per request (1024-token prompts)
+LEASE_MS = ManagerConfig().lease_ms
 
 
 def new_registry() -> Registry:
@@ -110,6 +118,38 @@ def old_recover(reg: Registry, snap: bytes, blobs: list[bytes]) -> None:
     reg.check_invariants()
 
 
+class StallWatch:
+    """A thread that sleeps 1 ms at a time and records the longest wait for its next turn."""
+
+    def __init__(self) -> None:
+        self.longest, self._stop = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        prev = time.perf_counter()
+        while not self._stop.wait(0.001):
+            now = time.perf_counter()
+            self.longest, prev = max(self.longest, now - prev - 0.001), now
+
+    def __enter__(self) -> StallWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@contextmanager
+def whole_calls() -> Iterator[None]:
+    """Each bulk step of the recovery in one C call (no pieces): the baseline of the stall."""
+    piece, bulk.PIECE = bulk.PIECE, 1 << 40
+    try:
+        yield
+    finally:
+        bulk.PIECE = piece
+
+
 def cold_start(url: str, ns: str, expect: dict) -> dict:
     """What a restarted manager does, timed step by step, the old way and the new."""
     client = connect(url, timeout_s=60.0)
@@ -127,13 +167,20 @@ def cold_start(url: str, ns: str, expect: dict) -> dict:
     del reg
     gc.collect()
     reg = new_registry()
+    with whole_calls(), StallWatch() as whole:  # the same recovery with each bulk step in one call
+        recover(reg, snap, blobs, int(seq), "bench", time.monotonic())
+    del reg
+    gc.collect()
+    reg = new_registry()
     t1 = time.perf_counter()
-    recover(reg, snap, blobs, int(seq), "bench", time.monotonic())  # decode, load, replay, check
+    with StallWatch() as watch:
+        recover(reg, snap, blobs, int(seq), "bench", time.monotonic())  # decode, load, replay, check
     t_recover = time.perf_counter() - t1
     if dump_registry(reg, 0) != expect:
         raise SystemExit("the recovered state differs from the one built")
     return {"snapshot_bytes": len(snap), "journal_batches": len(blobs), "journal_bytes": sum(map(len, blobs)),
-            "read_s": t_read, "recover_old_s": t_old, "recover_s": t_recover, "total_s": t_read + t_recover}
+            "read_s": t_read, "recover_old_s": t_old, "recover_s": t_recover, "total_s": t_read + t_recover,
+            "longest_stall_s": watch.longest, "longest_stall_whole_s": whole.longest}
 
 
 def main() -> None:
@@ -177,6 +224,9 @@ def main() -> None:
           f"= restart time {out['total_s']:.2f}s")
     print(f"  recovery {out['recover_s']:.2f}s vs {out['recover_old_s']:.2f}s the old way (per-block check, GC on): "
           f"{out['recover_old_s'] / out['recover_s']:.1f}x faster")
+    print(f"  a thread beside the recovery waited at most {out['longest_stall_s'] * 1e3:.0f} ms for its turn vs "
+          f"{out['longest_stall_whole_s'] * 1e3:.0f} ms with each bulk step in one call (the lease renewal while "
+          f"loading runs every lease_ms / 3: {LEASE_MS // 3} ms at the default lease)")
 
 
 if __name__ == "__main__":

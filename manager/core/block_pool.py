@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+from kvpool.manager.core.bulk import pieces
 from kvpool.manager.core.free_queue import FreeQueue
 from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -90,10 +91,12 @@ class BlockPool:
                 enable_caching: bool, enable_events: bool) -> BlockPool:
         """A block pool from its parts (manager/core/snapshot.py decodes them); the caller
         checks the invariants before using it."""
-        bp = cls(len(ref_cnt), enable_caching, enable_events)
+        bp = cls(2, enable_caching, enable_events)  # placeholder parts (not 1M-entry ones), replaced below
+        bp.num_blocks = len(ref_cnt)
         bp.ref_cnt, bp.block_hash, bp._dups, bp.free_queue = ref_cnt, block_hash, dups, free_queue
         free_queue.reserve(len(ref_cnt))
-        bp.cached = dict(zip(map(block_hash.__getitem__, primary), primary))  # type: ignore[arg-type]
+        for part in pieces(primary):  # in pieces: see manager/core/bulk.py
+            bp.cached.update(zip(map(block_hash.__getitem__, part), part))  # type: ignore[arg-type]
         bp.num_evictions = num_evictions
         return bp
 

@@ -22,8 +22,9 @@ block_pool.py); the free path, an append plus a position store, costs about the 
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
+
+from kvpool.manager.core.bulk import bulk_max, bulk_min, bulk_store
 
 _TOMB = 0  # the null block: never queued, so it marks a removed entry
 _COMPACT_MIN = 1024  # the consumed head is cut off past this many entries (and half the list)
@@ -130,9 +131,9 @@ class FreeQueue:
         fq = cls(())
         fq._front = front
         fq._lru = list(lru)
-        fq._pos = [0] * (max(lru, default=0) + 1)
-        if lru and min(lru) >= 0:  # else corrupt: the loader's verify names it, not an IndexError here
-            deque(map(fq._pos.__setitem__, lru, range(len(lru))), maxlen=0)  # in C: 1M blocks
+        fq._pos = [0] * (bulk_max(lru) + 1 if lru else 1)
+        if lru and bulk_min(lru) >= 0:  # else corrupt: the loader's verify names it, not an IndexError here
+            bulk_store(fq._pos, lru, range(len(lru)))  # in C, in pieces: 1M blocks
         return fq
 
     def order(self) -> list[int]:

@@ -9,13 +9,12 @@ every invariant before the pool is handed out: corrupt or partial state raises
 
 from __future__ import annotations
 
-import re
 import sys
 from array import array
-from collections import deque
 from dataclasses import asdict
 
 from kvpool.manager.core.block_pool import BlockPool
+from kvpool.manager.core.bulk import array_to_list, bulk_store, split_every
 from kvpool.manager.core.free_queue import FreeQueue
 from kvpool.manager.core.host_tier import HostStats, HostTier
 from kvpool.manager.core.pool import Pool, PoolStats, RequestBlocks
@@ -42,16 +41,13 @@ def _unints(data: bytes, what: str) -> list[int]:
     arr.frombytes(data)
     if sys.byteorder != "little":
         arr.byteswap()
-    return arr.tolist()
-
-
-_HASH_RUN = re.compile(b".{%d}" % HASH_BYTES, re.S)
+    return array_to_list(arr)
 
 
 def _split_hashes(data: bytes, what: str) -> list[bytes]:
     if type(data) is not bytes or len(data) % HASH_BYTES:
         raise CorruptState(f"{what}: expected concatenated {HASH_BYTES}-byte hashes")
-    return _HASH_RUN.findall(data)  # the slicing runs in C (a 1M-block pool has 1M hashes)
+    return split_every(data, HASH_BYTES)  # in C (a 1M-block pool has 1M hashes), in pieces
 
 
 def _dump_blocks(bp: BlockPool) -> dict:
@@ -140,7 +136,7 @@ def _load_blocks(d: dict, enable_events: bool) -> BlockPool:
     if len(ids) != len(hashes):
         raise CorruptState("hashed_ids and hashes differ in length")
     block_hash: list[bytes | None] = [None] * n
-    deque(map(block_hash.__setitem__, ids, hashes), maxlen=0)  # bulk, in C (1M hashes at 1M blocks)
+    bulk_store(block_hash, ids, hashes)  # in C, in pieces (1M hashes at 1M blocks)
     free_queue = FreeQueue.from_segments(_unints(d["front"], "front"), _unints(d["lru"], "lru"))
     bp = BlockPool.restore(ref_cnt, block_hash, _unints(d["primary"], "primary"),
                            {h: _unints(raw, "dups") for h, raw in d["dups"]}, free_queue, d["num_evictions"],

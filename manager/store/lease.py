@@ -19,16 +19,23 @@ logger = logging.getLogger(__name__)
 
 @contextmanager
 def renewing(renew: Callable[[], None], every_s: float, what: str) -> Iterator[None]:
-    """Calls ``renew`` every ``every_s`` from a thread while the body runs; a failed renewal
-    stops the renewing (the body's own writes then find the lease lost)."""
+    """Calls ``renew`` every ``every_s`` from a thread while the body runs.
+
+    A renewal that fails for want of the store (a timeout under load) is tried again at the next
+    turn: the lease may well still be this manager's, and giving up would hand it to a standby
+    while this one is alive and loading. A fenced renewal (another manager holds the lease) stops
+    the renewing; the body's own writes then find the lease lost.
+    """
     stop = threading.Event()
 
     def run() -> None:
         while not stop.wait(every_s):
             try:
                 renew()
-            except (StoreUnavailable, Fenced) as e:
-                logger.warning("%s: lease renewal while loading failed: %s", what, e)
+            except StoreUnavailable as e:
+                logger.warning("%s: lease renewal while loading failed (tried again in %.2fs): %s", what, every_s, e)
+            except Fenced as e:
+                logger.warning("%s: the lease went to another manager while loading: %s", what, e)
                 return
 
     thread = threading.Thread(target=run, name="kvpool-lease-while-loading", daemon=True)

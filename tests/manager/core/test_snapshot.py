@@ -5,6 +5,7 @@ import random
 import msgpack
 import pytest
 
+from kvpool.manager.core import bulk
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.snapshot import CorruptState, dump_pool, load_pool
 from kvpool.shared.hashing import hash_blocks
@@ -39,7 +40,9 @@ def churn(pool, rng, steps, start=0):
     return out
 
 
-def test_round_trip_is_exact_and_behaves_identically():
+@pytest.mark.parametrize("piece", [1, 3, bulk.PIECE])  # decoding and checks run in pieces: cut across them
+def test_round_trip_is_exact_and_behaves_identically(piece, monkeypatch):
+    monkeypatch.setattr(bulk, "PIECE", piece)
     rng = random.Random(7)
     pool = Pool(24, BS)
     churn(pool, rng, 300)

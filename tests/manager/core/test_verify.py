@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool.manager.core import bulk
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.snapshot import CorruptState
 from kvpool.manager.core.verify import verify_pool
@@ -61,7 +62,9 @@ def too_few_slots(p: Pool) -> None:
 
 @pytest.mark.parametrize("damage", [corrupt_ref, queue_twice, free_but_unqueued, unhashed_behind_hashed,
                                     wrong_map_entry, untracked_duplicate, null_block_used, too_few_slots])
-def test_every_broken_invariant_is_caught(damage):
+@pytest.mark.parametrize("piece", [1, 2, bulk.PIECE])  # the bulk checks run in pieces: cut across them
+def test_every_broken_invariant_is_caught(damage, piece, monkeypatch):
+    monkeypatch.setattr(bulk, "PIECE", piece)
     pool = make_pool()
     damage(pool)
     with pytest.raises(AssertionError):
