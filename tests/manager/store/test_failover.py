@@ -76,14 +76,15 @@ def test_a_standby_killed_while_loading_holds_the_lease_only_briefly(procs, sock
     """The lease is renewed in small steps while a state loads: a standby that dies mid-load
     stops renewing it, and the next standby serves within seconds (it once held 120 s)."""
     r = redis_or_skip()
-    seed_big_state(namespace, 1 << 22)  # 4M blocks: seconds to load
+    seed_big_state(namespace, 1 << 23)  # 8M blocks: over 2 s to load (1.3 s for 4M on a slow core)
     b = Daemon(procs, sock_dir, namespace, name="b", lease_ms=600, redis_timeout_s=0.3)
     c = Daemon(procs, sock_dir, namespace, name="c", lease_ms=600, redis_timeout_s=0.3)
     b.start()
     lease = f"kvpool:{{{namespace}}}:lease"
     wait_until(lambda: (r.get(lease) or b"").endswith(b.endpoint.encode()), 30, "b to take the lease")
+    took_lease = time.monotonic()
     c.start()  # a standby beside the loading one
-    time.sleep(0.9)  # longer than lease_ms: b renewed while loading, so c still waits
+    time.sleep(max(0.0, took_lease + 0.9 - time.monotonic()))  # past lease_ms: b renewed while loading
     assert (r.get(lease) or b"").endswith(b.endpoint.encode())
     assert raw(b.endpoint, "hello", None, timeout_s=0.05) is None  # b is still loading: no answer yet
     b.kill()
