@@ -92,7 +92,7 @@ class PromptRun:
         max_tokens = self.params.get("max_tokens", 16)
         decode = sum(max_tokens - c.tokens for c in self.choices if c.finish_reason is None) / bs
         if self.timing.first is None:
-            return max(len(self.prompt) // bs - d.hit_blocks, 0) + decode
+            return max(len(self.prompt) // bs - d.expected_blocks, 0) + decode
         return decode
 
     async def deltas(self) -> AsyncIterator[Delta]:

@@ -4,9 +4,13 @@ KV-aware cost of sending a prompt of ``P`` full blocks to worker ``w`` (lowest w
 
     cost(w) = overlap_weight * (P - hit(w)) + outstanding(w)
 
-- ``hit(w)``: leading blocks of the prompt's hash chain cached in ``w``'s pool (the manager's
-  ``locate``, asked per request): prefill work the worker can skip; ``P - hit(w)`` is the prefill
-  work this request would add to ``w``, in blocks.
+- ``hit(w)``: leading blocks of the prompt's hash chain that ``w`` holds or soon will: the more
+  of those cached in ``w``'s pool (the manager's ``locate``, asked per request) and shared with a
+  prompt this front door routed to ``w`` that is still running (its blocks may not be computed
+  yet, so ``locate`` cannot see them: without this, a burst of one tenant's requests, routed
+  before the first is admitted, spreads that tenant's prefix over every worker). It is the
+  prefill work the worker can skip; ``P - hit(w)`` is the prefill work this request would add
+  to ``w``, in blocks. A response's ``cached_tokens`` counts only the located blocks.
 - ``outstanding(w)``: the work ``w`` still has to do for the requests this front door has running
   on it, in the same unit, counted live: for a request that has no token yet its uncached prompt
   blocks, plus for every unfinished sample ``(max_tokens - tokens so far) / block_size`` (decode
@@ -35,21 +39,30 @@ POLICIES = ("kv-aware", "round-robin", "least-loaded")
 @dataclass
 class Candidate:
     worker: Worker
-    hit_blocks: int
+    hit_blocks: int  # cached in the worker's pool (the manager's locate)
     running: int
     outstanding: float  # blocks of work still to do on the worker (see the module docstring)
+    routed_blocks: int = 0  # shared with a running prompt routed there (see the module docstring)
 
     @property
     def load(self) -> float:
         return self.outstanding
 
+    @property
+    def expected_blocks(self) -> int:
+        return max(self.hit_blocks, self.routed_blocks)
+
 
 @dataclass
 class Decision:
     worker: Worker
-    hit_blocks: int  # of the chosen worker
-    best_hit_blocks: int  # over all candidates
+    hit_blocks: int  # located (cached) on the chosen worker: the response's cached_tokens
+    best_hit_blocks: int  # the most expected over all candidates
     reason: str  # "prefix" (the longest cached prefix decided), "load", "round-robin"
+    expected_blocks: int = 0  # hit_blocks, or more when a running prompt routed there shares more
+
+    def __post_init__(self) -> None:
+        self.expected_blocks = max(self.expected_blocks, self.hit_blocks)
 
 
 class KVRouter:
@@ -68,22 +81,22 @@ class KVRouter:
         return self.policy == "kv-aware"
 
     def cost(self, c: Candidate, prompt_blocks: int) -> float:
-        return self.overlap_weight * (prompt_blocks - c.hit_blocks) + c.load
+        return self.overlap_weight * (prompt_blocks - c.expected_blocks) + c.load
 
     def choose(self, candidates: list[Candidate], prompt_blocks: int) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
         turn = next(self._turn)
         order = candidates[turn % len(candidates):] + candidates[: turn % len(candidates)]
-        best_hit = max(c.hit_blocks for c in candidates)
+        best_hit = max(c.expected_blocks for c in candidates)
         if self.policy == "round-robin":
             pick, reason = order[0], "round-robin"
         elif self.policy == "least-loaded":
             pick, reason = min(order, key=lambda c: (c.running, c.load)), "load"
         else:
             pick = min(order, key=lambda c: (self.cost(c, prompt_blocks), c.running))
-            reason = "prefix" if best_hit > 0 and pick.hit_blocks == best_hit and \
-                any(c.hit_blocks < best_hit for c in candidates) else "load"
+            reason = "prefix" if best_hit > 0 and pick.expected_blocks == best_hit and \
+                any(c.expected_blocks < best_hit for c in candidates) else "load"
         self.decisions[reason] += 1
         self.per_worker[pick.worker.name] += 1
-        return Decision(pick.worker, pick.hit_blocks, best_hit, reason)
+        return Decision(pick.worker, pick.hit_blocks, best_hit, reason, pick.expected_blocks)

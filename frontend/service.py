@@ -5,7 +5,8 @@ turns a validated request into prompt runs on workers.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from kvpool.frontend.chat_template import TemplateError
@@ -34,6 +35,9 @@ class FrontDoorConfig:
     manager_keys: ClientKeys | None = None
     worker_keys: ClientKeys | None = None
     insecure: bool = False  # connect to non-loopback TCP endpoints without CURVE (trusted networks only)
+    # kv-aware: count the prefixes of running prompts routed to a worker as its future hits
+    # (frontend/router.py); False routes on the manager's locate alone (bench_router compares)
+    count_routed: bool = True
 
     def __post_init__(self) -> None:
         if not self.managers:
@@ -45,6 +49,18 @@ class FrontDoorConfig:
             raise ValueError(f"poll_s must be in [0.01, 60] seconds, got {self.poll_s}")
         if self.silence_s <= 0:
             raise ValueError(f"silence_s must be positive, got {self.silence_s}")
+
+
+def leading_in(chain: list[bytes], held: Mapping[bytes, int] | None) -> int:
+    """How many leading hashes of ``chain`` are in ``held`` (a hash names its whole prefix)."""
+    if not held:
+        return 0
+    n = 0
+    for h in chain:
+        if h not in held:
+            break
+        n += 1
+    return n
 
 
 class Run:
@@ -103,6 +119,9 @@ class FrontDoor:
         self._tokenizers: dict[str, Tokenizer] = {}
         self._overrides = dict(cfg.tokenizers)
         self.live: dict[tuple[int, str], set[PromptRun]] = {}  # running prompt runs per worker
+        # the block hashes of those runs' prompts, counted, per worker: what it will soon cache
+        self.routed: dict[tuple[int, str], Counter[bytes]] = {}
+        self._chains: dict[PromptRun, tuple[tuple[int, str], list[bytes]]] = {}
 
     async def start(self) -> None:
         await self.directory.start()
@@ -162,20 +181,35 @@ class FrontDoor:
                                           f"the context of {max_len} tokens: ask for at most {room}")
         return req.max_tokens
 
-    async def route(self, workers: list[Worker], ids: list[int], salt: str | None) -> Decision:
+    async def route(self, workers: list[Worker], ids: list[int], salt: str | None) -> tuple[Decision, list[bytes]]:
+        """The worker for one prompt, and the prompt's hash chain in that worker's block size
+        (empty unless the policy looks at caches)."""
         hits: dict[tuple[int, str], int] = {}
-        block_size = workers[0].block_size
-        full = (len(ids) - 1) // block_size  # the block of the last prompt token is always recomputed
-        if self.router.needs_locate and full:
+        routed: dict[tuple[int, str], int] = {}
+        chains: dict[int, list[bytes]] = {}
+        if self.router.needs_locate:
             by_manager: dict[tuple[int, int], list[Worker]] = {}
             for w in workers:
                 by_manager.setdefault((w.manager, w.block_size), []).append(w)
             for (m, bs), group in by_manager.items():
-                located = await self.directory.locate(m, hash_blocks(ids[: full * bs], bs, cache_salt=salt))
+                full = (len(ids) - 1) // bs  # the block of the last prompt token is always recomputed
+                if not full:
+                    continue
+                chain = chains.get(bs)
+                if chain is None:
+                    chain = chains[bs] = hash_blocks(ids[: full * bs], bs, cache_salt=salt)
+                located = await self.directory.locate(m, chain)
                 for w in group:
                     hits[w.key] = located.get(w.pool, 0)
-        cands = [Candidate(w, hits.get(w.key, 0), w.link.running, self.outstanding(w.key)) for w in workers]
-        return self.router.choose(cands, full)
+            if self.cfg.count_routed:  # after the last await: what was routed meanwhile counts too
+                for w in workers:
+                    if w.block_size in chains:
+                        routed[w.key] = leading_in(chains[w.block_size], self.routed.get(w.key))
+        full = (len(ids) - 1) // workers[0].block_size
+        cands = [Candidate(w, hits.get(w.key, 0), w.link.running, self.outstanding(w.key), routed.get(w.key, 0))
+                 for w in workers]
+        d = self.router.choose(cands, full)
+        return d, chains.get(d.worker.block_size, [])
 
     async def start_run(self, req: GenRequest) -> Run:
         workers = self.workers(req.model)
@@ -187,13 +221,16 @@ class FrontDoor:
         run = Run(req, [], sum(len(i) for i in all_ids), timing)
         try:
             for k, (ids, budget) in enumerate(zip(all_ids, budgets)):
-                d = await self.route(workers, ids, req.cache_salt)
+                d, chain = await self.route(workers, ids, req.cache_salt)
                 params = {**req.worker_params, "max_tokens": budget}
                 pr = PromptRun(tok, ids, d, n=req.n, first_index=k * req.n, stops=req.stop, params=params,
                                cache_salt=req.cache_salt, timing=timing,
                                token_ids_in_logprobs=req.token_ids_in_logprobs)
                 run.runs.append(pr)
                 self.live.setdefault(d.worker.key, set()).add(pr)  # counted at once: the next request sees it
+                if chain and self.cfg.count_routed:
+                    self.routed.setdefault(d.worker.key, Counter()).update(chain)
+                    self._chains[pr] = (d.worker.key, chain)
         except BaseException:
             self.release(run, count=False)
             raise
@@ -208,6 +245,15 @@ class FrontDoor:
             self.live.get(key, set()).discard(r)
             if not self.live.get(key):
                 self.live.pop(key, None)
+            held = self._chains.pop(r, None)
+            if held is not None:
+                counts = self.routed[held[0]]
+                counts.subtract(held[1])
+                for h in held[1]:
+                    if counts[h] <= 0:
+                        del counts[h]
+                if not counts:
+                    del self.routed[held[0]]
         if not count:
             return
         m = self.metrics

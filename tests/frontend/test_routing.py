@@ -131,3 +131,69 @@ def test_the_cost_function_weighs_hits_against_load() -> None:
     assert ll.choose([Candidate(a, 9, 2, 0), Candidate(b, 0, 1, 0)], 10).worker is b
     with pytest.raises(ValueError, match="choose one of"):
         KVRouter("random")
+
+
+def test_a_candidate_shares_blocks_with_prompts_routed_to_it_and_the_cached_count_stays_located() -> None:
+    a, b = fake_worker("a"), fake_worker("b")
+    kv = KVRouter("kv-aware", overlap_weight=2.0)
+    # nothing cached anywhere yet, but a runs a prompt sharing 9 of the 10 blocks: a (2*1 + 10) beats b (2*10)
+    d = kv.choose([Candidate(a, 0, 1, 10, routed_blocks=9), Candidate(b, 0, 0, 0)], 10)
+    assert d.worker is a and d.reason == "prefix" and d.expected_blocks == 9
+    assert d.hit_blocks == 0  # the response's cached_tokens: only what the manager located
+    d = kv.choose([Candidate(a, 6, 1, 4, routed_blocks=3), Candidate(b, 0, 1, 4)], 10)
+    assert (d.worker, d.hit_blocks, d.expected_blocks) == (a, 6, 6)  # the more of located and routed
+
+
+def burst_front_door(count_routed: bool, workers: list, monkeypatch):
+    """A front door over fake workers whose managers have nothing cached yet (every locate finds
+    nothing: the burst arrives before its first prompt is computed)."""
+    from kvpool.frontend.service import FrontDoor, FrontDoorConfig
+
+    fd = FrontDoor(FrontDoorConfig(("ipc:///tmp/kvpool-test-unused.sock",), count_routed=count_routed))
+
+    class Tok:
+        vocab_size = 1000
+
+        def decode(self, ids, skip_special_tokens=True):
+            return ""
+
+    async def locate(manager, hashes):
+        return {}
+
+    monkeypatch.setattr(fd, "workers", lambda model: workers)
+    monkeypatch.setattr(fd, "tokenizer", lambda model: Tok())
+    monkeypatch.setattr(fd.directory, "locate", locate)
+    return fd
+
+
+@pytest.mark.parametrize("count_routed", [True, False])
+def test_a_burst_of_one_tenant_goes_to_one_worker_when_routed_prompts_count(count_routed, monkeypatch) -> None:
+    import asyncio
+
+    from kvpool.frontend.params import GenRequest
+
+    workers = [fake_worker("a"), fake_worker("b"), fake_worker("c")]
+    fd = burst_front_door(count_routed, workers, monkeypatch)
+    system = list(range(1, 161))  # 10 blocks of 16
+
+    def request(i: int, salt: str) -> GenRequest:
+        return GenRequest(chat=False, model="tiny", prompts=[system + [500 + i, 600 + i]], messages=None,
+                          max_tokens=4, cache_salt=salt)
+
+    async def burst() -> list:
+        return [await fd.start_run(request(i, "t1")) for i in range(6)]
+
+    runs = asyncio.run(burst())
+    homes = {r.runs[0].decision.worker.name for r in runs}
+    if count_routed:
+        assert len(homes) == 1  # the prompts routed before count as the home's future hits
+        assert [r.runs[0].decision.reason for r in runs[1:]] == ["prefix"] * 5
+        assert all(r.cached_tokens == 0 for r in runs)  # nothing was cached when they were routed
+        other = asyncio.run(fd.start_run(request(9, "t2")))  # another tenant's salt shares nothing
+        assert other.runs[0].decision.worker.name not in homes
+        fd.release(other)
+    else:
+        assert len(homes) == 3  # locate alone: the burst spreads by load
+    for r in runs:
+        fd.release(r)
+    assert fd.routed == {} and fd.live == {}
