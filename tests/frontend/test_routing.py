@@ -99,6 +99,9 @@ def test_workers_lost_mid_stream_end_streams_cleanly_and_new_workers_are_noticed
         while stack.fd.frontdoor.directory.workers:  # deregistered: gone from the manager's list
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        while stack.fd.frontdoor.live or stack.fd.frontdoor.routed:  # the streams cut by errors are forgotten
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
     finally:
         stack.close()
 
