@@ -50,7 +50,7 @@ class WorkerMetrics:
 
     def render(self, engine, now: float) -> str:
         st = engine.stats()
-        held = len({b for r in engine.scheduler.running for b in r.block_table})
+        held = engine.scheduler.requests.num_held
         usable = max(st["num_blocks"] - 1, 1)  # block 0 is the null block
         gen_rate, computed_rate = self._rates(now, st["computed_tokens"])
         lb = {"pool": self.pool}

@@ -22,7 +22,7 @@ class Request:
     __slots__ = ("rid", "client_id", "index", "tokens", "num_prompt", "num_computed", "block_table",
                  "hasher", "num_hashes_sent", "params", "seed", "finish_reason", "forked",
                  "num_preemptions", "generation", "num_scheduled", "num_pending_samples", "admitting",
-                 "synced_tokens", "num_slots", "must_sync")
+                 "synced_tokens", "num_slots", "must_sync", "in_running")
 
     def __init__(self, rid: int, client_id: str, index: int, tokens: list[int], num_prompt: int,
                  params: SamplingParams, seed: int, block_size: int, cache_salt: str | None = None) -> None:
@@ -48,6 +48,7 @@ class Request:
         self.synced_tokens = 0
         self.num_slots = 0
         self.must_sync = False  # forked: the next write must reach the manager (copy-on-write)
+        self.in_running = False  # in the scheduler's running set (worker/running_set.py counts its blocks)
 
     @property
     def num_output(self) -> int:

@@ -203,7 +203,7 @@ class Scheduler:
         self.requests.start(admitted)
 
     def _room(self) -> int:
-        return admission_room(self.running, self.num_blocks, self.block_size, self.static)
+        return admission_room(self.running, self.num_blocks, self.block_size, self.static, self.requests.num_held)
 
     # -- applying the outcome --------------------------------------------------------------
 
@@ -246,7 +246,7 @@ class Scheduler:
 
     def _apply_fork(self, child: Request, res: dict) -> None:
         if res.get("ok"):
-            child.block_table = list(res["blocks"])
+            self.requests.set_blocks(child, res["blocks"])
             child.num_slots = len(child.block_table) * self.block_size
         else:
             logger.warning("fork of %r refused (%s): recomputing it", child, res.get("msg"))
@@ -255,9 +255,7 @@ class Scheduler:
     def _apply_extend(self, sub: SubOp, res: dict, failed: list) -> None:
         req = sub.req
         if res.get("ok"):
-            req.block_table.extend(res["blocks"])
-            for index, _, dst in res["copies"]:
-                req.block_table[index] = dst
+            self.requests.add_blocks(req, res["blocks"], [(index, dst) for index, _, dst in res["copies"]])
             req.num_slots = max(req.num_slots, len(req.block_table) * self.block_size)
             req.must_sync = req.must_sync and sub.kind == "sync"  # a write went through: copied
             return
@@ -275,7 +273,8 @@ class Scheduler:
         if res.get("ok"):
             self.drain_refused = False  # admissions go through again
             cached = res["cached"]  # a later step in flight may have moved the counts on: max
-            req.num_computed, req.block_table = cached, list(res["blocks"])
+            req.num_computed = cached
+            self.requests.set_blocks(req, res["blocks"])
             req.num_slots = max(req.num_slots, len(req.block_table) * self.block_size)
             req.synced_tokens = max(req.synced_tokens, cached + min(len(req.tokens) - cached, sub.num_tokens))
             self.requests.count_admission(len(req.tokens), cached)

@@ -18,14 +18,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def admission_room(running: Sequence[Request], num_blocks: int | None, block_size: int, static: bool) -> int:
+def admission_room(running: Sequence[Request], num_blocks: int | None, block_size: int, static: bool,
+                   held: int) -> int:
     """Blocks an admission may take and still leave every running request one block to
-    grow into: an estimate from the blocks our requests hold (cache hits not counted), so
-    admissions stop before decodes start to preempt. The manager still decides. Statically
-    preallocated requests hold their whole max_model_len already and never grow."""
+    grow into: an estimate from the ``held`` distinct blocks our requests hold (cache hits not
+    counted), so admissions stop before decodes start to preempt. The manager still decides.
+    Statically preallocated requests hold their whole max_model_len already and never grow."""
     if num_blocks is None:
         return UNKNOWN_ROOM
-    held = len({b for r in running for b in r.block_table})
     held += sum(r.num_slots // block_size for r in running if r.admitting)  # answers in flight
     growth = 0 if static else len(running)
     return num_blocks - 1 - held - growth

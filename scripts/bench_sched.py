@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""The worker scheduler's own time per decode step at R running requests (no model, no daemon).
+
+The real scheduler drives R decoding requests (prompts of 64-192 tokens, block size 16) against
+an in-process pool (``run_step``, not timed). Timed per step: ``schedule()`` plus ``update()``, the
+work a worker does on the CPU before and after every forward pass. Two ways of knowing how many
+distinct blocks the running requests hold take turns in blocks of steps in the same run:
+
+  counted   worker/running_set.py keeps entries per block, changed where a table changes
+  walked    a set built over every block table each step, in the usage statistic and in the
+            admission room: the code before the count
+
+Each mode has its own scheduler and pool with the same requests and seed, so both see the same
+steps. The heap is frozen after set-up, as a worker's is once it is up
+(worker/startup.freeze_start_up_heap), so a p99 is not a full collection over torch's modules.
+Printed: median and p99 per step for each, and walked over counted.
+
+    python scripts/bench_sched.py                 # R = 64, 256, 1024
+    python scripts/bench_sched.py --sizes 256 --steps 400 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from types import MethodType
+
+from kvpool.manager.core.pool import Pool
+from kvpool.manager.core.step import run_step
+from kvpool.worker.request import Request
+from kvpool.worker.running_set import RunningSet
+from kvpool.worker.sampler import SamplingParams
+from kvpool.worker.scheduler import Output, Scheduler
+from kvpool.worker.scheduling_policy import admission_room
+from kvpool.worker.startup import freeze_start_up_heap
+
+BS = 16
+MODES = ("counted", "walked")
+
+
+def walked_held(running: list[Request]) -> int:
+    return len({b for r in running for b in r.block_table})
+
+
+def walk_every_table(sched: Scheduler) -> None:
+    """The code before the count: the set over every table, each step and for each admission."""
+    rs = sched.requests
+
+    def track_usage(self: RunningSet) -> None:
+        s = self.stats
+        s.steps += 1
+        s.peak_running = max(s.peak_running, sum(not r.admitting for r in self.running))
+        s.peak_blocks = max(s.peak_blocks, walked_held(self.running))
+
+    def room(self: Scheduler) -> int:
+        return admission_room(self.running, self.num_blocks, self.block_size, self.static, walked_held(self.running))
+
+    rs.track_usage = MethodType(track_usage, rs)
+    rs._hold = rs._unhold = lambda blocks: None  # no counting beside the walk
+    sched._room = MethodType(room, sched)
+
+
+class Driver:
+    def __init__(self, num_reqs: int, steps: int, walk: bool, seed: int) -> None:
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(2, 30000) for _ in range(rng.randint(64, 192))] for _ in range(num_reqs)]
+        num_blocks = num_reqs * (192 + steps + 2 * BS) // BS + 64  # every request's growth fits: no preemption
+        self.pool = Pool(num_blocks, BS)
+        self.sched = Scheduler(BS, num_blocks, num_reqs, 1 << 16)
+        if walk:
+            walk_every_table(self.sched)
+        params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            self.sched.add(Request(i, f"c{i}", 0, p, len(p), params, i, BS))
+        self.times: list[float] = []
+        while self.sched.waiting or any(r.num_remaining > 1 for r in self.sched.running):
+            self.step(timed=False)  # admissions and prefill
+
+    def step(self, timed: bool = True) -> None:
+        sched = self.sched
+        t0 = time.thread_time()
+        plan = sched.schedule()
+        t1 = time.thread_time()
+        results = run_step(self.pool, "bench", plan.ops) if plan.ops else []
+        t2 = time.thread_time()
+        batch = plan.batch(results)
+        sched.update(plan, results, [Output(r, 7) for r, s in zip(batch.reqs, batch.seqs) if s.sample])
+        t3 = time.thread_time()
+        if timed:
+            self.times.append((t1 - t0) + (t3 - t2))
+
+
+def measure(num_reqs: int, steps: int, block: int, seed: int) -> dict:
+    drivers = {m: Driver(num_reqs, steps, m == "walked", seed) for m in MODES}
+    freeze_start_up_heap()  # as a worker does once it is up (its imports, here the admitted requests too)
+    done = 0
+    while done < steps:
+        for d in drivers.values():  # turns in blocks: each mode's steps back to back
+            for _ in range(min(block, steps - done)):
+                d.step()
+        done += block
+    out: dict = {"running": num_reqs, "steps": steps}
+    for m, d in drivers.items():
+        xs = sorted(d.times)
+        out[m] = {"p50_us": round(1e6 * statistics.median(xs), 1), "p99_us": round(1e6 * xs[int(0.99 * (len(xs) - 1))], 1)}
+    blocks = [sum(len(r.block_table) for r in d.sched.running) for d in drivers.values()]
+    if blocks[0] != blocks[1] or drivers["counted"].sched.stats.peak_blocks != drivers["walked"].sched.stats.peak_blocks:
+        raise SystemExit("the two modes diverged: they must schedule the same steps")
+    out["block_table_entries"] = blocks[0]
+    out["walked_over_counted"] = round(out["walked"]["p50_us"] / out["counted"]["p50_us"], 2)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--block", type=int, default=20, help="steps per turn of each mode")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    rows = [measure(n, args.steps, args.block, args.seed) for n in args.sizes]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"scheduler time per decode step (schedule + update; the pool's run_step not counted), {args.steps} steps")
+    print(f"{'running':>8} {'table entries':>14} {'counted p50':>12} {'p99':>8} {'walked p50':>11} {'p99':>8} {'walked/counted':>15}")
+    for r in rows:
+        c, w = r["counted"], r["walked"]
+        print(f"{r['running']:>8} {r['block_table_entries']:>14,} {c['p50_us']:>10.0f}us {c['p99_us']:>6.0f}us "
+              f"{w['p50_us']:>9.0f}us {w['p99_us']:>6.0f}us {r['walked_over_counted']:>14.2f}x")
+
+
+if __name__ == "__main__":
+    main()
