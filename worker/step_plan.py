@@ -9,6 +9,11 @@ outputs)`` then applies the answers and the sampled tokens (``Output``, one per 
 
 A plan entry remembers its request's ``generation``; a request that finished, was aborted or
 lost its KV since (preempted, refused) has moved on, and the entry no longer counts.
+
+The records built per running request per step (``ScheduledSeq``, ``SubOp``, ``BatchSeq``,
+``Output``) are slotted dataclasses and not frozen, though nothing changes them once built: a
+frozen dataclass's ``__init__`` sets each field through ``object.__setattr__`` and took 0.68 µs
+against 0.17 µs, four of them per running request per step (scripts/bench_sched.py).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 from kvpool.worker.request import Request
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Output:
     """A sampled token; ``parent``: the request a new parallel sample ``req`` forks from."""
 
@@ -30,7 +35,7 @@ class Output:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class BatchSeq:
     """One sequence's share of a forward pass: plain data, so a batch can be broadcast."""
 
@@ -56,7 +61,7 @@ class Batch:
         return sum(len(s.token_ids) for s in self.seqs)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SubOp:
     """What one sub-op of the step message is for."""
 
@@ -67,7 +72,7 @@ class SubOp:
     undo: tuple[int, int, int] = (0, 0, 0)  # extend: (hashes sent, synced tokens, slots) before it
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledSeq:
     req: Request
     generation: int
