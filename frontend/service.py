@@ -121,7 +121,7 @@ class FrontDoor:
         self.live: dict[tuple[int, str], set[PromptRun]] = {}  # running prompt runs per worker
         # the block hashes of those runs' prompts, counted, per worker: what it will soon cache
         self.routed: dict[tuple[int, str], Counter[bytes]] = {}
-        self._chains: dict[PromptRun, tuple[tuple[int, str], list[bytes]]] = {}
+        self._chains: dict[PromptRun, list[bytes]] = {}  # each such run's chain
 
     async def start(self) -> None:
         await self.directory.start()
@@ -230,7 +230,7 @@ class FrontDoor:
                 self.live.setdefault(d.worker.key, set()).add(pr)  # counted at once: the next request sees it
                 if chain and self.cfg.count_routed:
                     self.routed.setdefault(d.worker.key, Counter()).update(chain)
-                    self._chains[pr] = (d.worker.key, chain)
+                    self._chains[pr] = chain
         except BaseException:
             self.release(run, count=False)
             raise
@@ -245,15 +245,16 @@ class FrontDoor:
             self.live.get(key, set()).discard(r)
             if not self.live.get(key):
                 self.live.pop(key, None)
-            held = self._chains.pop(r, None)
-            if held is not None:
-                counts = self.routed[held[0]]
-                counts.subtract(held[1])
-                for h in held[1]:
-                    if counts[h] <= 0:
+            chain = self._chains.pop(r, None)
+            if chain is not None:
+                counts = self.routed[key]
+                for h in chain:
+                    if counts[h] > 1:
+                        counts[h] -= 1
+                    else:
                         del counts[h]
                 if not counts:
-                    del self.routed[held[0]]
+                    del self.routed[key]
         if not count:
             return
         m = self.metrics

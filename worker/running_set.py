@@ -17,9 +17,10 @@ that joins or leaves the running set, and the manager's answers (``set_blocks``,
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 
 from kvpool.worker.request import Request
 from kvpool.worker.step_plan import StepPlan
@@ -80,10 +81,7 @@ class RunningSet:
 
     def check_held(self) -> None:
         """Raises AssertionError unless the count matches the block tables (tests)."""
-        want: dict[int, int] = {}
-        for r in self.running:
-            for b in r.block_table:
-                want[b] = want.get(b, 0) + 1
+        want = Counter(chain.from_iterable(r.block_table for r in self.running))
         if want != self._holders:
             raise AssertionError(f"held-block count {len(self._holders)} != {len(want)} blocks in the tables")
 
