@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The worker scheduler's own time per decode step at R running requests (no model, no daemon).
 
-The real scheduler drives R decoding requests (prompts of 64-192 tokens, block size 16) against
-an in-process pool (``run_step``, not timed). Timed per step: ``schedule()`` plus ``update()``, the
+The real scheduler drives R decoding requests (scripts/step_messages.py's StepDriver: prompts
+of 64-192 tokens, block size 16) against an in-process pool (``run_step``, not timed). Timed per step: ``schedule()`` plus ``update()``, the
 work a worker does on the CPU before and after every forward pass. Two ways of knowing how many
 distinct blocks the running requests hold take turns in blocks of steps in the same run:
 
@@ -23,21 +23,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
-import time
 from types import MethodType
+
+from step_messages import BS, StepDriver
 
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
 from kvpool.worker.request import Request
 from kvpool.worker.running_set import RunningSet
-from kvpool.worker.sampler import SamplingParams
-from kvpool.worker.scheduler import Output, Scheduler
+from kvpool.worker.scheduler import Scheduler
 from kvpool.worker.scheduling_policy import admission_room
 from kvpool.worker.startup import freeze_start_up_heap
 
-BS = 16
 MODES = ("counted", "walked")
 
 
@@ -63,38 +61,17 @@ def walk_every_table(sched: Scheduler) -> None:
     sched._room = MethodType(room, sched)
 
 
-class Driver:
-    def __init__(self, num_reqs: int, steps: int, walk: bool, seed: int) -> None:
-        rng = random.Random(seed)
-        prompts = [[rng.randrange(2, 30000) for _ in range(rng.randint(64, 192))] for _ in range(num_reqs)]
-        num_blocks = num_reqs * (192 + steps + 2 * BS) // BS + 64  # every request's growth fits: no preemption
-        self.pool = Pool(num_blocks, BS)
-        self.sched = Scheduler(BS, num_blocks, num_reqs, 1 << 16)
-        if walk:
-            walk_every_table(self.sched)
-        params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
-        for i, p in enumerate(prompts):
-            self.sched.add(Request(i, f"c{i}", 0, p, len(p), params, i, BS))
-        self.times: list[float] = []
-        while self.sched.waiting or any(r.num_remaining > 1 for r in self.sched.running):
-            self.step(timed=False)  # admissions and prefill
-
-    def step(self, timed: bool = True) -> None:
-        sched = self.sched
-        t0 = time.thread_time()
-        plan = sched.schedule()
-        t1 = time.thread_time()
-        results = run_step(self.pool, "bench", plan.ops) if plan.ops else []
-        t2 = time.thread_time()
-        batch = plan.batch(results)
-        sched.update(plan, results, [Output(r, 7) for r, s in zip(batch.reqs, batch.seqs) if s.sample])
-        t3 = time.thread_time()
-        if timed:
-            self.times.append((t1 - t0) + (t3 - t2))
+def driver(num_reqs: int, steps: int, walk: bool, seed: int) -> StepDriver:
+    """R decoding requests under the real scheduler (scripts/step_messages.py) on an in-process
+    pool large enough for every request's growth over ``steps`` (no preemption)."""
+    num_blocks = num_reqs * (192 + steps + 2 * BS) // BS + 64
+    pool = Pool(num_blocks, BS)
+    return StepDriver(num_reqs, False, lambda ops: run_step(pool, "bench", ops), seed, num_blocks=num_blocks,
+                      setup=walk_every_table if walk else None)
 
 
 def measure(num_reqs: int, steps: int, block: int, seed: int) -> dict:
-    drivers = {m: Driver(num_reqs, steps, m == "walked", seed) for m in MODES}
+    drivers = {m: driver(num_reqs, steps, m == "walked", seed) for m in MODES}
     freeze_start_up_heap()  # as a worker does once it is up (its imports, here the admitted requests too)
     done = 0
     while done < steps:
@@ -104,7 +81,7 @@ def measure(num_reqs: int, steps: int, block: int, seed: int) -> dict:
         done += block
     out: dict = {"running": num_reqs, "steps": steps}
     for m, d in drivers.items():
-        xs = sorted(d.times)
+        xs = sorted(d.sched_times)
         out[m] = {"p50_us": round(1e6 * statistics.median(xs), 1), "p99_us": round(1e6 * xs[int(0.99 * (len(xs) - 1))], 1)}
     blocks = [sum(len(r.block_table) for r in d.sched.running) for d in drivers.values()]
     if blocks[0] != blocks[1] or drivers["counted"].sched.stats.peak_blocks != drivers["walked"].sched.stats.peak_blocks:

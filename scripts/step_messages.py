@@ -65,15 +65,19 @@ class StepDriver:
     reaches its end samples token 7), stepping against ``do_step``."""
 
     def __init__(self, num_reqs: int, dense: bool, do_step: Callable[[list[dict]], list[dict]], seed: int,
-                 pause_s: float = 0.0):
+                 pause_s: float = 0.0, num_blocks: int = 8192,
+                 setup: Callable[[Scheduler], None] | None = None):
         rng = random.Random(seed)
-        self.sched, self.dense, self.do_step = Scheduler(BS, 8192, num_reqs, 4096), dense, do_step
+        self.sched, self.dense, self.do_step = Scheduler(BS, num_blocks, num_reqs, 4096), dense, do_step
+        if setup is not None:
+            setup(self.sched)  # before any request is added (scripts/bench_sched.py's baseline)
         self.pause_s = pause_s  # slept before each timed step's sub-ops (not timed)
         params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
         for i in range(num_reqs):
             n = rng.randint(64, 192)
             self.sched.add(Request(i, f"c{i}", 0, [rng.randrange(2, 30000) for _ in range(n)], n, params, i, BS))
         self.times: list[float] = []
+        self.sched_times: list[float] = []  # the thread's CPU in schedule() + update() of each timed step
         self.sub_ops = 0
         while self.sched.waiting or any(r.num_remaining > 1 for r in self.sched.running):
             self.step(timed=False)  # admissions and prefill
@@ -83,7 +87,9 @@ class StepDriver:
         if self.dense:
             for r in sched.running:
                 r.must_sync = True  # as before sparse steps: every running request, every step
+        c0 = time.thread_time()
         plan = sched.schedule()
+        c1 = time.thread_time()
         if self.pause_s and timed:
             time.sleep(self.pause_s)
         t0 = time.perf_counter()
@@ -91,8 +97,11 @@ class StepDriver:
         if timed:  # a stepper may say how much of its call was not what is measured
             self.times.append(time.perf_counter() - t0 - getattr(self.do_step, "untimed_s", 0.0))
             self.sub_ops += len(plan.ops)
+        c2 = time.thread_time()
         batch = plan.batch(results)
         sched.update(plan, results, [Output(r, 7) for r, s in zip(batch.reqs, batch.seqs) if s.sample])
+        if timed:
+            self.sched_times.append(c1 - c0 + time.thread_time() - c2)
 
     def summary(self) -> dict:
         return {"sub_ops_per_step": round(self.sub_ops / len(self.times), 2),

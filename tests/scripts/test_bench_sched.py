@@ -20,7 +20,7 @@ def test_counted_and_walked_schedule_the_same_steps_and_agree_on_the_peak():
 
 
 def test_the_walked_baseline_really_walks_and_counts_nothing(monkeypatch):
-    d = bench_sched.Driver(8, 10, walk=True, seed=1)
+    d = bench_sched.driver(8, 10, walk=True, seed=1)
     calls = []
     walked = bench_sched.walked_held
     monkeypatch.setattr(bench_sched, "walked_held", lambda running: calls.append(1) or walked(running))
