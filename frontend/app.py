@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from kvpool.frontend.errors import APIError, WorkerLost, bad_param
+from kvpool.frontend.body import read_json
+from kvpool.frontend.errors import APIError, WorkerLost
 from kvpool.frontend.generation import Delta
 from kvpool.frontend.params import parse_request
 from kvpool.frontend.responses import ResponseBuilder, usage
@@ -32,7 +33,6 @@ from kvpool.frontend.service import FrontDoor, Run
 from kvpool.shared.metrics import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
-MAX_BODY_BYTES = 16 << 20
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
@@ -42,30 +42,6 @@ def _sse(obj: dict | str) -> str:
 
 def _lost(e: WorkerLost) -> APIError:
     return APIError(503, f"{e}; the request was not finished: retry it", None, "worker_lost")
-
-
-def _too_large(size: str) -> APIError:
-    return APIError(413, f"the request body has {size} bytes; at most {MAX_BODY_BYTES}", None, "too_large")
-
-
-async def _body(request: Request) -> object:
-    """The JSON body, read no further than MAX_BODY_BYTES: a declared length above it is refused
-    before a byte is read, and a chunked body as soon as it passes it (never buffered whole)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise _too_large(declared)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise _too_large(f"more than {size}")
-        chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_param("body", f"the body is not valid JSON: {e}") from None
-    except RecursionError:  # arrays or objects nested thousands deep
-        raise bad_param("body", "the body's JSON is nested too deeply") from None
 
 
 def create_app(fd: FrontDoor) -> FastAPI:
@@ -130,7 +106,7 @@ def create_app(fd: FrontDoor) -> FastAPI:
 async def _generate(fd: FrontDoor, request: Request, chat: bool):
     endpoint = "chat" if chat else "completions"
     try:
-        req = parse_request(await _body(request), chat)
+        req = parse_request(await read_json(request), chat)
         run = await fd.start_run(req)
     except ClientDisconnect:  # the client left before its whole body arrived: nothing started
         fd.metrics.finished(endpoint, "disconnected")

@@ -27,6 +27,15 @@ class SpecialTokens:
     add_bos: bool  # prepend bos when encoding a plain prompt (add_special_tokens)
 
 
+def check_unicode(text: str) -> None:
+    """A ValueError for text that is not Unicode (a lone UTF-16 surrogate, as JSON's ``\\ud800``
+    decodes): what every tokenizer would otherwise fail on with its own obscure error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text holds a lone UTF-16 surrogate at {e.start}: not valid Unicode") from None
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens: 0 pad, 1 eos ``</s>``, 2 bos ``<s>``, 3..258 the 256 byte values.
 
@@ -45,6 +54,7 @@ class ByteTokenizer:
         self.chat_template = BYTE_CHAT_TEMPLATE
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        check_unicode(text)
         ids = [2] if add_special_tokens else []
         for part in self._SPECIAL.split(text):
             if part == "<s>":
@@ -120,6 +130,7 @@ class HFTokenizer:
         return data if isinstance(data, dict) else {}
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        check_unicode(text)
         ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
         bos = self.special.bos_id
         if add_special_tokens and self.special.add_bos and bos is not None and ids[:1] != [bos]:

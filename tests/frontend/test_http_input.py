@@ -14,7 +14,7 @@ import httpx
 import pytest
 from helpers.frontend import Stack
 
-from kvpool.frontend.app import MAX_BODY_BYTES
+from kvpool.frontend.body import MAX_BODY_BYTES
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +90,42 @@ def test_unknown_paths_and_methods_answer_in_openai_shape(door, method, path, st
     err = r.json()["error"]
     assert path in err["message"] and err["type"] in ("not_found_error", "invalid_request_error") and err["code"]
     served(door)
+
+
+# A lone UTF-16 surrogate, as JSON writes it (an escape) and as raw bytes (ED A0 80 is U+D800
+# written as if it were UTF-8): neither is Unicode text, so no tokenizer or encoder can take it.
+SURROGATE_BODIES = {
+    "prompt": b'{"model": "tiny", "prompt": "hi \\ud800 there"}',
+    "prompt-in-a-batch": b'{"model": "tiny", "prompt": ["ok", "\\udfff"]}',
+    "streamed-prompt": b'{"model": "tiny", "prompt": "\\ud83d", "stream": true}',
+    "cache_salt": b'{"model": "tiny", "prompt": "hi", "cache_salt": "\\udc00"}',
+    "stop": b'{"model": "tiny", "prompt": "hi", "stop": ["\\ud800"]}',
+    "model": b'{"model": "\\ud800", "prompt": "hi"}',
+}
+
+
+@pytest.mark.parametrize("field", sorted(SURROGATE_BODIES))
+def test_a_lone_surrogate_escape_is_a_400_naming_the_field(door, field):
+    r = httpx.post(door.url + "/v1/completions", content=SURROGATE_BODIES[field],
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == {"prompt-in-a-batch": "prompt", "streamed-prompt": "prompt"}.get(field, field)
+    assert "surrogate" in err["message"]
+    served(door)
+
+
+def test_surrogates_in_chat_content_and_raw_invalid_utf8_bytes_are_400s(door):
+    chat = b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'
+    r = httpx.post(door.url + "/v1/chat/completions", content=chat, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    raw = b'{"model": "tiny", "prompt": "\xed\xa0\x80"}'
+    r = httpx.post(door.url + "/v1/completions", content=raw, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body" and "UTF-8" in r.json()["error"]["message"]
+    served(door)
+
+
+def test_a_surrogate_pair_is_one_valid_character_and_passes_the_text_check(door):
+    body = b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 1}'  # U+1F600, written as a pair
+    r = httpx.post(door.url + "/v1/completions", content=body, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text  # past every input check

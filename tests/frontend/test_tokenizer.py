@@ -93,3 +93,10 @@ def test_incremental_detokenizer_releases_invalid_bytes_eventually() -> None:
     bad = [0xE6 + 3] * 8  # lead bytes that never complete
     out = "".join(detok.add(t) for t in bad) + detok.flush()
     assert out.count("\ufffd") == 8
+
+
+def test_both_tokenizers_refuse_a_lone_surrogate_with_a_value_error(tok_dir: str) -> None:
+    for tok in (ByteTokenizer(), HFTokenizer(tok_dir)):
+        with pytest.raises(ValueError, match="surrogate"):
+            tok.encode("ok \ud800")
+        assert tok.decode(tok.encode("ok \U0001f600")) == "ok \U0001f600"
