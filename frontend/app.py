@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from kvpool.frontend.body import read_json
+from kvpool.frontend.auth import APIKeyMiddleware
+from kvpool.frontend.body import BODY_TIMEOUT_S, read_json
 from kvpool.frontend.errors import APIError, WorkerLost
 from kvpool.frontend.generation import Delta
 from kvpool.frontend.params import parse_request
@@ -44,7 +45,7 @@ def _lost(e: WorkerLost) -> APIError:
     return APIError(503, f"{e}; the request was not finished: retry it", None, "worker_lost")
 
 
-def create_app(fd: FrontDoor) -> FastAPI:
+def create_app(fd: FrontDoor, *, api_keys: tuple[str, ...] = (), body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await fd.start()
@@ -55,6 +56,9 @@ def create_app(fd: FrontDoor) -> FastAPI:
 
     app = FastAPI(title="kvpool front door", lifespan=lifespan)
     app.state.frontdoor = fd
+    app.state.body_timeout_s = body_timeout_s
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=api_keys)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -106,7 +110,7 @@ def create_app(fd: FrontDoor) -> FastAPI:
 async def _generate(fd: FrontDoor, request: Request, chat: bool):
     endpoint = "chat" if chat else "completions"
     try:
-        req = parse_request(await read_json(request), chat)
+        req = parse_request(await read_json(request, request.app.state.body_timeout_s), chat)
         run = await fd.start_run(req)
     except ClientDisconnect:  # the client left before its whole body arrived: nothing started
         fd.metrics.finished(endpoint, "disconnected")
