@@ -31,6 +31,7 @@ from kvpool.frontend.generation import Delta
 from kvpool.frontend.params import parse_request
 from kvpool.frontend.responses import ResponseBuilder, usage
 from kvpool.frontend.service import FrontDoor, Run
+from kvpool.frontend.tokenize_api import add_utility_routes
 from kvpool.shared.metrics import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,8 @@ def create_app(fd: FrontDoor, *, api_keys: tuple[str, ...] = (), body_timeout_s:
     async def metrics() -> PlainTextResponse:
         running = {w.name: w.link.running for w in fd.directory.workers.values()}
         return PlainTextResponse(fd.metrics.render(fd.router, running), media_type=CONTENT_TYPE)
+
+    add_utility_routes(app, fd)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -55,7 +55,8 @@ class APIKeyMiddleware:
             return
         body = json.dumps({"error": {
             "message": "Unauthorized: send the API key as 'Authorization: Bearer KEY'",
-            "type": "authentication_error", "param": None, "code": 401}}).encode()
+            "type": "authentication_error", "param": None, "code": 401,
+            "reason": "unauthorized"}}).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b"Bearer")]})

@@ -82,7 +82,7 @@ def test_a_body_that_trickles_gets_a_408(door):
     answer = closed_by_server(s)
     s.close()
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
-    assert b'"code":"body_timeout"' in answer.replace(b" ", b"")
+    assert b'"reason":"body_timeout"' in answer.replace(b" ", b"")
     served(door)
 
 
