@@ -34,7 +34,9 @@ from typing import Any
 
 import msgpack
 
-from kvpool.shared.bounded import DuplicateKey as DuplicateKey  # re-exported: callers catch them here
+from kvpool.shared.bounded import (
+    DuplicateKey as DuplicateKey,  # re-exported: callers catch them here
+)
 from kvpool.shared.bounded import TooComplex as TooComplex
 from kvpool.shared.bounded import check_envelope_keys, unpack_counted
 from kvpool.shared.hashing import HASH_BYTES
