@@ -92,7 +92,7 @@ def worker_service_options(f):
 @click.option("--no-overlap", is_flag=True, help="Wait for the manager before each forward pass "
               "(default: send step N+1 while step N computes).")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--threads", default=0, help="torch CPU threads (0: torch's default).")
+@click.option("--threads", default=0, help="torch CPU threads (0: the usable cores less one, at least 1).")
 @click.option("--tp-size", default=1, show_default=True,
               help="Tensor-parallel ranks of this pool; without --tp-rank, start them all here.")
 @click.option("--tp-rank", default=None, type=int, help="This process's rank (0 runs the scheduler).")
@@ -130,8 +130,9 @@ def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: s
 
     setup_logging(cfg.log_level, cfg.json_logs)
     logging.getLogger(__name__).info("config: %s", summary(cfg, source))
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    from kvpool.worker.config import resolve_threads
+
+    torch.set_num_threads(resolve_threads(cfg.threads, cfg.tp_size))
     _serve_rank(cfg, cfg.manager.split(","), cfg.endpoint or default_worker_endpoint(cfg.pool), tp_master, tp_timeout,
                 replace)
 

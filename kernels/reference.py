@@ -54,7 +54,10 @@ def _gather_kv(
     # index_select copies whole blocks; advanced indexing (kv_cache[:, blocks]) is ~5x slower.
     kv = kv_cache.index_select(1, blocks)
     kv = kv.view(2, batch, num_blocks * block_size, num_kv_heads, head_size)
-    kv = kv.float().transpose(2, 3).contiguous()
+    # A strided view, not a copy: SDPA's CPU kernel reads K/V by their strides, and a
+    # .contiguous() here (a second 2 x batch x context copy per layer) made decode attention
+    # 2.3x slower on CPU (scripts/bench_kernels.py --cpu).
+    kv = kv.float().transpose(2, 3)
     return kv[0], kv[1]
 
 

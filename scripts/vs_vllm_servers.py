@@ -1,0 +1,171 @@
+"""The checkpoint and the two servers of scripts/bench_vs_vllm.py, and their CPU time from /proc."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 512, 8, 8, 4, 1536
+VOCAB = 2048  # the tokenizer's target size; the model takes the trained tokenizer's actual size
+BLOCK_SIZE, KV_BYTES, MAX_MODEL_LEN = 32, 1 << 30, 1024
+KVPOOL_CLI = [sys.executable, "-c", "import sys; from kvpool.cli.main import cli; sys.exit(cli())"]
+
+
+def _corpus() -> list[str]:
+    """Training text for the tokenizer: this repository's prose and code (deterministic)."""
+    root = Path(__file__).resolve().parents[1]
+    files = sorted([*root.glob("*.md"), *root.glob("docs/*.md"), *root.glob("worker/*.py")])
+    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+
+
+def build_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A random-weight Llama (float32) and a byte-level BPE tokenizer, saved as transformers does;
+    kept when ``path`` already holds one."""
+    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+        return path
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "model_max_length": MAX_MODEL_LEN}))
+    config = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_MODEL_LEN,
+        bos_token_id=0, eos_token_id=1, torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():  # unit-scale activations: transformers' 0.02 init ties every logit
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tree_cpu_seconds(roots: list[int]) -> float:
+    """utime + stime of the processes ``roots`` and every live descendant (/proc, clock ticks)."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields_ = raw[raw.rindex(")") + 2:].split()  # after "(comm)": state, ppid, ...
+        stats[int(entry)] = fields_
+        children.setdefault(int(fields_[1]), []).append(int(entry))
+    total, todo, seen = 0, list(roots), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen or pid not in stats:
+            continue
+        seen.add(pid)
+        total += int(stats[pid][11]) + int(stats[pid][12])  # utime, stime
+        todo.extend(children.get(pid, []))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Server:
+    name: str
+    port: int
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+    model: str = ""
+    ready_s: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def spawn(self, cmd: list[str], log: Path, env: dict | None = None) -> None:
+        with open(log, "wb") as f:
+            self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                               env={**os.environ, **(env or {})}, start_new_session=True))
+        self.logs.append(log)
+
+    def cpu_seconds(self) -> float:
+        return tree_cpu_seconds([p.pid for p in self.procs])
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        """Until /v1/models names a model (then taken as the served name)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for p, log in zip(self.procs, self.logs):
+                if p.poll() is not None:
+                    raise RuntimeError(f"{self.name}: {log.name} exited {p.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=2) as r:
+                    data = json.loads(r.read())["data"]
+                if data:
+                    self.model, self.ready_s = data[0]["id"], time.monotonic() - self.started
+                    return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s")
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):  # the front door first, the manager last
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in reversed(self.procs):
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def start_vllm(venv: str, checkpoint: str, tmp: Path, compile_: bool = False) -> Server:
+    """`vllm serve` with 1 GiB of KV (VLLM_CPU_KVCACHE_SPACE), block size 32, prefix caching;
+    ``--enforce-eager`` (no torch.compile or graphs) unless ``compile_``."""
+    s = Server("vllm", _free_port())
+    cmd = [str(Path(venv) / "bin" / "vllm"), "serve", checkpoint, "--host", "127.0.0.1", "--port", str(s.port),
+           "--dtype", "float32", "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE),
+           "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "bench", "--disable-log-stats"]
+    if not compile_:
+        cmd.append("--enforce-eager")
+    s.spawn(cmd, tmp / "vllm.log", {"VLLM_CPU_KVCACHE_SPACE": str(KV_BYTES >> 30)})
+    return s
+
+
+def start_kvpool(checkpoint: str, tmp: Path, threads: int = 0) -> Server:
+    """A manager, `kvpool worker --model DIR --kv-cache-memory 1GiB` and `kvpool serve`."""
+    s = Server("kvpool", _free_port())
+    manager = f"ipc://{tmp}/manager.sock"
+    s.spawn([*KVPOOL_CLI, "manager", "--manager", manager], tmp / "kvpool-manager.log")
+    s.spawn([*KVPOOL_CLI, "worker", "--manager", manager, "--pool", "bench", "--endpoint", f"ipc://{tmp}/worker.sock",
+             "--model", checkpoint, "--dtype", "float32", "--device", "cpu", "--block-size", str(BLOCK_SIZE),
+             "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", str(KV_BYTES), "--threads", str(threads)],
+            tmp / "kvpool-worker.log")
+    s.spawn([*KVPOOL_CLI, "serve", "--manager", manager, "--host", "127.0.0.1", "--port", str(s.port)],
+            tmp / "kvpool-serve.log")
+    return s
