@@ -44,6 +44,8 @@ class AttentionMetadata:
     softcap: float | None = None  # None = off; else logits become c * tanh(logits / c)
     # (num_blocks, block_size) of caches whose block ids were checked: once per step, not per layer
     _tables_checked: set = field(default_factory=set, init=False, repr=False, compare=False)
+    # the torch reference's per-step plans (reference._plan), shared by the layers of a step
+    _ref_plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_fields(self)

@@ -12,6 +12,8 @@ sequences, of queries) so the fp32 temporaries stay bounded.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -29,10 +31,13 @@ def reshape_and_cache_ref(
     check_cache_write(key, value, kv_cache, slot_mapping)
     block_size = kv_cache.shape[2]
     valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
+    if kv_cache.device.type == "cpu" and bool(valid.all()):  # the usual step: no skipped slots
+        slots = slot_mapping
+    else:
+        slots, key, value = slot_mapping[valid], key[valid], value[valid]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[0, blocks, offsets] = key[valid]
-    kv_cache[1, blocks, offsets] = value[valid]
+    kv_cache[0, blocks, offsets] = key
+    kv_cache[1, blocks, offsets] = value
 
 
 def copy_blocks_ref(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
@@ -45,12 +50,10 @@ def copy_blocks_ref(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) 
 
 
 def _gather_kv(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int
+    kv_cache: torch.Tensor, blocks: torch.Tensor, batch: int, num_blocks: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # block_table: [batch, >= num_blocks] -> k, v: [batch, kv_heads, num_blocks * block_size, head]
-    batch = block_table.shape[0]
+    # blocks: [batch * num_blocks] long -> k, v: [batch, kv_heads, num_blocks * block_size, head]
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    blocks = block_table[:, :num_blocks].flatten().to(torch.long)
     # index_select copies whole blocks; advanced indexing (kv_cache[:, blocks]) is ~5x slower.
     kv = kv_cache.index_select(1, blocks)
     kv = kv.view(2, batch, num_blocks * block_size, num_kv_heads, head_size)
@@ -61,33 +64,31 @@ def _gather_kv(
     return kv[0], kv[1]
 
 
-def _attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    kv_len: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-) -> torch.Tensor:
-    """Masked attention of absolute-positioned queries over a padded contiguous K/V.
+def _mask(q_pos: torch.Tensor, kv_len: torch.Tensor, kv: int, group: int, sliding_window: int | None) -> torch.Tensor:
+    """[batch, 1, group * m, kv] bool: key position p is visible to the query at q_pos when
+    p <= q_pos, p < kv_len (padding) and, with a window, p > q_pos - window."""
+    batch, m = q_pos.shape
+    k_pos = torch.arange(kv, device=q_pos.device)
+    allowed = (k_pos <= q_pos[:, :, None]) & (k_pos < kv_len[:, None, None])  # [batch, m, kv]
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos[:, :, None] - sliding_window
+    return allowed[:, None].expand(batch, group, m, -1).reshape(batch, 1, group * m, -1)
 
-    q: [batch, m, num_heads, head] fp32; k, v: [batch, num_kv_heads, kv, head] fp32;
-    q_pos: [batch, m] absolute positions; kv_len: [batch]. Returns [batch, m, num_heads, head].
-    The query heads of a kv head's group are folded into the query length (rows (g, m)), so
-    GQA needs neither repeated K/V nor enable_gqa.
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """Masked attention of queries over a padded K/V (``allowed`` from _mask).
+
+    q: [batch, m, num_heads, head] fp32; k, v: [batch, num_kv_heads, kv, head] fp32 (strided
+    views are fine). Returns [batch, m, num_heads, head]. The query heads of a kv head's group
+    are folded into the query length (rows (g, m)), so GQA needs neither repeated K/V nor
+    enable_gqa.
     """
     batch, m, num_heads, head_size = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     qf = q.view(batch, m, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
     qf = qf.reshape(batch, num_kv_heads, group * m, head_size)
-    k_pos = torch.arange(k.shape[2], device=q.device)
-    allowed = (k_pos <= q_pos[:, :, None]) & (k_pos < kv_len[:, None, None])  # [batch, m, kv]
-    if sliding_window is not None:
-        allowed &= k_pos > q_pos[:, :, None] - sliding_window
-    allowed = allowed[:, None].expand(batch, group, m, -1).reshape(batch, 1, group * m, -1)
     if softcap is None:
         o = F.scaled_dot_product_attention(qf, k, v, attn_mask=allowed, scale=scale)
     else:
@@ -97,22 +98,70 @@ def _attend(
     return o.reshape(batch, m, num_heads, head_size)
 
 
-def _decode_batch(query, kv_cache, seq_lens, block_table, rows, tokens, scale, window, softcap):
-    # All sequences in `rows` have q_len 1; token i of `tokens` belongs to row i.
-    block_size = kv_cache.shape[2]
-    lens = seq_lens[rows].to(torch.long)
-    num_blocks = -(-int(lens.max()) // block_size)
-    k, v = _gather_kv(kv_cache, block_table[rows], num_blocks)
-    q = query[tokens].float().unsqueeze(1)  # [n, 1, num_heads, head]
-    out = _attend(q, k, v, (lens - 1)[:, None], lens, scale, window, softcap)
-    return out.squeeze(1)
+@dataclass(frozen=True)
+class _DecodeChunk:
+    tokens: torch.Tensor  # [n] long: the query row of each decode sequence of the chunk
+    blocks: torch.Tensor  # [n * num_blocks] long: their block tables, padding as the null block
+    num_blocks: int
+    allowed: torch.Tensor  # [n, 1, group, num_blocks * block_size] bool
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every layer of a step shares: the batch split into decode chunks and prefills, with
+    block lists and masks. Built once per (metadata, cache shape, heads, window); the layers of
+    a step then only gather, attend and write."""
+
+    decode: list[_DecodeChunk]
+    prefill: list[tuple[int, int, int, torch.Tensor]]  # (start, q_len, seq_len, table row)
+
+
+def _plan(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> _Plan:
+    block_size, (num_kv_heads, head_size) = kv_cache.shape[2], kv_cache.shape[3:]
+    num_heads = query.shape[1]
+    key = (block_size, num_heads, num_kv_heads, head_size, meta.sliding_window, str(query.device))
+    cached = meta._ref_plans.get(key)
+    if cached is not None:
+        return cached
+    qsl, seq_lens = meta.query_start_loc, meta.seq_lens
+    block_table = _without_padding(meta.block_tables, seq_lens, block_size)
+    q_lens = (qsl[1:] - qsl[:-1]).tolist()
+    starts, lens = qsl[:-1].tolist(), seq_lens.tolist()
+    decode = [s for s, n in enumerate(q_lens) if n == 1]
+    chunks = []
+    if decode:
+        # Per decode row: its padded K and V plus one score per query head and position.
+        per_row = max(lens[s] for s in decode) * (2 * num_kv_heads * head_size + num_heads)
+        step = max(1, _MAX_TEMP_ELEMS // per_row)
+        for i in range(0, len(decode), step):
+            rows = decode[i : i + step]
+            idx = torch.tensor(rows, device=query.device)
+            n_blocks = -(-max(lens[s] for s in rows) // block_size)
+            kv_len = seq_lens[idx].to(torch.long)
+            allowed = _mask((kv_len - 1)[:, None], kv_len, n_blocks * block_size, num_heads // num_kv_heads,
+                            meta.sliding_window)
+            chunks.append(_DecodeChunk(qsl[idx].to(torch.long), block_table[idx, :n_blocks].flatten().to(torch.long),
+                                       n_blocks, allowed))
+    prefill = [(starts[s], n, lens[s], block_table[s]) for s, n in enumerate(q_lens) if n > 1]
+    plan = _Plan(chunks, prefill)
+    meta._ref_plans[key] = plan
+    return plan
+
+
+def _decode_chunk(query: torch.Tensor, kv_cache: torch.Tensor, c: _DecodeChunk, scale: float,
+                  softcap: float | None) -> torch.Tensor:
+    # Every sequence of the chunk has q_len 1; returns [n, num_heads, head] fp32.
+    k, v = _gather_kv(kv_cache, c.blocks, c.tokens.shape[0], c.num_blocks)
+    q = query.index_select(0, c.tokens).float().unsqueeze(1)  # [n, 1, num_heads, head]
+    return _attend(q, k, v, c.allowed, scale, softcap).squeeze(1)
 
 
 def _prefill_one(query, kv_cache, seq_len, q_start, q_len, table_row, scale, window, softcap):
     # One sequence's query of q_len tokens; returns [q_len, num_heads, head] fp32.
     block_size = kv_cache.shape[2]
-    k, v = _gather_kv(kv_cache, table_row[None], -(-seq_len // block_size))
-    num_heads = query.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    k, v = _gather_kv(kv_cache, table_row[:num_blocks].to(torch.long), 1, num_blocks)
+    num_heads, group = query.shape[1], query.shape[1] // kv_cache.shape[3]
     chunk = max(1, _MAX_TEMP_ELEMS // (num_heads * k.shape[2]))
     kv_len = torch.tensor([seq_len], device=query.device)
     outs = []
@@ -120,7 +169,8 @@ def _prefill_one(query, kv_cache, seq_len, q_start, q_len, table_row, scale, win
         c1 = min(q_len, c0 + chunk)
         q = query[q_start + c0 : q_start + c1].float()[None]
         q_pos = torch.arange(seq_len - q_len + c0, seq_len - q_len + c1, device=query.device)
-        outs.append(_attend(q, k, v, q_pos[None], kv_len, scale, window, softcap)[0])
+        allowed = _mask(q_pos[None], kv_len, k.shape[2], group, window)
+        outs.append(_attend(q, k, v, allowed, scale, softcap)[0])
     return torch.cat(outs)
 
 
@@ -143,31 +193,11 @@ def paged_attention_ref(
     if out is None:
         out = torch.empty_like(query)
     check_attention(query, kv_cache, meta, out)
-    query_start_loc, seq_lens = meta.query_start_loc, meta.seq_lens
-    block_table = _without_padding(meta.block_tables, seq_lens, kv_cache.shape[2])
-    scale, sliding_window, softcap = meta.scale, meta.sliding_window, meta.softcap
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-    starts = query_start_loc[:-1].tolist()
-    seq_len_list = seq_lens.tolist()
-    decode = [s for s, n in enumerate(q_lens) if n == 1]
-    if decode:
-        # Per decode row: its padded K and V plus one score per query head and position.
-        num_heads, (num_kv_heads, head_size) = query.shape[1], kv_cache.shape[3:]
-        per_row = max(seq_len_list[s] for s in decode) * (2 * num_kv_heads * head_size + num_heads)
-        step = max(1, _MAX_TEMP_ELEMS // per_row)
-        for i in range(0, len(decode), step):
-            rows = torch.tensor(decode[i : i + step], device=query.device)
-            tokens = query_start_loc[rows].to(torch.long)
-            res = _decode_batch(
-                query, kv_cache, seq_lens, block_table, rows, tokens, scale, sliding_window, softcap
-            )
-            out[tokens] = res.to(out.dtype)
-    for s, n in enumerate(q_lens):
-        if n <= 1:
-            continue
-        res = _prefill_one(
-            query, kv_cache, seq_len_list[s], starts[s], n, block_table[s], scale,
-            sliding_window, softcap,
-        )
-        out[starts[s] : starts[s] + n] = res.to(out.dtype)
+    plan = _plan(query, kv_cache, meta)
+    for c in plan.decode:
+        res = _decode_chunk(query, kv_cache, c, meta.scale, meta.softcap)
+        out.index_copy_(0, c.tokens, res.to(out.dtype))
+    for start, n, seq_len, row in plan.prefill:
+        res = _prefill_one(query, kv_cache, seq_len, start, n, row, meta.scale, meta.sliding_window, meta.softcap)
+        out[start : start + n] = res.to(out.dtype)
     return out

@@ -74,11 +74,21 @@ class RotaryEmbedding(nn.Module):
                             rope_inv_freq(head_size, theta, scaling))
         self.register_buffer("cos", freqs.cos().float(), persistent=False)  # [max_pos, D/2]
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, 1, D/2] of ``positions``; every q and k of a forward pass passes the same
+        positions tensor, so they are looked up once a step, not twice a layer."""
+        last = self._last
+        if last is not None and last[0] is positions:
+            return last[1], last[2]
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        self._last = (positions, cos, sin)
+        return cos, sin
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, D]; positions: [T]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self._tables(positions)
         x1, x2 = x.float().chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.to(x.dtype)
