@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_vllm_servers import Server, build_checkpoint, start_kvpool, start_vllm  # noqa: E402
+from vs_vllm_servers import Server, build_checkpoint, start_kvpool, start_vllm, wait_all_ready  # noqa: E402
 
 WORKLOADS = {
     "random": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "64",
@@ -141,8 +141,8 @@ def main() -> None:
         servers = [start_vllm(args.vllm_venv, args.checkpoint, tmp, compile_=args.vllm_compile),
                    start_kvpool(args.checkpoint, tmp, args.kvpool_threads)]
         try:
+            wait_all_ready(servers)
             for s in servers:
-                s.wait_ready()
                 print(f"{s.name}: ready in {s.ready_s:.1f} s, model {s.model!r}", file=sys.stderr)
                 run_one(vllm_bin, s, argparse.Namespace(**{**vars(args), "num_prompts": 8}), workloads[0], tmp,
                         f"warm-{s.name}")
@@ -161,6 +161,8 @@ def main() -> None:
     results = {w: {name: median_figures(rs) for name, rs in by.items()} for w, by in runs.items()}
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(build_table(results, args.rounds, load))
+    print("start-up until /v1/models answers: " + ", ".join(f"{s.name} {s.ready_s:.1f} s" for s in servers)
+          + ("" if args.vllm_compile else "; vLLM ran with --enforce-eager (no torch.compile)"))
     if args.json:
         Path(args.json).write_text(json.dumps({"medians": results, "runs": runs, "load": load}, indent=1))
 

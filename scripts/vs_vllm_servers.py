@@ -114,23 +114,23 @@ class Server:
     def cpu_seconds(self) -> float:
         return tree_cpu_seconds([p.pid for p in self.procs])
 
+    def poll_ready(self) -> bool:
+        """Whether /v1/models names a model yet (then taken as the served name, and the time
+        since start as ``ready_s``); raises when a process of the server exited."""
+        for p, log in zip(self.procs, self.logs):
+            if p.poll() is not None:
+                raise RuntimeError(f"{self.name}: {log.name} exited {p.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=2) as r:
+                data = json.loads(r.read())["data"]
+        except OSError:
+            return False
+        if data:
+            self.model, self.ready_s = data[0]["id"], time.monotonic() - self.started
+        return bool(data)
+
     def wait_ready(self, timeout: float = 900.0) -> None:
-        """Until /v1/models names a model (then taken as the served name)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for p, log in zip(self.procs, self.logs):
-                if p.poll() is not None:
-                    raise RuntimeError(f"{self.name}: {log.name} exited {p.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=2) as r:
-                    data = json.loads(r.read())["data"]
-                if data:
-                    self.model, self.ready_s = data[0]["id"], time.monotonic() - self.started
-                    return
-            except OSError:
-                pass
-            time.sleep(1.0)
-        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s")
+        wait_all_ready([self], timeout)
 
     def stop(self) -> None:
         for p in reversed(self.procs):  # the front door first, the manager last
@@ -142,6 +142,17 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def wait_all_ready(servers: list[Server], timeout: float = 900.0) -> None:
+    """Until every server answers; each one's ``ready_s`` is its own start-up time (they start
+    together and are polled together)."""
+    waiting, deadline = list(servers), time.monotonic() + timeout
+    while waiting:
+        waiting = [s for s in waiting if not s.poll_ready()]
+        if waiting and time.monotonic() > deadline:
+            raise RuntimeError(f"{', '.join(s.name for s in waiting)} not ready after {timeout:.0f} s")
+        time.sleep(0.5 if waiting else 0)
 
 
 def start_vllm(venv: str, checkpoint: str, tmp: Path, compile_: bool = False) -> Server:
