@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+T = TypeVar("T")
 
 
 class AttentionInputError(ValueError):
@@ -51,6 +54,13 @@ class AttentionMetadata:
         _check_fields(self)
         if self.query_start_loc.device.type == "cpu":
             _check_values(self)
+
+    def derived(self, key: tuple, build: Callable[[], T]) -> T:
+        """``build()`` once per ``key`` for this batch: what a kernel path derives from the
+        metadata and every layer of the step shares (the torch reference's plan)."""
+        if key not in self._ref_plans:
+            self._ref_plans[key] = build()
+        return self._ref_plans[key]
 
     @property
     def num_seqs(self) -> int:

@@ -122,9 +122,12 @@ def _plan(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) 
     block_size, (num_kv_heads, head_size) = kv_cache.shape[2], kv_cache.shape[3:]
     num_heads = query.shape[1]
     key = (block_size, num_heads, num_kv_heads, head_size, meta.sliding_window, str(query.device))
-    cached = meta._ref_plans.get(key)
-    if cached is not None:
-        return cached
+    return meta.derived(key, lambda: _build_plan(query, block_size, num_kv_heads, head_size, meta))
+
+
+def _build_plan(query: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int,
+                meta: AttentionMetadata) -> _Plan:
+    num_heads = query.shape[1]
     qsl, seq_lens = meta.query_start_loc, meta.seq_lens
     block_table = _without_padding(meta.block_tables, seq_lens, block_size)
     q_lens = (qsl[1:] - qsl[:-1]).tolist()
@@ -145,9 +148,7 @@ def _plan(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) 
             chunks.append(_DecodeChunk(qsl[idx].to(torch.long), block_table[idx, :n_blocks].flatten().to(torch.long),
                                        n_blocks, allowed))
     prefill = [(starts[s], n, lens[s], block_table[s]) for s, n in enumerate(q_lens) if n > 1]
-    plan = _Plan(chunks, prefill)
-    meta._ref_plans[key] = plan
-    return plan
+    return _Plan(chunks, prefill)
 
 
 def _decode_chunk(query: torch.Tensor, kv_cache: torch.Tensor, c: _DecodeChunk, scale: float,

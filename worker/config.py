@@ -27,7 +27,8 @@ def default_threads(cpus: int, tp_size: int = 1) -> int:
     The spare core runs what must not wait behind the forward pass: the worker's ZeroMQ I/O
     thread and, on a small host, the manager and the front door. torch's own default (every core)
     made its OpenMP threads wait for those each step: a 2-core machine served 21 output tokens/s
-    with two threads against 95 with one (issue 25). vLLM's CPU backend reserves a core likewise.
+    with two threads against 95 with one, at five times the CPU per token. vLLM's CPU backend
+    reserves a core likewise.
     """
     if cpus < 1 or tp_size < 1:
         raise ValueError(f"need cpus >= 1 and tp_size >= 1, got {cpus} and {tp_size}")
