@@ -43,6 +43,11 @@ def allocations(admin: ManagerClient) -> int:
     return admin_call(admin, "stats")["pools"].get("chaos", {}).get("allocations", 0)
 
 
+def store_seq(port: int) -> int:
+    """The last commit (journal batch) of the test's namespace that the Redis at ``port`` holds."""
+    return int(cli(port, "GET", "kvpool:{sentinel}:seq") or 0)
+
+
 def finish(clients: list[subprocess.Popen], stop: Path) -> list[dict]:
     outs = finish_chaos_clients(clients, stop)
     # progress, not speed: a client may spend most of a loaded run waiting out the failover
@@ -73,13 +78,16 @@ def test_a_sentinel_failover_of_the_redis_master_under_load(procs, sock_dir, tmp
         if lagging:  # the replicas lose their link (pointed at a dead port): what is acknowledged now
             for port in s.replica_ports:  # never reaches them
                 cli(port, "REPLICAOF", "127.0.0.1", str(free_port()))
-            time.sleep(0.5)
+            # until the master holds commits the replicas lack (the store's own sequence, not a
+            # fixed 0.5 s that a loaded machine's clients may spend without one step)
+            replicated = max(store_seq(port) for port in s.replica_ports)
+            wait_until(lambda: store_seq(s.master_port) > replicated + 3, 60, "commits the replicas lack")
         os.kill(s.master.pid, signal.SIGKILL)  # the Redis master dies under load
         t0 = time.monotonic()
-        wait_until(lambda: s.master_addr() in s.replica_ports, 30, "Sentinel to promote a replica")
+        wait_until(lambda: s.master_addr() in s.replica_ports, 60, "Sentinel to promote a replica")
         promoted = time.monotonic() - t0
         before = allocations(admin)  # answered once the manager follows Sentinel to the new master
-        wait_until(lambda: allocations(admin) > before + 60, 60, "steps on the promoted master")
+        wait_until(lambda: allocations(admin) > before + 60, 120, "steps on the promoted master")
         served = time.monotonic() - t0
         assert d.proc.poll() is None
         outs = finish(clients, stop)
