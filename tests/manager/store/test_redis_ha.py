@@ -34,9 +34,20 @@ def admin_call(admin: ManagerClient, op: str) -> dict:
     raise AssertionError(f"{op}: the manager kept starting over")
 
 
-def all_registered(admin: ManagerClient, n: int) -> bool:
-    """Every chaos client has a session and the pool has seen steps."""
-    return len(admin_call(admin, "sessions")["sessions"]) > n and allocations(admin) > 20 * n
+def all_registered(admin: ManagerClient, n: int):
+    """A condition for wait_until: every one of the ``n`` chaos clients has been seen holding
+    requests (it registered and steps: a client still registering when its state is lost
+    never held anything, and rightly is never told) and the pool has seen steps. A session
+    alone is not enough: on a loaded machine a client may stay between hello and register."""
+    stepping: set[str] = set()
+
+    def ready() -> bool:
+        for row in admin_call(admin, "sessions")["sessions"]:
+            if str(row["identity"]).startswith("chaos-") and row["requests"] > 0:
+                stepping.add(row["identity"])
+        return len(stepping) == n and allocations(admin) > 20 * n
+
+    return ready
 
 
 def allocations(admin: ManagerClient) -> int:
@@ -74,7 +85,7 @@ def test_a_sentinel_failover_of_the_redis_master_under_load(procs, sock_dir, tmp
     clients = chaos_clients(procs, d.endpoint, stop, 3, "1")
     admin = ManagerClient(d.endpoint, role="admin", identity="admin", timeout_s=0.5, failover_s=60)
     try:
-        wait_until(lambda: all_registered(admin, 3), 60, "the clients")
+        wait_until(all_registered(admin, 3), 120, "every client to step")
         if lagging:  # the replicas lose their link (pointed at a dead port): what is acknowledged now
             for port in s.replica_ports:  # never reaches them
                 cli(port, "REPLICAOF", "127.0.0.1", str(free_port()))
@@ -118,7 +129,7 @@ def test_a_three_master_cluster_under_manager_kills(procs, sock_dir, tmp_path):
     clients = chaos_clients(procs, d.endpoint, stop, 2, "1")
     admin = ManagerClient(d.endpoint, role="admin", identity="admin", timeout_s=0.5, failover_s=60)
     try:
-        wait_until(lambda: all_registered(admin, 2), 60, "the clients")
+        wait_until(all_registered(admin, 2), 120, "every client to step")
         for _ in range(4):
             time.sleep(0.3)
             d.kill()
