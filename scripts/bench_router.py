@@ -40,7 +40,6 @@ from kvpool.frontend.service import FrontDoorConfig
 from kvpool.shared.protocol import ManagerError
 from kvpool.worker.manager_client import ManagerClient
 
-
 # name -> (the front door's policy, count routed prompts as hits)
 POLICIES = {"kv-aware": ("kv-aware", True), "kv-aware-located": ("kv-aware", False),
             "round-robin": ("round-robin", False), "least-loaded": ("least-loaded", False)}
