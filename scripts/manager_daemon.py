@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from kvpool.worker.manager_client import ManagerClient
+from kvpool.client.manager import ManagerClient
 
 # The package layout of pyproject.toml ([tool.setuptools.package-dir]): kvpool.X -> folder.
 PACKAGE_DIRS = {"kvpool": "api", "kvpool.cli": "cli", "kvpool.shared": "shared", "kvpool.manager": "manager",

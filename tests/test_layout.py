@@ -212,9 +212,10 @@ MAY_IMPORT = {
     "manager.store": {"shared", "manager.core", "kvpool.manager.registry", "kvpool.manager.mutations",
                       "kvpool.manager.config"},
     "manager": {"shared", "manager.core", "manager.store"},
-    "worker": {"shared", "kernels", "manager.core"},
-    "frontend": {"shared", "worker", "manager.core"},
-    "cli": {"shared", "worker", "manager.core", "frontend", *CLI_ENTRY_POINTS},
+    "client": {"shared"},
+    "worker": {"shared", "kernels", "manager.core", "client"},
+    "frontend": {"shared", "worker", "manager.core", "client"},
+    "cli": {"shared", "worker", "manager.core", "frontend", "client", *CLI_ENTRY_POINTS},
 }
 
 
