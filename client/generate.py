@@ -31,7 +31,7 @@ from kvpool.client.generate_core import GenerateCore, Stream, WorkerUnavailable
 from kvpool.shared.curve import ClientKeys
 from kvpool.shared.generate import Pong, StatsReply, TokenMessage, pack, parse_reply
 
-__all__ = ["GenerateClient", "WorkerUnavailable"]
+__all__ = ["GenerateClient", "WorkerUnavailable", "ping_once"]
 MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
@@ -180,3 +180,19 @@ class GenerateClient:
         self._monitor.close(linger=0)
         if self._own_ctx:
             self._ctx.term()
+
+
+def ping_once(endpoint: str, timeout_s: float = 1.0) -> tuple[bool, str | None]:
+    """(anything answered, the pool a pong named) for one ``ping`` with id ``probe``: no
+    monitor, no retry (worker/endpoint.py asks whether a live worker holds a path)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(GenerateCore().control("ping", "probe")[1])
+        if not sock.poll(timeout_s * 1000, zmq.POLLIN):
+            return False, None
+        reply = parse_reply(msgpack.unpackb(sock.recv(), raw=False))
+        return True, reply.pool if isinstance(reply, Pong) and isinstance(reply.pool, str) else None
+    finally:
+        sock.close(linger=0)
