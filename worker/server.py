@@ -1,6 +1,7 @@
 """The worker's generate service: a ZeroMQ ROUTER socket in front of one engine.
 
-Messages are msgpack maps (never pickle). Client -> worker::
+Messages are msgpack maps (never pickle), each a record of shared/generate.py (PROTOCOL.md
+section 12; the clients are kvpool.client's). Client -> worker::
 
     {"op": "generate", "id": str, "prompt": [int...], "cache_salt": str (optional),
      "params": {max_tokens, temperature, top_p, seed, n, ignore_eos, top_k, min_tokens,
