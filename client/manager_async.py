@@ -125,17 +125,13 @@ class AsyncManagerClient(ManagerCore):
             await self._sock.send(self.encode(op, args, sid, msg_id), zmq.NOBLOCK)
         except zmq.Again:
             self._give_up(op)
-        deadline = self._last_call + self.timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            if not await self._sock.poll(left * 1000, zmq.POLLIN):
-                break
-            try:
-                raw = await self._sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-            if (reply := self._unpack(raw, msg_id)) is not None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while (reply := self._unpack(await self._sock.recv(), msg_id)) is None:
+                    pass  # not the reply to this request (a late one, or not from a manager)
                 return reply
-        self._give_up(op)
+        except TimeoutError:
+            self._give_up(op)
 
     def _give_up(self, op: str) -> Any:
         """Drops the socket (a late reply must not answer a later call) and moves on."""

@@ -6,8 +6,9 @@
   asyncio   (after) ``AsyncManagerClient`` awaited on the event loop (client/manager_async.py)
 
 Each way runs ``--calls`` locates one after the other, then the same number from ``--concurrent``
-tasks at once (routed requests arriving together); reported: microseconds per call and the ratio
-asyncio / threads (below 1: the new path costs less).
+tasks at once (routed requests arriving together), the two ways alternating for ``--rounds``;
+reported: the median microseconds per call and the ratio asyncio / threads (below 1: the new
+path costs less).
 
     python scripts/bench_locate.py
     python scripts/bench_locate.py --calls 5000 --concurrent 32 --json
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -43,7 +45,7 @@ async def timed(call, calls: int, concurrent: int) -> float:
     return (time.perf_counter() - t0) / (calls // concurrent * concurrent)
 
 
-async def compare(endpoint: str, chain: list[bytes], calls: int, concurrent: int) -> dict:
+async def compare(endpoint: str, chain: list[bytes], calls: int, concurrent: int, rounds: int) -> dict:
     sync = ManagerClient(endpoint, role="router", timeout_s=2.0, failover_s=2.0)
     lock = asyncio.Lock()
 
@@ -56,17 +58,21 @@ async def compare(endpoint: str, chain: list[bytes], calls: int, concurrent: int
     async def direct() -> None:
         await aio.locate(chain)
 
-    out = {}
+    ways = {"threads": threads, "asyncio": direct}
+    got: dict[str, list[float]] = {}
     try:
-        for way, call in (("threads", threads), ("asyncio", direct)):
+        for call in ways.values():
             await timed(call, 200, 1)  # warm-up: hello, socket, caches
-            for tasks in (1, concurrent):
-                out[f"{way}_x{tasks}_us"] = await timed(call, calls, tasks) * 1e6
+        for _ in range(rounds):  # the two ways alternate: a burst of load elsewhere hits both
+            for way, call in ways.items():
+                for tasks in (1, concurrent):
+                    got.setdefault(f"{way}_x{tasks}_us", []).append(await timed(call, calls, tasks) * 1e6)
     finally:
         await aio.deregister()
         aio.close()
         sync.deregister()
         sync.close()
+    out = {key: statistics.median(values) for key, values in got.items()}
     for tasks in (1, concurrent):
         out[f"ratio_x{tasks}"] = out[f"asyncio_x{tasks}_us"] / out[f"threads_x{tasks}_us"]
     return out
@@ -76,6 +82,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--concurrent", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds; the median is reported")
     ap.add_argument("--blocks", type=int, default=32, help="hashes in each locate (a prompt of N blocks)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -87,7 +94,7 @@ def main() -> int:
                 w.register("p", shard_rank=0, shard_count=1, incarnation="bench", spec=SPEC,
                            available_kv_bytes=1024 * KVSpec.from_wire(SPEC).block_bytes)
                 chain = hash_blocks(list(range(args.blocks * 16)), 16)
-                out = asyncio.run(compare(endpoint, chain, args.calls, args.concurrent))
+                out = asyncio.run(compare(endpoint, chain, args.calls, args.concurrent, args.rounds))
         finally:
             daemon.terminate()
             daemon.wait(10)
