@@ -13,6 +13,7 @@ import click
 
 from kvpool.cli.common import (
     EXIT_UNHEALTHY,
+    Unreachable,
     ask,
     client_options,
     connect,
@@ -85,7 +86,12 @@ def status(ctx: click.Context, required: tuple[str, ...], endpoint: str, timeout
     unreachable, 1 refused (e.g. a standby, or a manager that lost its state store). Use it as a
     healthcheck; a worker's healthcheck adds --pool with its own pool.
     """
-    body = ask(endpoint, timeout_s, admin_key, "stats")
+    try:
+        body = ask(endpoint, timeout_s, admin_key, "stats")
+    except Unreachable as e:
+        if as_json:  # a script reading the JSON gets an answer, not an empty output
+            emit({"reachable": False, "healthy": False, "problems": [e.message]}, True, lambda: None)
+        raise
     m = body["manager"]
     problems = health_problems(body, required)
 
@@ -98,7 +104,7 @@ def status(ctx: click.Context, required: tuple[str, ...], endpoint: str, timeout
                    f"step p50 <= {m['step_latency']['p50'] * 1e6:.0f}us p99 <= {m['step_latency']['p99'] * 1e6:.0f}us")
         click.echo("  healthy" if not problems else "  UNHEALTHY: " + "; ".join(problems))
 
-    emit({**m, "healthy": not problems, "problems": problems}, as_json, human)
+    emit({**m, "reachable": True, "healthy": not problems, "problems": problems}, as_json, human)
     if problems:
         ctx.exit(EXIT_UNHEALTHY)
 

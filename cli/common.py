@@ -126,6 +126,18 @@ def _check_socket_dir(endpoint: str) -> None:
             raise click.ClickException(f"refusing to connect: {e}") from None
 
 
+def _check_socket_exists(endpoint: str) -> None:
+    """Unreachable at once when every endpoint is an ipc:// socket that does not exist: no manager
+    listens there, and waiting out --timeout would only delay saying so."""
+    paths = [ep[len("ipc://"):] for ep in endpoint.split(",")]
+    if all(ep.startswith("ipc://") for ep in endpoint.split(",")) and not any(map(os.path.exists, paths)):
+        where = paths[0] if len(paths) == 1 else ", ".join(paths)
+        missing = "its directory does not exist" if not any(os.path.isdir(os.path.dirname(p) or ".") for p in paths) \
+            else "no socket there"
+        raise Unreachable(f"cannot reach the manager: {where}: {missing} (is `kvpool manager` running, on this "
+                          "endpoint? pass --manager or set KVPOOL_MANAGER)")
+
+
 @contextmanager
 def connect(endpoint: str, timeout_s: float, admin_key: str | None) -> Iterator:
     from kvpool.client.manager import ManagerClient
@@ -134,6 +146,7 @@ def connect(endpoint: str, timeout_s: float, admin_key: str | None) -> Iterator:
     curve = ctx.meta.get(CURVE_META) if ctx is not None else None
     admin_key = _resolve_admin_key(ctx, admin_key)
     _check_socket_dir(endpoint)
+    _check_socket_exists(endpoint)
     # Without a key, an observer session: admin ops then work only on a manager without an admin key.
     role = "admin" if admin_key else "observer"
     try:

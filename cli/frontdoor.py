@@ -49,6 +49,17 @@ def _tokenizer_pairs(ctx: click.Context, param: click.Parameter, values: tuple[s
 @click.option("--insecure", is_flag=True, default=None,
               help="Connect to managers and workers on non-loopback TCP without CURVE (a trusted, isolated "
                    "network only).")
+@click.option("--api-key", envvar="KVPOOL_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on /v1 (as vllm serve --api-key); env KVPOOL_API_KEY.")
+@click.option("--api-key-file", default=None, help="A file (mode 0600) whose first line is an API key; with --api-key both are accepted.")
+@click.option("--allow-unauthenticated", is_flag=True, default=None,
+              help="Listen beyond loopback with no API key (a trusted, isolated network only).")
+@click.option("--max-connections", type=int, default=None, help="Open HTTP connections; more are closed [4096].")
+@click.option("--limit-concurrency", type=int, default=None, help="Requests in progress; more get a 503 [2048].")
+@click.option("--header-timeout", type=float, default=None,
+              help="Seconds for a request's line and headers to arrive, else the connection closes [10].")
+@click.option("--body-timeout", type=float, default=None, help="Seconds for a request's body to arrive (408) [30].")
+@click.option("--keep-alive-timeout", type=float, default=None, help="Idle seconds between requests of a connection [5].")
 @click.pass_context
 def serve(ctx: click.Context, config_path: str | None, **_: object) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) over the workers
@@ -60,7 +71,8 @@ def serve(ctx: click.Context, config_path: str | None, **_: object) -> None:
     cfg, _source = load_service("frontdoor", config_path, flags, labels)
     try:
         fd_cfg = cfg.frontdoor_config()
-        server = FrontDoorServer(fd_cfg, cfg.host, cfg.port, log_level=cfg.log_level)
+        server = FrontDoorServer(fd_cfg, cfg.host, cfg.port, log_level=cfg.log_level, limits=cfg.http_limits(),
+                                 api_keys=cfg.api_keys())
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"kvpool front door on {server.url}/v1 ({cfg.policy}; managers {', '.join(fd_cfg.managers)})")

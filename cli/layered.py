@@ -17,7 +17,7 @@ from click.core import ParameterSource
 from kvpool.cli.common import log_options
 from kvpool.shared.config import ConfigError, default_path, describe, load
 
-SECRET_FIELDS = ("admin_key",)  # printed masked by `config show`
+SECRET_FIELDS = ("admin_key", "api_key")  # printed masked by `config show`
 
 
 def service_class(service: str) -> type:

@@ -24,12 +24,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from kvpool.frontend.body import read_json
+from kvpool.frontend.auth import APIKeyMiddleware
+from kvpool.frontend.body import BODY_TIMEOUT_S, read_json
 from kvpool.frontend.errors import APIError, WorkerLost
 from kvpool.frontend.generation import Delta
 from kvpool.frontend.params import parse_request
 from kvpool.frontend.responses import ResponseBuilder, usage
 from kvpool.frontend.service import FrontDoor, Run
+from kvpool.frontend.tokenize_api import add_utility_routes
 from kvpool.shared.metrics import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ def _lost(e: WorkerLost) -> APIError:
     return APIError(503, f"{e}; the request was not finished: retry it", None, "worker_lost")
 
 
-def create_app(fd: FrontDoor) -> FastAPI:
+def create_app(fd: FrontDoor, *, api_keys: tuple[str, ...] = (), body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await fd.start()
@@ -55,6 +57,9 @@ def create_app(fd: FrontDoor) -> FastAPI:
 
     app = FastAPI(title="kvpool front door", lifespan=lifespan)
     app.state.frontdoor = fd
+    app.state.body_timeout_s = body_timeout_s
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=api_keys)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -84,6 +89,8 @@ def create_app(fd: FrontDoor) -> FastAPI:
         running = {w.name: w.link.running for w in fd.directory.workers.values()}
         return PlainTextResponse(fd.metrics.render(fd.router, running), media_type=CONTENT_TYPE)
 
+    add_utility_routes(app, fd)
+
     @app.get("/v1/models")
     async def models() -> dict:
         now = int(time.time())
@@ -106,7 +113,7 @@ def create_app(fd: FrontDoor) -> FastAPI:
 async def _generate(fd: FrontDoor, request: Request, chat: bool):
     endpoint = "chat" if chat else "completions"
     try:
-        req = parse_request(await read_json(request), chat)
+        req = parse_request(await read_json(request, request.app.state.body_timeout_s), chat)
         run = await fd.start_run(req)
     except ClientDisconnect:  # the client left before its whole body arrived: nothing started
         fd.metrics.finished(endpoint, "disconnected")

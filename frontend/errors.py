@@ -1,4 +1,7 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` with its status."""
+"""Errors in OpenAI's shape as vLLM 0.33 writes it: ``{"error": {"message", "type", "param",
+"code"}}`` with ``code`` the HTTP status as an integer (vLLM's ``ErrorInfo.code: int``), and
+kvpool's machine-readable reason beside it (``reason``: ``no_worker``, ``too_large``, ...), which
+clients that know only vLLM's fields ignore."""
 
 from __future__ import annotations
 
@@ -8,8 +11,9 @@ from kvpool.client.generate_core import WorkerLost  # a request's worker went aw
 
 __all__ = ["APIError", "WorkerLost", "bad_param"]
 
-TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-         413: "invalid_request_error", 503: "service_unavailable", 500: "internal_server_error"}
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+         503: "service_unavailable", 500: "internal_server_error"}
 
 
 @dataclass
@@ -17,11 +21,11 @@ class APIError(Exception):
     status: int
     message: str
     param: str | None = None
-    code: str | None = None
+    reason: str | None = None  # kvpool's reason code: no_worker, too_large, context_length_exceeded, ...
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": TYPES.get(self.status, "api_error"),
-                          "param": self.param, "code": self.code or str(self.status)}}
+                          "param": self.param, "code": self.status, "reason": self.reason or str(self.status)}}
 
 
 def bad_param(param: str, message: str) -> APIError:

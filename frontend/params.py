@@ -94,7 +94,8 @@ def _prompts(body: dict) -> list[str | list[int]]:
     raise bad_param("prompt", "prompt must be a string, a list of token ids, or a non-empty list of either")
 
 
-def _messages(body: dict) -> list[dict]:
+def chat_messages(body: dict) -> list[dict]:
+    """``messages``, checked: each a string role and text content (content parts joined)."""
     msgs = body.get("messages")
     if type(msgs) is not list or not msgs:
         raise bad_param("messages", "messages must be a non-empty list of {role, content}")
@@ -181,7 +182,7 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
     if len(prompts) * n > MAX_CHOICES:
         raise bad_param("prompt", f"{len(prompts)} prompts x n={n} choices; at most {MAX_CHOICES} per request")
     return GenRequest(chat=chat, model=model, prompts=prompts,
-                      messages=_messages(body) if chat else None, max_tokens=max_tokens, n=n, stop=_stop(body),
+                      messages=chat_messages(body) if chat else None, max_tokens=max_tokens, n=n, stop=_stop(body),
                       stream=_bool(body, "stream", False), include_usage=_bool(opts, "include_usage", False),
                       logprobs=logprobs, cache_salt=salt,
                       token_ids_in_logprobs=_bool(body, "return_tokens_as_token_ids", False), worker_params=wp)

@@ -18,6 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.frontend.http_limits import HTTPLimits
+from kvpool.shared.bind import is_loopback_tcp, read_secret_file
+
 POLICIES = ("kv-aware", "round-robin", "least-loaded")
 
 
@@ -66,6 +69,18 @@ class ServeConfig:
     curve_key_file: str | None = None  # this front door's NAME.key_secret
     worker_curve_key: str | None = None  # the workers' public key: NAME.key or its Z85 text
     insecure: bool = False  # connect to non-loopback TCP managers/workers without CURVE
+    # API keys (`Authorization: Bearer KEY` under /v1, as `vllm serve --api-key`): one given here
+    # (env KVPOOL_API_KEY) and/or one in a file of mode 0600 (its first line; a key on a command
+    # line shows in /proc to every local user). A host beyond loopback needs one.
+    api_key: str | None = None
+    api_key_file: str | None = None
+    allow_unauthenticated: bool = False  # listen beyond loopback with no API key (a trusted network only)
+    # HTTP bounds (frontend/http_limits.py)
+    max_connections: int = 4096
+    limit_concurrency: int = 2048
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keep_alive_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         self.managers = list(self.managers)
@@ -79,9 +94,26 @@ class ServeConfig:
         bad = {k: v for k, v in self.tokenizers.items() if not (isinstance(k, str) and isinstance(v, str) and k and v)}
         if bad:
             raise ValueError(f"tokenizers maps model names to tokenizer directories, got {bad}")
+        self.http_limits()  # ValueError says which bound is wrong
+        if not is_loopback_tcp(f"tcp://{self.host}:0") and not (self.api_key or self.api_key_file or self.allow_unauthenticated):
+            raise ValueError(f"host {self.host!r} listens beyond loopback with no API key: set api_key_file "
+                             "(--api-key-file) or api_key (--api-key, env KVPOOL_API_KEY), or "
+                             "allow_unauthenticated = true (--allow-unauthenticated) on a trusted network")
         if self.curve_key_file and not (self.curve_server_key or self.worker_curve_key):
             raise ValueError("curve_key_file (--curve-key-file) is used with the managers' public key "
                              "(--curve-server-key) or the workers' (--worker-curve-key): give one of them")
+
+    def http_limits(self) -> HTTPLimits:
+        return HTTPLimits(self.max_connections, self.limit_concurrency, self.header_timeout, self.body_timeout,
+                          self.keep_alive_timeout)
+
+    def api_keys(self) -> list[str]:
+        """The keys requests may bear (none: no authentication); the key file is read now, so a
+        missing, empty or group-readable one is refused at start."""
+        keys = [self.api_key] if self.api_key else []
+        if self.api_key_file:
+            keys.append(read_secret_file(self.api_key_file, "api_key_file"))
+        return keys
 
     def frontdoor_config(self) -> Any:
         """The FrontDoorConfig these settings describe; ValueError says what to change."""

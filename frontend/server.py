@@ -11,6 +11,7 @@ import time
 import uvicorn
 
 from kvpool.frontend.app import create_app
+from kvpool.frontend.http_limits import HTTPLimits
 from kvpool.frontend.service import FrontDoor, FrontDoorConfig
 
 
@@ -27,12 +28,16 @@ def bind(host: str, port: int) -> socket.socket:
 class FrontDoorServer:
     """One front door: ``start()`` serves it in a daemon thread; ``url`` is its base URL."""
 
-    def __init__(self, cfg: FrontDoorConfig, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, cfg: FrontDoorConfig, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 *, limits: HTTPLimits | None = None, api_keys: tuple[str, ...] | list[str] = ()):
+        limits = limits or HTTPLimits()
         self.frontdoor = FrontDoor(cfg)
         self.sock = bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.frontdoor), log_level=log_level,
-                                                    timeout_graceful_shutdown=5, access_log=False))
+        app = create_app(self.frontdoor, api_keys=tuple(api_keys), body_timeout_s=limits.body_timeout_s)
+        self.server = uvicorn.Server(uvicorn.Config(
+            app, log_level=log_level, timeout_graceful_shutdown=5, access_log=False, http=limits.protocol(),
+            limit_concurrency=limits.limit_concurrency, timeout_keep_alive=limits.keep_alive_s))
         self._thread: threading.Thread | None = None
 
     @property

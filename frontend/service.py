@@ -169,8 +169,10 @@ class FrontDoor:
 
     def _budget(self, req: GenRequest, ids: list[int], max_len: int) -> int:
         if len(ids) >= max_len:
-            raise APIError(413, f"the prompt has {len(ids)} tokens; this model's context is {max_len} tokens "
-                                "(max_model_len): shorten the prompt", "prompt", "context_length_exceeded")
+            # a 400 as vLLM answers it (the openai client's BadRequestError), in vLLM's words
+            raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, your request "
+                                f"has {len(ids)} input tokens. Please reduce the length of the input prompt.",
+                           "prompt", "context_length_exceeded")
         if not ids:
             raise bad_param("prompt", "the prompt is empty")
         room = max_len - len(ids)

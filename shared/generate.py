@@ -50,7 +50,7 @@ def decode(payload: bytes) -> dict:
     if len(payload) > MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {len(payload)} bytes; the limit is {MAX_MESSAGE_BYTES}")
     try:
-        msg = unpack_counted(payload, MAX_CONTAINERS, f"more than {MAX_CONTAINERS} maps and arrays",
+        msg = unpack_counted(payload, MAX_CONTAINERS, f"more than {MAX_CONTAINERS} maps and arrays", unique_keys=True,
                              max_array_len=MAX_PROMPT_TOKENS, max_map_len=32, max_str_len=1 << 16,
                              max_bin_len=1 << 16, max_ext_len=0)
     except Exception as e:  # msgpack raises several types (ValueError, ExtraData, StackError, ...)

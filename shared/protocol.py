@@ -34,8 +34,11 @@ from typing import Any
 
 import msgpack
 
-from kvpool.shared.bounded import TooComplex as TooComplex  # re-exported: callers catch it here
-from kvpool.shared.bounded import unpack_counted
+from kvpool.shared.bounded import (
+    DuplicateKey as DuplicateKey,  # re-exported: callers catch them here
+)
+from kvpool.shared.bounded import TooComplex as TooComplex
+from kvpool.shared.bounded import check_envelope_keys, unpack_counted
 from kvpool.shared.hashing import HASH_BYTES
 
 PROTOCOL_VERSION = 1
@@ -151,15 +154,20 @@ def unpack(payload: bytes, max_objects: int | None = None) -> Any:
     twice ``MAX_HASHES`` (a longer list is refused by its field's check), no map of more than 64 keys, no ext types, and at most ``max_objects``
     maps and arrays in all, counted as they are built, so a payload of millions of empty maps
     is refused after building a few thousand (``TooComplex``), not after building them all.
+    A message map that repeats a key (``{"op": "heartbeat", "op": "stats"}``) is refused
+    (``DuplicateKey``) rather than read as its last value.
     """
     if max_objects is None:
         return msgpack.unpackb(payload, raw=False, strict_map_key=True)
     if len(payload.translate(None, _NOT_CONTAINER_HEADERS)) <= max_objects:
         # Fewer bytes that could start a map or an array than the limit: nothing to count.
-        return msgpack.unpackb(payload, raw=False, strict_map_key=True, max_array_len=2 * MAX_HASHES,
-                               max_map_len=64, max_ext_len=0)
-    return unpack_counted(payload, max_objects, f"more than {max_objects} maps and arrays in one message (the limit)",
-                          max_array_len=2 * MAX_HASHES, max_map_len=64, max_ext_len=0)
+        msg = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_array_len=2 * MAX_HASHES,
+                              max_map_len=64, max_ext_len=0)
+    else:
+        msg = unpack_counted(payload, max_objects, f"more than {max_objects} maps and arrays in one message (the limit)",
+                             max_array_len=2 * MAX_HASHES, max_map_len=64, max_ext_len=0)
+    check_envelope_keys(payload, msg)
+    return msg
 
 
 def encode_request(msg_id: int, op: str, sid: str | None, args: dict, seq: int | None = None) -> bytes:

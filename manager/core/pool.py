@@ -189,13 +189,15 @@ class Pool:
         host_hits = self.host.lookup(hashes[nh:limit]) if self.host is not None else []
         stats = self.stats
         num_cached = (nh + len(host_hits)) * bs
-        stats.lookup_tokens += num_prompt_tokens
-        stats.hit_tokens += num_cached
         num_tokens = num_cached + min(max_new_tokens, num_prompt_tokens - num_cached)
         num_new = -(-(num_tokens + lookahead) // bs) - nh  # _cdiv, inlined
         if num_new > len(bp.free_queue) - (bp.num_reclaimable(hits) if hits else 0):
             stats.no_space += 1
             return None
+        # Counted at admission, as vLLM 0.33's scheduler records prefix-cache stats: a request
+        # refused for space and asked again is looked up once, not once per refusal.
+        stats.lookup_tokens += num_prompt_tokens
+        stats.hit_tokens += num_cached
         stats.allocations += 1
         if hits:
             bp.touch(hits)
@@ -225,7 +227,9 @@ class Pool:
         ``src -> dst`` before writing (copy-on-write after fork). None when it does not fit.
         """
         req = self._get(req_id)
-        if num_tokens < req.num_tokens or lookahead < 0:
+        if lookahead < 0:
+            raise PoolError("bad_count", f"lookahead must be >= 0, got {lookahead}")
+        if num_tokens < req.num_tokens:
             raise PoolError("bad_count", f"num_tokens {num_tokens} < current {req.num_tokens}")
         if new_hashes and len(req.hashes) + len(new_hashes) > num_tokens // self.block_size:
             raise PoolError("bad_hashes", f"{len(req.hashes)} + {len(new_hashes)} hashes for {num_tokens} tokens: "

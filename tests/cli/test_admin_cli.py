@@ -166,3 +166,20 @@ def test_bench_replays_the_reference_trace_in_process():
     phases = full["cpu_us_hash"] + full["cpu_us_allocate"] + full["cpu_us_free"]
     assert full["cpu_us_hash"] > 0 and bare["cpu_us_hash"] == 0  # the bare run hashes nothing
     assert abs(phases - full["cpu_us_per_request"]) < 1e-6 * phases
+
+
+@pytest.mark.parametrize("where", ["no-socket", "no-directory"])
+def test_a_missing_manager_socket_is_said_at_once_and_status_json_still_answers(sock_dir, where):
+    path = f"{sock_dir}/none.sock" if where == "no-socket" else f"{sock_dir}/gone/none.sock"
+    t0 = time.monotonic()
+    out = run(f"ipc://{path}", "status", "--timeout", "60", code=EXIT_UNREACHABLE)  # not waited out
+    assert time.monotonic() - t0 < 30
+    assert path in out and ("no socket there" if where == "no-socket" else "directory does not exist") in out
+    res = CliRunner().invoke(cli, ["status", "--json", "--timeout", "60"], env={"KVPOOL_MANAGER": f"ipc://{path}"})
+    assert res.exit_code == EXIT_UNREACHABLE
+    report = json.loads(res.stdout)
+    assert report["reachable"] is False and report["healthy"] is False and path in report["problems"][0]
+
+
+def test_status_json_says_reachable_when_it_answers(busy):
+    assert json.loads(run(busy[0].endpoint, "status", "--json"))["reachable"] is True

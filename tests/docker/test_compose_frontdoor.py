@@ -39,6 +39,9 @@ def test_front_door_service_serves_over_the_workers_with_an_http_healthcheck():
     published = [p for p in fd["ports"] if p.endswith(f":{cfg.port}")]
     assert published and published[0].startswith("127.0.0.1:"), "the HTTP API is published on loopback only"
     assert cfg.host == "0.0.0.0"  # reachable from the published port inside the container
+    # beyond loopback the packaged config requires an API key, from a file on the keys volume
+    assert cfg.api_key_file and cfg.api_key_file.startswith("/keys/") and not cfg.allow_unauthenticated
+    assert "kvpool-keys:/keys:ro" in fd["volumes"]
 
 
 def test_every_kvpool_variable_in_compose_names_a_real_field_or_option():
@@ -98,5 +101,8 @@ def test_keys_step_gives_the_front_door_keys_every_server_allows(tmp_path):
                       curve_key_file=here(fd_env["KVPOOL_CURVE_KEY_FILE"]),
                       worker_curve_key=here(fd_env["KVPOOL_WORKER_CURVE_KEY"]))
     fd_cfg = cfg.frontdoor_config()  # tcp://manager:5555 is accepted because CURVE is on
+    packaged, _ = load(ServeConfig, "frontdoor", ROOT / "docker" / "config" / "frontdoor.toml", env={})
+    keys = ServeConfig(host="0.0.0.0", api_key_file=here(packaged.api_key_file)).api_keys()
+    assert len(keys) == 1 and len(keys[0]) >= 32  # the keys step wrote the front door's API key
     assert fd_cfg.worker_keys.server_public in (tmp_path / "worker.key").read_bytes()
     assert fd_cfg.manager_keys.public in (tmp_path / "allowed" / "frontdoor.key").read_bytes()

@@ -150,3 +150,24 @@ def test_packaged_config_files_load_into_the_real_config_classes():
     assert cfg.metrics_port == 9400 and cfg.events_endpoint and src["endpoint"].startswith("file ")
     wcfg, _ = load(WorkerConfig, "worker", ROOT / "docker" / "config" / "worker.toml", env={"KVPOOL_WORKER_POOL": "gpu3"})
     assert wcfg.pool == "gpu3" and wcfg.device == "cuda:0"
+
+
+def test_a_manager_restart_does_not_restart_the_workers():
+    """Workers carry on through a manager restart (they re-register): no PartOf/BindsTo on it."""
+    unit = read_unit("kvpool-worker@.service")["Unit"]
+    for key in ("PartOf", "BindsTo", "Requires"):
+        assert "kvpool-manager.service" not in unit.get(key, ""), key
+
+
+def test_the_documented_high_water_path_is_writable_under_the_managers_hardening():
+    import re
+
+    u = read_unit("kvpool-manager.service")["Service"]
+    assert u["ProtectSystem"] == "strict"
+    writable = [f"/run/{u['RuntimeDirectory']}", f"/var/lib/{u['StateDirectory']}",
+                *u.get("ReadWritePaths", "").replace("-", "").split()]
+    doc = (ROOT / "docs" / "operating.md").read_text()
+    paths = set(re.findall(r"`(/var/lib/kvpool/[^`]*|/run/kvpool/[^`]*)`", doc))
+    assert any(p.startswith("/var/lib/kvpool/") for p in paths)
+    for p in paths:
+        assert any(p.startswith(w + "/") for w in writable), f"{p} is read-only under ProtectSystem=strict"

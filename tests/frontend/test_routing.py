@@ -64,7 +64,7 @@ def test_workers_lost_mid_stream_end_streams_cleanly_and_new_workers_are_noticed
         events = [ln[6:] for ln in first + rest if ln.startswith("data: ")]
         assert events[-1] == "[DONE]"
         err = json.loads(events[-2])["error"]
-        assert err["code"] == "worker_lost" and "gone" in err["message"]
+        assert err["reason"] == "worker_lost" and "gone" in err["message"]
         # the openai client: the other worker killed mid-stream -> an APIError
         client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
         stream = client.chat.completions.with_raw_response.create(
@@ -78,7 +78,7 @@ def test_workers_lost_mid_stream_end_streams_cleanly_and_new_workers_are_noticed
         # nobody left: 503, and /health says so
         with pytest.raises(openai.APIStatusError) as ei:
             client.completions.create(model="tiny", prompt="x", max_tokens=2)
-        assert ei.value.status_code == 503 and ei.value.body["code"] == "no_worker"
+        assert ei.value.status_code == 503 and ei.value.body["reason"] == "no_worker"
         assert httpx.get(stack.url + "/health").status_code == 503
         # a worker that registers later is noticed without restarting the front door
         stack.cluster.worker(stack.managers[0], "late")
@@ -93,7 +93,7 @@ def test_workers_lost_mid_stream_end_streams_cleanly_and_new_workers_are_noticed
             stack.cluster.procs["late"].send_signal(signal.SIGTERM)
             rest = list(lines)
         events = [ln[6:] for ln in first + rest if ln.startswith("data: ")]
-        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] in ("worker_ended", "worker_lost")
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["reason"] in ("worker_ended", "worker_lost")
         assert stack.cluster.procs["late"].wait(15) == 0
         deadline = time.monotonic() + 10
         while stack.fd.frontdoor.directory.workers:  # deregistered: gone from the manager's list

@@ -9,7 +9,8 @@ from kvpool.frontend.service import FrontDoorConfig
 
 class Stack:
     def __init__(self, workers: int = 2, managers: int = 1, policy: str = "kv-aware", kv_blocks: int = 128,
-                 silence_s: float = 30.0) -> None:
+                 silence_s: float = 30.0, **server: object) -> None:
+        """``server``: FrontDoorServer's keywords (``limits``, ``api_keys``)."""
         self.cluster = LocalCluster()
         self.fd: FrontDoorServer | None = None
         try:
@@ -17,7 +18,7 @@ class Stack:
             for k in range(workers):
                 self.cluster.worker(self.managers[k % managers], f"w{k}", kv_blocks=kv_blocks)
             self.fd = FrontDoorServer(FrontDoorConfig(tuple(self.managers), policy, poll_s=0.2,
-                                                      silence_s=silence_s)).start()
+                                                      silence_s=silence_s), **server).start()
             if workers:
                 self.fd.wait_for_workers("tiny", workers)
         except BaseException:

@@ -128,3 +128,32 @@ def test_a_request_from_encode_request_round_trips_through_the_server():
     srv = make_server()
     sid = call(srv, "hello")["body"]["sid"]
     assert call(srv, "heartbeat", sid) == {"id": 7, "status": "ok", "inc": srv.incarnation, "body": {}}
+
+
+def raw_map(*pairs) -> bytes:
+    """A msgpack map with exactly these pairs, in order (repeats kept: a dict could not hold them)."""
+    assert len(pairs) < 16
+    return bytes([0x80 | len(pairs)]) + b"".join(p.pack(k) + p.pack(v) for k, v in pairs)
+
+
+def test_a_message_map_that_repeats_a_key_is_refused_not_read_as_its_last_value():
+    srv = make_server()
+    hello = {"identity": "w0", "role": "worker", "versions": [1]}
+    dup = raw_map(("v", 1), ("id", 9), ("op", "heartbeat"), ("op", "hello"), ("args", hello))
+    reply = p.unpack(srv.handle_payload(dup, 0.0))
+    assert reply["status"] == "bad_message" and "repeated" in reply["msg"], reply
+    once = raw_map(("v", 1), ("id", 10), ("op", "hello"), ("args", hello))
+    assert p.unpack(srv.handle_payload(once, 0.0))["status"] == "ok"  # the same map without the repeat
+    with pytest.raises(p.DuplicateKey):
+        p.unpack(bytes([0xDE, 0, 2]) + p.pack("id") + p.pack(1) + p.pack("id") + p.pack(2), 1000)
+
+
+def test_the_generate_socket_refuses_a_repeated_key_at_any_depth():
+    from kvpool.shared.bounded import DuplicateKey, unpack_counted
+
+    inner = raw_map(("max_tokens", 4), ("max_tokens", 400))
+    payload = bytes([0x82]) + p.pack("op") + p.pack("generate") + p.pack("params") + inner
+    with pytest.raises(DuplicateKey, match="max_tokens"):
+        unpack_counted(payload, 64, "too many", unique_keys=True)
+    assert unpack_counted(p.pack({"op": "generate", "params": {"max_tokens": 4}}), 64, "x", unique_keys=True) == \
+        {"op": "generate", "params": {"max_tokens": 4}}

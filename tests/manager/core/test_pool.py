@@ -281,3 +281,30 @@ def test_a_bad_computed_is_a_bad_field_and_frees_nothing(bad):
     alloc(pool, (None, 1), list(range(9)))
     (res,) = run_step(pool, None, [{"op": "free", "req": 1, "computed": bad}])
     assert res["code"] == "bad_field" and "computed" in res["msg"] and (None, 1) in pool.requests
+
+
+def test_a_request_refused_for_space_is_counted_in_the_hit_rate_once_at_admission():
+    """As vLLM 0.33's scheduler records prefix-cache stats: at admission, never per refusal."""
+    pool = make_pool(num_blocks=5)  # 4 usable blocks
+    shared = list(range(8))  # two full blocks
+    assert alloc(pool, "a", shared + [100, 101]) == (0, [1, 2, 3])
+    pool.free("a")
+    assert alloc(pool, "hog", [50] * 4) is not None  # holds one block: 3 left, 2 of them cached
+    for _ in range(3):  # needs 2 hits + 2 new blocks, and only 1 block is uncached
+        assert alloc(pool, "b", shared + [7] * 8) is None
+    s = pool.snapshot_stats()
+    assert (s["lookup_tokens"], s["hit_tokens"], s["no_space"]) == (14, 0, 3)
+    pool.free("hog")
+    assert alloc(pool, "b", shared + [7] * 8) == (8, [1, 2, 4, 3])  # 3: the hog's block, evicted
+    s = pool.snapshot_stats()
+    assert (s["lookup_tokens"], s["hit_tokens"]) == (30, 8)
+    assert s["prefix_hit_rate"] == pytest.approx(8 / 30)
+
+
+def test_a_negative_lookahead_is_named_in_the_refusal():
+    pool = make_pool()
+    alloc(pool, "a", list(range(16)))
+    with pytest.raises(PoolError, match="lookahead must be >= 0, got -1"):
+        pool.extend("a", 16, lookahead=-1)
+    with pytest.raises(PoolError, match="num_tokens 15 < current 16"):
+        pool.extend("a", 15)
