@@ -43,20 +43,8 @@ import time
 import zmq
 
 from kvpool.client.retry import Backoff, RetryPolicy
+from kvpool.shared import generate as wire  # the messages' records (PROTOCOL.md section 12)
 from kvpool.shared.curve import CurveServer
-from kvpool.shared.generate import (
-    MAX_MESSAGE_BYTES,
-    ErrorMessage,
-    GenerateRequest,
-    Heartbeat,
-    Pong,
-    StatsReply,
-    TokenMessage,
-    client_id,
-    decode,
-    op_of,
-    pack,
-)
 from kvpool.shared.notify import Notifier
 from kvpool.shared.protocol import ManagerError
 from kvpool.worker.endpoint import bound_inode, ipc_path, release
@@ -85,7 +73,7 @@ class WorkerServer:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a client that is gone raises
         self.curve = CurveServer(self._ctx, *curve) if curve else None
         if self.curve is not None:
@@ -200,31 +188,31 @@ class WorkerServer:
                 continue  # aborted meanwhile (its client went away)
             ident, cid = self._clients[eid]
             self._last_sent[eid] = now
-            self._reply(ident, Heartbeat(cid, reason).to_wire())
+            self._reply(ident, wire.Heartbeat(cid, reason).to_wire())
 
     def _handle(self, ident: bytes, payload: bytes) -> None:
         """One message; anything wrong with it becomes an error reply (never an exception)."""
         cid = ""
         try:
-            msg = decode(payload)
-            op = op_of(msg)
-            cid = client_id(msg)
+            msg = wire.decode(payload)
+            op = wire.op_of(msg)
+            cid = wire.client_id(msg)
             if op == "generate":
                 self._generate(ident, msg)
             elif op == "abort":
                 self._abort(ident, cid)
             elif op == "stats":
-                self._reply(ident, StatsReply(cid, {"pool": self.pool, **self.engine.stats()}).to_wire())
+                self._reply(ident, wire.StatsReply(cid, {"pool": self.pool, **self.engine.stats()}).to_wire())
             else:
-                self._reply(ident, Pong(cid, self.pool).to_wire())
+                self._reply(ident, wire.Pong(cid, self.pool).to_wire())
         except ValueError as e:
-            self._reply(ident, ErrorMessage(cid, str(e)).to_wire())
+            self._reply(ident, wire.ErrorMessage(cid, str(e)).to_wire())
         except Exception:  # a bug, not the client's fault: it must not stop the worker either
             logger.exception("internal error handling a generate-socket message")
-            self._reply(ident, ErrorMessage(cid, "internal worker error (logged)").to_wire())
+            self._reply(ident, wire.ErrorMessage(cid, "internal worker error (logged)").to_wire())
 
     def _generate(self, ident: bytes, msg: dict) -> None:
-        req = GenerateRequest.from_wire(msg)
+        req = wire.GenerateRequest.from_wire(msg)
         if len(self._clients) >= MAX_OPEN_REQUESTS:
             raise ValueError(f"the worker has {MAX_OPEN_REQUESTS} open requests; retry when some finished")
         eid = f"c{self._next}"
@@ -245,7 +233,7 @@ class WorkerServer:
             ident, cid = self._clients.get(ev.request_id, (None, ""))
             if ident is None:
                 continue
-            body = TokenMessage(cid, ev.index, ev.token, ev.finished, ev.finish_reason, ev.logprob,
+            body = wire.TokenMessage(cid, ev.index, ev.token, ev.finished, ev.finish_reason, ev.logprob,
                                 ev.top_logprobs).to_wire()
             self._last_sent[ev.request_id] = time.monotonic()
             self._reply(ident, body)
@@ -262,7 +250,7 @@ class WorkerServer:
     def _reply(self, ident: bytes, body: dict) -> bool:
         """Sends one message; False when the client is gone (its requests are then aborted)."""
         try:
-            self._sock.send_multipart([ident, pack(body)], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, wire.pack(body)], zmq.NOBLOCK)
         except zmq.Again:
             self.replies_dropped += 1
             now = time.monotonic()
