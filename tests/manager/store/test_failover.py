@@ -25,9 +25,9 @@ from helpers.durable import (
 )
 from helpers.manager import CLI, HELPERS, SPEC, kv_bytes, wait_until
 
+from kvpool.client.manager import ManagerClient
 from kvpool.manager.store.base import StoreUnavailable
 from kvpool.shared.protocol import encode_request, unpack
-from kvpool.worker.manager_client import ManagerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 PROC = [sys.executable, str(HELPERS / "manager_procs.py")]
