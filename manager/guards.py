@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kvpool.manager.registry import PoolEntry, Registry, Session
 from kvpool.shared.protocol import ManagerError
+from kvpool.shared.step_ops import Alloc, Extend, Fork, Free, Refused, SubOp
 
 DEFAULT_MAX_MODEL_LEN = 1 << 20
 
@@ -85,15 +86,7 @@ def max_model_len(bounds: Bounds, entry: PoolEntry) -> int:
     return min([bounds.max_model_len, *declared])
 
 
-def _counts(op: dict) -> tuple[int, int, int]:
-    """prompt_len, num_tokens, lookahead of a sub-op; 0 for a field that is absent or bad (a bad
-    field is the sub-op's own error, later)."""
-    p, n, la = op.get("prompt_len", 0), op.get("num_tokens", 0), op.get("lookahead", 0)
-    return (p if type(p) is int and p >= 0 else 0, n if type(n) is int and n >= 0 else 0,
-            la if type(la) is int and la >= 0 else 0)
-
-
-def check_step(bounds: Bounds, entry: PoolEntry, owner: str, ops: list) -> None:
+def check_step(bounds: Bounds, entry: PoolEntry, owner: str, ops: list[SubOp | Refused]) -> None:
     """Refuses (nothing run) a step whose sub-ops ask for more tokens than the pool's
     max_model_len, or more new or shared blocks in all than ``max_step_blocks``.
 
@@ -101,29 +94,25 @@ def check_step(bounds: Bounds, entry: PoolEntry, owner: str, ops: list) -> None:
     alloc's exact count, and for an extend the blocks of its whole token count plus one (a
     copy-on-write of a shared last block), at least what it can add. Only a step over that bound,
     or with a fork (whose work is its parent's table), is projected exactly (``_projected_work``).
+    ``ops`` are decoded (shared/step_ops.decode_ops); a sub-op that failed to decode is its own
+    error, later, and counts for nothing here.
     A decode step of a few hundred requests is far under the bound and is never projected."""
     limit = max_model_len(bounds, entry)
     bs = entry.pool.block_size  # type: ignore[union-attr]
     bound, exact = 0, False
     for i, op in enumerate(ops):
-        if type(op) is not dict:
-            continue
-        get = op.get
-        p, n, la = get("prompt_len", 0), get("num_tokens", 0), get("lookahead", 0)
-        p = p if type(p) is int and p >= 0 else 0
-        n = n if type(n) is int and n >= 0 else 0
-        la = la if type(la) is int and la >= 0 else 0
-        if p > limit or n > limit or la > limit:
-            key = "prompt_len" if p > limit else "num_tokens" if n > limit else "lookahead"
-            raise ManagerError("bad_field", f"ops[{i}].{key} is {op[key]}; pool {entry.name!r} takes at most "
-                               f"{limit} tokens per request (its max_model_len)")
-        kind = get("op")
-        if kind == "extend":
+        kind = type(op)
+        if kind is Extend:
+            n, la = op.num_tokens, op.lookahead or 0  # type: ignore[union-attr]
+            if n > limit or la > limit:
+                _too_long(entry, limit, i, "num_tokens" if n > limit else "lookahead", n if n > limit else la)
             bound += -(-(n + la) // bs) + 1
-        elif kind == "alloc":
-            new = get("max_new", 0)
-            bound += -(-(min(new if type(new) is int and new >= 0 else 0, p) + la) // bs) + 1
-        elif kind == "fork":
+        elif kind is Alloc:
+            p, la = op.prompt_len, op.lookahead or 0  # type: ignore[union-attr]
+            if p > limit or la > limit:
+                _too_long(entry, limit, i, "prompt_len" if p > limit else "lookahead", p if p > limit else la)
+            bound += -(-(min(op.max_new, p) + la) // bs) + 1  # type: ignore[union-attr]
+        elif kind is Fork:
             exact = True
     if exact or bound > bounds.max_step_blocks:
         work = _projected_work(bs, entry, owner, ops)
@@ -132,7 +121,12 @@ def check_step(bounds: Bounds, entry: PoolEntry, owner: str, ops: list) -> None:
                                f"{bounds.max_step_blocks} per step (max_step_blocks): split it over several steps")
 
 
-def _projected_work(bs: int, entry: PoolEntry, owner: str, ops: list) -> int:
+def _too_long(entry: PoolEntry, limit: int, i: int, key: str, value: int) -> None:
+    raise ManagerError("bad_field", f"ops[{i}].{key} is {value}; pool {entry.name!r} takes at most "
+                       f"{limit} tokens per request (its max_model_len)")
+
+
+def _projected_work(bs: int, entry: PoolEntry, owner: str, ops: list[SubOp | Refused]) -> int:
     """The blocks the step may hand out or share, block tables projected through it (an extend
     or fork of a request admitted earlier in the step). An extend may need one block beyond its
     token count (a copy-on-write of a shared last block)."""
@@ -140,29 +134,26 @@ def _projected_work(bs: int, entry: PoolEntry, owner: str, ops: list) -> int:
     sizes: dict[object, int] = {}  # request -> its block table's size after the sub-ops so far
     work = 0
     for op in ops:
-        if type(op) is not dict:
+        kind = type(op)
+        if kind is Refused:
             continue
-        prompt, tokens, lookahead = _counts(op)
-        kind, req = op.get("op"), op.get("req")
-        if type(req) is not int and type(req) is not str:
-            continue
-        if kind == "alloc":
-            new = op.get("max_new", 0)
-            new = new if type(new) is int and new >= 0 else 0
-            work += -(-(min(new, prompt) + lookahead) // bs) + 1
-            sizes[req] = -(-(prompt + lookahead) // bs)
+        req = op.req  # type: ignore[union-attr]
+        if kind is Alloc:
+            lookahead = op.lookahead or 0  # type: ignore[union-attr]
+            work += -(-(min(op.max_new, op.prompt_len) + lookahead) // bs) + 1  # type: ignore[union-attr]
+            sizes[req] = -(-(op.prompt_len + lookahead) // bs)  # type: ignore[union-attr]
             continue
         size = sizes.get(req)
         if size is None:
             got = held.get((owner, req))
             size = len(got.blocks) if got is not None else 0
-        if kind == "extend":
-            grown = max(size, -(-(tokens + lookahead) // bs)) + 1  # +1: a copy
+        if kind is Extend:
+            grown = max(size, -(-(op.num_tokens + (op.lookahead or 0)) // bs)) + 1  # type: ignore[union-attr]  # +1: a copy
             work += grown - size
             sizes[req] = grown
-        elif kind == "fork" and type(op.get("child")) in (int, str):
+        elif kind is Fork:
             work += size
-            sizes[op["child"]] = size
-        elif kind == "free":
+            sizes[op.child] = size  # type: ignore[union-attr]
+        elif kind is Free:
             sizes[req] = 0
     return work

@@ -34,6 +34,7 @@ from kvpool.shared.protocol import (
     get_str,
     short_repr,
 )
+from kvpool.shared.step_ops import decode_ops
 
 U63 = (1 << 63) - 1
 
@@ -181,9 +182,10 @@ class Handlers:
                 return {"results": sess.last_step}
             raise ManagerError("stale_request", f"step id {self.msg_id} is older than this session's last "
                                f"step {last}: a late duplicate, not run")
-        check_step(self.bounds, entry, sess.sid, ops)
+        decoded = decode_ops(ops)
+        check_step(self.bounds, entry, sess.sid, decoded)
         t0 = time.perf_counter()
-        results = self.reg.step(sess, entry, ops, self.msg_id)
+        results = self.reg.step(sess, entry, ops, self.msg_id, decoded)
         self.counters.step_latency.observe(time.perf_counter() - t0)
         self.counters.sub_ops += len(ops)
         return {"results": results}

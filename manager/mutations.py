@@ -23,7 +23,7 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from kvpool.shared.protocol import KVSpec, ManagerError
 
@@ -67,7 +67,8 @@ class StepRan:
     sid: str
     msg_id: int
     pool: str
-    ops: list
+    ops: list  # as on the wire (shared/step_ops.py decodes them)
+    decoded: list | None = field(default=None, compare=False, repr=False)  # not journaled: the live path's records
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ KINDS: dict[str, type] = {
     "drain": DrainingSet,
     "drop": PoolDropped,
 }
-_LAYOUT = {cls: (kind, tuple(f.name for f in fields(cls))) for kind, cls in KINDS.items()}
+_LAYOUT = {cls: (kind, tuple(f.name for f in fields(cls) if f.compare)) for kind, cls in KINDS.items()}
 
 
 def to_wire(rec: Mutation) -> list:

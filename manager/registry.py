@@ -39,6 +39,7 @@ from kvpool.manager.mutations import (
 )
 from kvpool.manager.pool_forming import compatible, new_epoch, remove_shards, shard_blocks
 from kvpool.shared.protocol import KVSpec, ManagerError, short_repr
+from kvpool.shared.step_ops import decode_ops, encode_results
 
 logger = logging.getLogger(__name__)
 
@@ -282,14 +283,17 @@ class Registry:
 
     # -- pool mutations (each one journaled: replaying the records rebuilds the same state) -----
 
-    def step(self, sess: Session, entry: PoolEntry, ops: list, msg_id: int) -> list[dict]:
+    def step(self, sess: Session, entry: PoolEntry, ops: list, msg_id: int,
+             decoded: list | None = None) -> list[dict]:
         """Runs one step's sub-ops for ``sess`` (the caller checked the epoch); caches the
-        results under ``msg_id`` so a retried step is answered, not run twice."""
-        return self.apply(StepRan(sess.sid, msg_id, entry.name, ops), 0.0)  # type: ignore[return-value]
+        results under ``msg_id`` so a retried step is answered, not run twice. ``ops`` as on
+        the wire (journaled as they came); ``decoded``: their records, when the caller has them."""
+        return self.apply(StepRan(sess.sid, msg_id, entry.name, ops, decoded), 0.0)  # type: ignore[return-value]
 
     def _step(self, rec: StepRan) -> list[dict]:
         sess, entry = self.sessions[rec.sid], self.pools[rec.pool]
-        results = run_step(entry.pool, sess.sid, rec.ops, allow_alloc=not self.draining)  # type: ignore[arg-type]
+        ops = rec.decoded if rec.decoded is not None else decode_ops(rec.ops)  # a replay decodes here
+        results = encode_results(run_step(entry.pool, sess.sid, ops, allow_alloc=not self.draining))  # type: ignore[arg-type]
         sess.last_step_id, sess.last_step = rec.msg_id, results
         if rec.ops:
             self.dirty.add(entry.name)

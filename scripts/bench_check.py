@@ -32,6 +32,7 @@ from kvpool.client.manager import ManagerClient
 from kvpool.manager.config import ManagerConfig
 from kvpool.manager.server import Server
 from kvpool.shared.protocol import KVSpec
+from kvpool.shared.step_ops import Alloc, Free, encode_ops
 
 SPEC = {"block_size": 16, "num_layers": 1, "num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
 REQ_BLOCKS = 64
@@ -45,11 +46,11 @@ def build(srv: Server, blocks: int, seed: int) -> int:
     n = REQ_BLOCKS * SPEC["block_size"]
     target = int(0.95 * blocks) // REQ_BLOCKS
     for msg, start in enumerate(range(0, target, 16)):
-        ops = [{"op": "alloc", "req": r, "hashes": [rng.randbytes(32) for _ in range(REQ_BLOCKS - 1)],
-                "prompt_len": n, "max_new": n} for r in range(start, min(start + 16, target))]
-        reg.step(sess, entry, ops, msg)
+        ops = [Alloc(r, [rng.randbytes(32) for _ in range(REQ_BLOCKS - 1)], n, n)
+               for r in range(start, min(start + 16, target))]
+        reg.step(sess, entry, encode_ops(ops), msg)
     freed = range(int(0.15 * blocks) // REQ_BLOCKS)
-    reg.step(sess, entry, [{"op": "free", "req": r} for r in freed], 1 << 30)
+    reg.step(sess, entry, encode_ops([Free(r) for r in freed]), 1 << 30)
     reg.sessions[sess.sid].last_seen = float("inf")  # never expires during the run
     gc.collect()
     gc.freeze()

@@ -46,6 +46,15 @@ from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
 from kvpool.shared.hashing import hash_blocks
 from kvpool.shared.protocol import KVSpec
+from kvpool.shared.step_ops import (
+    Alloc,
+    AllocResult,
+    Free,
+    Result,
+    SubOp,
+    decode_results,
+    encode_ops,
+)
 from kvpool.shared.trace import TraceConfig, prompts
 
 POOL = "bench"
@@ -61,22 +70,22 @@ def load_share(shard_file: str) -> list[np.ndarray]:
     return [tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
-def alloc_ops(share: list[np.ndarray]) -> Iterator[dict]:
+def alloc_ops(share: list[np.ndarray]) -> Iterator[Alloc]:
     """The share's alloc sub-ops, hashing each prompt when it is pulled."""
     bs = SPEC["block_size"]
     for i, arr in enumerate(share):
         toks = arr.tolist()
-        yield {"op": "alloc", "req": i, "hashes": hash_blocks(toks, bs), "prompt_len": len(toks), "max_new": len(toks)}
+        yield Alloc(i, hash_blocks(toks, bs), len(toks), len(toks))
 
 
-def drive(allocs: Iterator[dict], batch: int, do_step: Callable[[list[dict]], list[dict]]) -> dict:
+def drive(allocs: Iterator[Alloc], batch: int, do_step: Callable[[list[SubOp]], list[Result]]) -> dict:
     """Steps: free the previous step's requests, admit up to ``batch`` new ones; retries no_space."""
     alive: list[int] = []
-    waiting: list[dict] = []
+    waiting: list[Alloc] = []
     cached = prompt_tokens = 0
     more = True
     while more or alive or waiting:
-        ops: list[dict] = [{"op": "free", "req": r} for r in alive]
+        ops: list[SubOp] = [Free(r) for r in alive]
         new = waiting
         while more and len(new) < batch:
             op = next(allocs, None)
@@ -86,11 +95,11 @@ def drive(allocs: Iterator[dict], batch: int, do_step: Callable[[list[dict]], li
         results = do_step(ops + new)
         alive, waiting = [], []
         for op, res in zip(new, results[len(ops):]):
-            if res["ok"]:
-                alive.append(op["req"])
-                cached += res["cached"]
-                prompt_tokens += op["prompt_len"]
-            elif res["code"] == "no_space":
+            if type(res) is AllocResult:
+                alive.append(op.req)  # type: ignore[arg-type]
+                cached += res.cached
+                prompt_tokens += op.prompt_len
+            elif res.code == "no_space":  # type: ignore[union-attr]
                 waiting.append(op)
             else:
                 raise RuntimeError(f"alloc failed: {res}")
@@ -111,7 +120,7 @@ def client_main(endpoint: str, shard_file: str, out_file: str, epoch: int, batch
     sys.stdin.readline()  # the parent's "go"
     timed = StepTimes(lambda ops: client.begin_step(POOL, epoch, ops), client.end_step)
     t_start, wait0 = time.perf_counter(), run_delay(os.getpid())
-    res = drive(allocs, batch, timed.step)
+    res = drive(allocs, batch, lambda ops: decode_results(ops, timed.step(encode_ops(ops))))
     t_end = time.perf_counter()
     res["cpu_wait_s"] = run_delay(os.getpid()) - wait0
     timed.close()

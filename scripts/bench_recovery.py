@@ -40,6 +40,7 @@ from kvpool.manager.store.redis_store import RedisStore, namespace_keys
 from kvpool.manager.store.redis_url import connect
 from kvpool.manager.store.state_file import decode_state, dump_registry, load_registry
 from kvpool.shared.protocol import KVSpec
+from kvpool.shared.step_ops import Alloc, Free, encode_ops
 
 SPEC = {"block_size": 16, "num_layers": 1, "num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
 REQ_BLOCKS = 64  # blocks per request (1024-token prompts)
@@ -50,10 +51,10 @@ def new_registry() -> Registry:
     return Registry("bench", session_timeout_s=60.0, max_blocks=1 << 24)
 
 
-def alloc(rid: int, rng: random.Random) -> dict:
+def alloc(rid: int, rng: random.Random) -> Alloc:
     hashes = [rng.randbytes(32) for _ in range(REQ_BLOCKS - 1)]
     n = REQ_BLOCKS * SPEC["block_size"]
-    return {"op": "alloc", "req": rid, "hashes": hashes, "prompt_len": n, "max_new": n}
+    return Alloc(rid, hashes, n, n)
 
 
 def build(store: RedisStore, reg: Registry, blocks: int, tail_steps: int, seed: int) -> dict:
@@ -66,23 +67,23 @@ def build(store: RedisStore, reg: Registry, blocks: int, tail_steps: int, seed: 
     while len(live) < target_live + target_cached:
         ops = [alloc(rid + k, rng) for k in range(16)]
         msg += 1
-        reg.step(sess, entry, ops, msg)
+        reg.step(sess, entry, encode_ops(ops), msg)
         live += [rid + k for k in range(16)]
         rid += 16
         store.commit(reg, set())
     freed, live = live[:target_cached], live[target_cached:]
     for i in range(0, len(freed), 64):  # the cached free blocks: hashed, in the LRU queue
         msg += 1
-        reg.step(sess, entry, [{"op": "free", "req": r} for r in freed[i:i + 64]], msg)
+        reg.step(sess, entry, encode_ops([Free(r) for r in freed[i:i + 64]]), msg)
         store.commit(reg, set())
     store.compact(reg)
     for _ in range(tail_steps):  # the journal tail: frees and new allocations after the snapshot
         victims = [live.pop(rng.randrange(len(live))) for _ in range(2)]
-        ops = [{"op": "free", "req": r} for r in victims] + [alloc(rid, rng), alloc(rid + 1, rng)]
+        ops = [*(Free(r) for r in victims), alloc(rid, rng), alloc(rid + 1, rng)]
         live += [rid, rid + 1]
         rid += 2
         msg += 1
-        reg.step(sess, entry, ops, msg)
+        reg.step(sess, entry, encode_ops(ops), msg)
         store.commit(reg, set())
     pool = entry.pool
     return {"blocks": blocks, "requests": len(pool.requests), "used_blocks": pool.blocks.num_used,

@@ -27,6 +27,14 @@ from kvpool.manager.core import step as new_step
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.entries import PoolEntry, Session, Shard
 from kvpool.manager.registry import Registry
+from kvpool.shared.step_ops import (
+    Result,
+    SubOp,
+    decode_ops,
+    decode_results,
+    encode_ops,
+    encode_results,
+)
 
 PARTS = ("check_owner", "check_step", "run_step")
 
@@ -61,22 +69,31 @@ def main() -> None:
     sides = [("base", *old, entries[0]), ("new", new_guards, new_step, entries[1])]
     times: dict[tuple[str, str], list[float]] = {(side, part): [] for side, *_ in sides for part in PARTS}
 
-    def do_step(ops: list[dict]) -> list[dict]:
+    def do_step(ops: list[SubOp]) -> list[Result]:
+        # Both sides get the wire maps. A checkout whose check_step takes records (this one)
+        # decodes them inside its check_step part, as the daemon does; its results are
+        # encoded (not timed) to be compared with the other side's.
+        wire = encode_ops(ops)
         sides.reverse()
-        results = {}
+        results, records = {}, []
         for side, guards, step, entry in sides:
+            typed = hasattr(step, "Refused")
             t0 = clock()
             guards.check_owner(reg, sess, entry)
             t1 = clock()
-            guards.check_step(bounds, entry, "sid", ops)
+            sub_ops = decode_ops(wire) if typed else wire
+            guards.check_step(bounds, entry, "sid", sub_ops)
             t2 = clock()
-            results[side] = step.run_step(entry.pool, "sid", ops)
+            res = step.run_step(entry.pool, "sid", sub_ops)
             t3 = clock()
             for part, t in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2)):
                 times[side, part].append(t)
+            if typed:
+                records = res
+            results[side] = encode_results(res) if typed else res
         if results["base"] != results["new"]:
             raise SystemExit("the two checkouts' run_step answered the same sub-ops differently")
-        return results["new"]
+        return records or decode_results(ops, results["new"])
 
     driver = StepDriver(args.running, False, do_step, 0)
     for ts in times.values():

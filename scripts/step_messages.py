@@ -44,6 +44,7 @@ from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
 from kvpool.manager.server import Server
 from kvpool.shared.protocol import KVSpec, encode_request, raise_for_reply, unpack
+from kvpool.shared.step_ops import Result, SubOp, decode_results, encode_ops
 from kvpool.worker.request import Request
 from kvpool.worker.sampler import SamplingParams
 from kvpool.worker.scheduler import Output, Scheduler
@@ -64,7 +65,7 @@ class StepDriver:
     """The real scheduler over ``num_reqs`` decoding requests (no model: every sequence that
     reaches its end samples token 7), stepping against ``do_step``."""
 
-    def __init__(self, num_reqs: int, dense: bool, do_step: Callable[[list[dict]], list[dict]], seed: int,
+    def __init__(self, num_reqs: int, dense: bool, do_step: Callable[[list[SubOp]], list[Result]], seed: int,
                  pause_s: float = 0.0, num_blocks: int = 8192,
                  setup: Callable[[Scheduler], None] | None = None):
         rng = random.Random(seed)
@@ -127,8 +128,9 @@ class PayloadServer:
                                                 "spec": SPEC.to_wire(),
                                                 "available_kv_bytes": blocks * SPEC.block_bytes})["epoch"]
 
-    def stepper(self, name: str, epoch: int) -> Callable[[list[dict]], list[dict]]:
-        return lambda ops: self.call("step", self.sid, {"pool": name, "epoch": epoch, "ops": ops})["results"]
+    def stepper(self, name: str, epoch: int) -> Callable[[list[SubOp]], list[Result]]:
+        return lambda ops: decode_results(ops, self.call("step", self.sid, {"pool": name, "epoch": epoch,
+                                                                           "ops": encode_ops(ops)})["results"])
 
 
 class FloorStepper:
@@ -141,9 +143,10 @@ class FloorStepper:
         self.sock.connect(endpoint)
         self.pool, self.next_id, self.untimed_s = Pool(blocks, BS), 1, 0.0
 
-    def __call__(self, ops: list[dict]) -> list[dict]:
+    def __call__(self, ops: list[SubOp]) -> list[Result]:
         self.next_id += 1
-        self.sock.send(encode_request(self.next_id, "step", "0" * 32, {"pool": "p", "epoch": 1, "ops": ops}))
+        self.sock.send(encode_request(self.next_id, "step", "0" * 32, {"pool": "p", "epoch": 1,
+                                                                       "ops": encode_ops(ops)}))
         if not self.sock.poll(30_000):
             raise RuntimeError("the bare ping-pong server did not answer within 30 s")
         self.sock.recv()
@@ -195,7 +198,9 @@ def _drivers(num_reqs: int, dense: bool, endpoints: dict[str, str], payload: Pay
         clients.append(c)
         epoch = c.register(name, shard_rank=0, shard_count=1, incarnation="bench", spec=SPEC.to_wire(),
                            available_kv_bytes=blocks * SPEC.block_bytes)["epoch"]
-        drivers[kind] = StepDriver(num_reqs, dense, lambda ops, c=c, n=name, e=epoch: c.step(n, e, ops), seed)
+        drivers[kind] = StepDriver(num_reqs, dense,
+                                   lambda ops, c=c, n=name, e=epoch: decode_results(ops, c.step(n, e, encode_ops(ops))),
+                                   seed)
     return drivers
 
 

@@ -20,6 +20,7 @@ from kvpool.client.manager import ManagerClient
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
 from kvpool.shared.protocol import KVSpec, ManagerRestarted, ManagerUnavailable, StaleEpoch
+from kvpool.shared.step_ops import Result, SubOp, decode_results, encode_ops
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +40,11 @@ class BlockManager(Protocol):
     def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0,
                  host_kv_policy: str = "demote") -> dict: ...
 
-    def step(self, ops: list[dict]) -> list[dict]: ...
+    def step(self, ops: list[SubOp]) -> list[Result]: ...
 
-    def send_step(self, ops: list[dict]) -> object: ...
+    def send_step(self, ops: list[SubOp]) -> object: ...
 
-    def recv_step(self, ticket: object) -> list[dict]: ...
+    def recv_step(self, ticket: object) -> list[Result]: ...
 
     def heartbeat(self) -> bool: ...  # True when the manager answered one just now
 
@@ -82,16 +83,16 @@ class LocalBlockManager:
             info["host_policy"] = host_kv_policy
         return info
 
-    def step(self, ops: list[dict]) -> list[dict]:
+    def step(self, ops: list[SubOp]) -> list[Result]:
         if self._pool is None:
             raise ManagerReset(f"pool {self.pool!r} is not registered (manager restarted)")
         return run_step(self._pool, "local", ops, allow_alloc=not self.draining)
 
-    def send_step(self, ops: list[dict]) -> object:
+    def send_step(self, ops: list[SubOp]) -> object:
         """In process the answer is ready at once (the caller's overlap then costs nothing)."""
         return self.step(ops)
 
-    def recv_step(self, ticket: object) -> list[dict]:
+    def recv_step(self, ticket: object) -> list[Result]:
         return ticket  # type: ignore[return-value]
 
     def simulate_restart(self) -> None:
@@ -163,16 +164,17 @@ class RemoteBlockManager:
         self.epoch = int(info["epoch"])
         return info
 
-    def step(self, ops: list[dict]) -> list[dict]:
+    def step(self, ops: list[SubOp]) -> list[Result]:
         return self.recv_step(self.send_step(ops))
 
-    def send_step(self, ops: list[dict]) -> object:
+    def send_step(self, ops: list[SubOp]) -> object:
         with self._resets():
-            return self.client.begin_step(self.pool, self.epoch, ops)
+            return ops, self.client.begin_step(self.pool, self.epoch, encode_ops(ops))
 
-    def recv_step(self, ticket: object) -> list[dict]:
+    def recv_step(self, ticket: object) -> list[Result]:
+        ops, pending = ticket  # type: ignore[misc]
         with self._resets():
-            return self.client.end_step(ticket)  # type: ignore[arg-type]
+            return decode_results(ops, self.client.end_step(pending))
 
     @contextlib.contextmanager
     def _resets(self) -> Iterator[None]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.shared.protocol import ManagerError
+from kvpool.shared.step_ops import Free
 from kvpool.worker.block_manager import BlockManager, ManagerReset
 from kvpool.worker.kv_cache import kv_spec
 from kvpool.worker.model import LlamaForCausalLM
@@ -350,7 +351,7 @@ class Engine:
             if not reach_manager:
                 raise ManagerReset("the manager is unreachable")
             if rids and not self._lost:
-                self.bm.step([{"op": "free", "req": rid} for rid in rids])
+                self.bm.step([Free(rid) for rid in rids])
             self.bm.deregister()
         except ManagerReset as e:  # forgotten by the manager, or it did not answer: gave up
             logger.warning("shutdown: %d requests not freed and the session not ended at the manager (%s); "

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain
 
+from kvpool.shared.step_ops import Free
 from kvpool.worker.request import Request
 from kvpool.worker.step_plan import StepPlan
 
@@ -230,13 +231,13 @@ class RunningSet:
         self._join(child)
         self.pending_forks.append((parent, child))
 
-    def abandon(self, frees: Iterable[dict]) -> None:
+    def abandon(self, frees: Iterable[Free]) -> None:
         """The manager refused a whole step (nothing of it ran): its ``frees`` (the sub-ops) go
         out again, and every running request starts over, freeing whatever the manager holds
         for it."""
         frees = list(frees)
-        self.pending_frees[:0] = [op["req"] for op in frees]
-        self.computed_at_free.update((op["req"], op["computed"]) for op in frees if "computed" in op)
+        self.pending_frees[:0] = [op.req for op in frees]  # type: ignore[misc]
+        self.computed_at_free.update((op.req, op.computed) for op in frees if op.computed is not None)
         self.pending_forks = []
         for req in reversed(list(self.running)):
             self.lose(req)

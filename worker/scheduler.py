@@ -45,6 +45,16 @@ import logging
 from collections import deque
 from collections.abc import Collection
 
+from kvpool.shared.step_ops import (
+    Alloc,
+    AllocResult,
+    Extend,
+    ExtendResult,
+    Fork,
+    Forked,
+    Free,
+    Result,
+)
 from kvpool.worker.request import Request
 from kvpool.worker.running_set import RunningSet, SchedulerStats
 from kvpool.worker.scheduling_policy import admission_room, cdiv, choose_victims
@@ -118,10 +128,7 @@ class Scheduler:
         for parent, child in forks:
             self._fork(plan, parent, child)
         for rid in frees:
-            op = {"op": "free", "req": rid}
-            if rid in computed:
-                op["computed"] = computed[rid]
-            plan.add(op, SubOp("free", None))
+            plan.add(SubOp(Free(rid, computed.get(rid)), "free", None))
         budget = self.token_budget
         for req in self.running:
             n = min(req.num_remaining, budget)
@@ -152,10 +159,9 @@ class Scheduler:
     def _extend(self, plan: StepPlan, req: Request, num_tokens: int, lookahead: int, n: int) -> int:
         hashes = self._new_hashes(req, num_tokens)
         undo = (req.num_hashes_sent, req.synced_tokens, req.num_slots)
-        op = {"op": "extend", "req": req.rid, "num_tokens": num_tokens, "hashes": hashes, "lookahead": lookahead}
-        if req.num_scheduled:  # built on a step still in flight: valid only if that one succeeded
-            op["base"] = req.synced_tokens
-        index = plan.add(op, SubOp("extend" if n else "sync", req, req.generation, n, undo))
+        # built on a step still in flight (num_scheduled): valid only if that one succeeded
+        op = Extend(req.rid, num_tokens, hashes, lookahead, req.synced_tokens if req.num_scheduled else None)
+        index = plan.add(SubOp(op, "extend" if n else "sync", req, req.generation, n, undo))
         req.num_hashes_sent += len(hashes)
         req.synced_tokens = num_tokens
         req.num_slots = max(req.num_slots, cdiv(num_tokens + lookahead, self.block_size) * self.block_size)
@@ -167,7 +173,7 @@ class Scheduler:
         tokens = parent.num_computed
         if parent.synced_tokens != tokens:
             self._extend(plan, parent, tokens, self._lookahead(tokens), 0)
-        plan.add({"op": "fork", "req": parent.rid, "child": child.rid}, SubOp("fork", child, child.generation))
+        plan.add(SubOp(Fork(parent.rid, child.rid), "fork", child, child.generation))
         child.synced_tokens = tokens
         child.num_slots = cdiv(tokens, self.block_size) * self.block_size
         child.num_hashes_sent = min(parent.num_hashes_sent, tokens // self.block_size)
@@ -187,8 +193,8 @@ class Scheduler:
             if room < 0 and (self.running or admitted):
                 break  # an idle pool still tries its head: the manager has the last word
             hashes = list(req.hasher.hashes) if self.caching else []
-            op = plan.add({"op": "alloc", "req": req.rid, "hashes": hashes, "prompt_len": len(req.tokens),
-                           "max_new": n, "lookahead": self._lookahead(n)}, SubOp("alloc", req, req.generation, n))
+            alloc = Alloc(req.rid, hashes, len(req.tokens), n, self._lookahead(n))
+            op = plan.add(SubOp(alloc, "alloc", req, req.generation, n))
             sample = n == len(req.tokens)  # the whole prompt: computed after it, whatever is cached
             plan.seqs.append(ScheduledSeq(req, req.generation, n, 0, op, sample))
             req.num_slots = blocks * self.block_size  # at most what the manager gives
@@ -207,7 +213,7 @@ class Scheduler:
 
     # -- applying the outcome --------------------------------------------------------------
 
-    def update(self, plan: StepPlan, results: list[dict], outputs: list[Output]) -> list[Request]:
+    def update(self, plan: StepPlan, results: list[Result], outputs: list[Output]) -> list[Request]:
         """Applies the manager's ``results`` for ``plan`` and the tokens sampled from its batch;
         returns the requests refused as bad input (they end with an error)."""
         if len(results) != len(plan.ops):
@@ -222,7 +228,7 @@ class Scheduler:
             if req is not None and req.generation != sub.generation:
                 continue  # it moved on (finished, aborted, lost) after the plan was made
             if sub.kind == "free":
-                if not res.get("ok") and res.get("code") != "unknown_request":
+                if not res.ok and res.code != "unknown_request":  # type: ignore[union-attr]
                     logger.warning("free refused: %s", res)
             elif sub.kind == "fork":
                 self._apply_fork(req, res)
@@ -230,7 +236,7 @@ class Scheduler:
                 self._apply_extend(sub, res, failed)
             elif not self._apply_alloc(sub, res, refused_admissions):
                 errored.append(req)
-            elif res.get("code") == "no_space" and req is head:
+            elif not res.ok and res.code == "no_space" and req is head:  # type: ignore[union-attr]
                 self.head_blocked = True
         self.requests.requeue(refused_admissions)
         ran = [(s.req, start, n) for s, start, n, _ in plan.runnable(results)]
@@ -244,47 +250,48 @@ class Scheduler:
         self.requests.track_usage()
         return errored
 
-    def _apply_fork(self, child: Request, res: dict) -> None:
-        if res.get("ok"):
-            self.requests.set_blocks(child, res["blocks"])
+    def _apply_fork(self, child: Request, res: Result) -> None:
+        if type(res) is Forked:
+            self.requests.set_blocks(child, res.blocks)
             child.num_slots = len(child.block_table) * self.block_size
         else:
-            logger.warning("fork of %r refused (%s): recomputing it", child, res.get("msg"))
+            logger.warning("fork of %r refused (%s): recomputing it", child, res.msg)  # type: ignore[union-attr]
             self.requests.lose(child)
 
-    def _apply_extend(self, sub: SubOp, res: dict, failed: list) -> None:
+    def _apply_extend(self, sub: SubOp, res: Result, failed: list) -> None:
         req = sub.req
-        if res.get("ok"):
-            self.requests.add_blocks(req, res["blocks"], [(index, dst) for index, _, dst in res["copies"]])
+        if type(res) is ExtendResult:
+            self.requests.add_blocks(req, res.blocks, [(index, dst) for index, _, dst in res.copies])
             req.num_slots = max(req.num_slots, len(req.block_table) * self.block_size)
             req.must_sync = req.must_sync and sub.kind == "sync"  # a write went through: copied
             return
         req.num_hashes_sent, req.synced_tokens, req.num_slots = sub.undo
-        if res.get("code") == "no_space":
+        if res.code == "no_space":  # type: ignore[union-attr]
             failed.append((req, sub.num_tokens))
         else:
-            logger.warning("extend of %r refused (%s): recomputing it", req, res.get("msg"))
+            logger.warning("extend of %r refused (%s): recomputing it", req, res.msg)  # type: ignore[union-attr]
             self.requests.lose(req)
 
-    def _apply_alloc(self, sub: SubOp, res: dict, refused: list[Request]) -> bool:
+    def _apply_alloc(self, sub: SubOp, res: Result, refused: list[Request]) -> bool:
         """False: refused as bad input."""
         req = sub.req
         req.admitting = False
-        if res.get("ok"):
+        if type(res) is AllocResult:
             self.drain_refused = False  # admissions go through again
-            cached = res["cached"]  # a later step in flight may have moved the counts on: max
+            cached = res.cached  # a later step in flight may have moved the counts on: max
             req.num_computed = cached
-            self.requests.set_blocks(req, res["blocks"])
+            self.requests.set_blocks(req, res.blocks)
             req.num_slots = max(req.num_slots, len(req.block_table) * self.block_size)
             req.synced_tokens = max(req.synced_tokens, cached + min(len(req.tokens) - cached, sub.num_tokens))
             self.requests.count_admission(len(req.tokens), cached)
             return True
         self.requests.withdraw(req)
-        if res.get("code") in ("no_space", "draining"):
-            self.drain_refused = self.drain_refused or res.get("code") == "draining"
+        code = res.code  # type: ignore[union-attr]
+        if code in ("no_space", "draining"):
+            self.drain_refused = self.drain_refused or code == "draining"
             refused.append(req)
             return True
-        req.finish_reason = f"error: {res.get('msg', res.get('code'))}"
+        req.finish_reason = f"error: {res.msg}"  # type: ignore[union-attr]
         return False
 
     def _preempt_for(self, failed: list[tuple[Request, int]]) -> list[Request]:
@@ -336,7 +343,7 @@ class Scheduler:
         """The manager refused ``plan`` as a whole (nothing of it ran): its frees go out again,
         and every running request starts over, freeing whatever the manager holds for it (the
         plan's in-flight assumptions can no longer be reconciled)."""
-        self.requests.abandon(op for op in plan.ops if op["op"] == "free")
+        self.requests.abandon(op for op in plan.ops if type(op) is Free)
 
     def reset(self) -> list[Request]:
         """The manager lost every request: all recompute; returns them (running first)."""

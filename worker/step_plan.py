@@ -1,7 +1,7 @@
 """The records of one scheduler step: what it asks the manager, and the batch the runner executes.
 
-``Scheduler.schedule()`` returns a ``StepPlan``: the step message's sub-ops (``ops``), what each
-one is for (``subops``, aligned with ``ops``) and the sequences it means to run (``seqs``; a
+``Scheduler.schedule()`` returns a ``StepPlan``: the step message's sub-ops (``ops``, records of
+shared/step_ops.py), what each one is for (``subops``, aligned with ``ops``) and the sequences it means to run (``seqs``; a
 sequence whose tokens fit blocks it already holds points at no sub-op). The manager's answers
 turn the plan into a ``Batch`` (``plan.batch(results)``: no state changes), the plain data the
 runner executes and tensor-parallel rank 0 broadcasts. ``Scheduler.update(plan, results,
@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvpool.shared.step_ops import AllocResult, ExtendResult, Forked, Result
+from kvpool.shared.step_ops import SubOp as StepOp
 from kvpool.worker.request import Request
 
 
@@ -63,8 +65,9 @@ class Batch:
 
 @dataclass(slots=True)
 class SubOp:
-    """What one sub-op of the step message is for."""
+    """One sub-op of the step message (``op``, the record sent) and what it is for."""
 
+    op: StepOp
     kind: str  # "fork" (req: the child), "free", "sync", "extend", "alloc"
     req: Request | None
     generation: int = 0
@@ -84,49 +87,53 @@ class ScheduledSeq:
 
 @dataclass
 class StepPlan:
-    ops: list[dict] = field(default_factory=list)
+    ops: list[StepOp] = field(default_factory=list)  # the message: subops[i].op is ops[i]
     subops: list[SubOp] = field(default_factory=list)
     seqs: list[ScheduledSeq] = field(default_factory=list)
 
-    def add(self, op: dict, sub: SubOp) -> int:
-        self.ops.append(op)
+    def add(self, sub: SubOp) -> int:
+        self.ops.append(sub.op)
         self.subops.append(sub)
         return len(self.ops) - 1
 
-    def runnable(self, results: list[dict]) -> Iterator[tuple[ScheduledSeq, int, int, dict | None]]:
+    def runnable(self, results: list[Result]) -> Iterator[tuple[ScheduledSeq, int, int, Result | None]]:
         """(seq, start, num_tokens, its sub-op's result) of every sequence that runs: its request
         has not moved on and its sub-op, if it needed one, succeeded."""
         for s in self.seqs:
             if s.req.generation != s.generation:
                 continue
             res = results[s.op] if s.op >= 0 else None
-            if res is not None and not res.get("ok"):
+            if res is not None and not res.ok:
                 continue
-            if res is not None and self.subops[s.op].kind == "alloc":
-                start = res["cached"]
+            if type(res) is AllocResult:
+                start = res.cached
                 yield s, start, min(s.num_tokens, len(s.req.tokens) - start), res
             else:
                 yield s, s.start, s.num_tokens, res
 
-    def batch(self, results: list[dict]) -> Batch:
+    def batch(self, results: list[Result]) -> Batch:
         """The forward pass the answers allow: block tables with the new blocks and
         copy-on-write replacements, refused and moved-on sequences left out."""
         out = Batch()
         for r in results:  # every order of the step, whoever's sequence runs: the manager counts on them
-            out.saves.extend((s, d) for s, d in r.get("saves", ()))
-            out.loads.extend((s, d) for s, d in r.get("loads", ()))
-            out.writes.extend((s, d) for s, d in r.get("writes", ()))
-        forked = {id(sub.req): r["blocks"] for sub, r in zip(self.subops, results) if sub.kind == "fork" and r.get("ok")}
+            if type(r) is AllocResult or type(r) is ExtendResult:
+                if r.saves:
+                    out.saves.extend((s, d) for s, d in r.saves)
+                if r.loads:
+                    out.loads.extend((s, d) for s, d in r.loads)
+                if r.writes:
+                    out.writes.extend((s, d) for s, d in r.writes)
+        forked = {id(sub.req): r.blocks for sub, r in zip(self.subops, results) if type(r) is Forked}
         for s, start, n, res in self.runnable(results):
             req = s.req
             held = forked.get(id(req), req.block_table)  # a child forked by this same message
             if res is None:
                 table = list(held)
-            elif self.subops[s.op].kind == "alloc":
-                table = list(res["blocks"])
+            elif type(res) is AllocResult:
+                table = list(res.blocks)
             else:
-                table = held + res["blocks"]
-                for index, src, dst in res["copies"]:
+                table = held + res.blocks  # type: ignore[union-attr]
+                for index, src, dst in res.copies:  # type: ignore[union-attr]
                     table[index] = dst
                     out.copies.append((src, dst))
             end = start + n

@@ -21,11 +21,23 @@ from kvpool.manager.core.kv_events import AllBlocksCleared, BlockStored, KVEvent
 
 
 class PoolError(ValueError):
-    """Bad input to a pool operation (unknown or duplicate request, impossible counts)."""
+    """Bad input to a pool operation (unknown or duplicate request, impossible counts).
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
+    A message about a request names it by ``{req}`` and passes its key: ``str(e)`` shows the
+    whole key, ``public()`` only the client's request id (the key's last part; the owner is the
+    caller's own), which is what the step answers (manager/core/step.py)."""
+
+    def __init__(self, code: str, message: str, key: object = None) -> None:
+        super().__init__(message.format(req=repr(key)) if key is not None else message)
         self.code = code
+        self.template = message
+        self.key = key
+
+    def public(self) -> str:
+        key = self.key
+        if key is None:
+            return self.template
+        return self.template.format(req=repr(key[-1] if type(key) is tuple and key else key))
 
 
 class RequestBlocks:
@@ -169,7 +181,7 @@ class Pool:
         Tokens computed this step: ``min(max_new_tokens, num_prompt_tokens - num_cached_tokens)``.
         """
         if req_id in self.requests:
-            raise PoolError("duplicate_request", f"request {req_id!r} already holds blocks")
+            raise PoolError("duplicate_request", "request {req} already holds blocks", req_id)
         if num_prompt_tokens < 1 or max_new_tokens < 1 or lookahead < 0:
             raise PoolError("bad_count", "need num_prompt_tokens >= 1, max_new_tokens >= 1, lookahead >= 0")
         if len(hashes) > num_prompt_tokens // self.block_size:
@@ -263,7 +275,7 @@ class Pool:
         and no later hit may read K/V that was never written (vLLM caches computed blocks)."""
         req = self.requests.pop(req_id, None)
         if req is None:
-            raise PoolError("unknown_request", f"request {req_id!r} holds no blocks")
+            raise PoolError("unknown_request", "request {req} holds no blocks", req_id)
         if computed is not None and computed // self.block_size < req.num_cached:
             self._uncache_uncomputed(req, computed // self.block_size)
         self.blocks.free_blocks(reversed(req.blocks))
@@ -288,7 +300,7 @@ class Pool:
         """
         parent = self._get(parent_id)
         if child_id in self.requests:
-            raise PoolError("duplicate_request", f"request {child_id!r} already holds blocks")
+            raise PoolError("duplicate_request", "request {req} already holds blocks", child_id)
         n_full = parent.num_tokens // self.block_size
         blocks = parent.blocks[: _cdiv(parent.num_tokens, self.block_size)]
         self.blocks.touch(blocks)
@@ -367,7 +379,7 @@ class Pool:
     def _get(self, req_id: object) -> RequestBlocks:
         req = self.requests.get(req_id)
         if req is None:
-            raise PoolError("unknown_request", f"request {req_id!r} holds no blocks")
+            raise PoolError("unknown_request", "request {req} holds no blocks", req_id)
         return req
 
     def _cache_full(self, req: RequestBlocks) -> None:

@@ -10,6 +10,7 @@ from kvpool.manager.core.pool import Pool
 from kvpool.manager.entries import PoolEntry
 from kvpool.manager.guards import Bounds, _projected_work, check_step
 from kvpool.shared.protocol import ManagerError
+from kvpool.shared.step_ops import decode_ops
 
 BS = 4
 
@@ -37,6 +38,7 @@ sub_op = st.fixed_dictionaries(
        held=st.dictionaries(st.integers(0, 5), st.integers(1, 40), max_size=4))
 def test_a_step_is_refused_exactly_when_its_projected_work_is_over_the_limit(ops, limit, held):
     entry = make_entry(held)
+    ops = decode_ops(ops)
     refused = _projected_work(BS, entry, "o", ops) > limit
     try:
         check_step(Bounds(max_step_blocks=limit), entry, "o", ops)
@@ -48,7 +50,7 @@ def test_a_step_is_refused_exactly_when_its_projected_work_is_over_the_limit(ops
 
 def test_a_fork_is_projected_even_when_the_token_bound_is_small():
     entry = make_entry({0: 40})  # 10 blocks shared by each fork
-    forks = [{"op": "fork", "req": 0, "child": 10 + i} for i in range(3)]
+    forks = decode_ops([{"op": "fork", "req": 0, "child": 10 + i} for i in range(3)])
     check_step(Bounds(max_step_blocks=30), entry, "o", forks)
     with pytest.raises(ManagerError, match="up to 30 blocks; at most 29"):
         check_step(Bounds(max_step_blocks=29), entry, "o", forks)

@@ -8,6 +8,7 @@ from helpers.worker import greedy, make_engine, make_prompt
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
 from kvpool.shared.hashing import hash_blocks
+from kvpool.shared.step_ops import Free, encode_ops, encode_results
 from kvpool.worker.request import Request
 from kvpool.worker.sampler import SamplingParams
 from kvpool.worker.scheduler import Output, Scheduler
@@ -31,7 +32,7 @@ def run(sched: Scheduler, pool: Pool, sampled: int = 7):
     results = run_step(pool, "w", plan.ops)
     batch = plan.batch(results)
     sched.update(plan, results, [Output(req, sampled) for req, s in zip(batch.reqs, batch.seqs) if s.sample])
-    return plan.ops, batch
+    return encode_ops(plan.ops), batch
 
 
 def test_admission_ops_exact():
@@ -246,12 +247,12 @@ def pipelined(sched: Scheduler, pool: Pool, steps: int, sampled: int = 7) -> lis
         if ready is None:
             plan = sched.schedule()
             results = run_step(pool, "w", plan.ops)
-            sent.append((plan.ops, results))
+            sent.append((encode_ops(plan.ops), encode_results(results)))
             ready = (plan, results, plan.batch(results))
         plan, results, batch = ready
         following = sched.schedule()
         answers = run_step(pool, "w", following.ops)
-        sent.append((following.ops, answers))
+        sent.append((encode_ops(following.ops), encode_results(answers)))
         sched.update(plan, results, [Output(r, sampled) for r, s in zip(batch.reqs, batch.seqs) if s.sample])
         ready = (following, answers, following.batch(answers)) if following.ops or following.seqs else None
     return sent
@@ -315,7 +316,7 @@ def test_with_overlap_the_next_block_is_asked_for_before_the_token_that_needs_it
     real = engine.bm.send_step
 
     def send(ops):
-        asked.extend((o["num_tokens"], len(req.tokens), o.get("base")) for o in ops if o["op"] == "extend")
+        asked.extend((o["num_tokens"], len(req.tokens), o.get("base")) for o in encode_ops(ops) if o["op"] == "extend")
         return real(ops)
 
     engine.bm.send_step = send
@@ -345,5 +346,5 @@ def test_release_all_hands_over_running_and_owed_frees():
     assert sorted(rids) == [0, 1]
     assert sched.running == [] and sched.pending_frees == []
     assert list(sched.waiting) == [c] and sched.has_work()
-    run_step(pool, "w", [{"op": "free", "req": rid} for rid in rids])
+    run_step(pool, "w", [Free(rid) for rid in rids])
     assert pool.snapshot_stats()["used_blocks"] == 0 and pool.snapshot_stats()["requests"] == 0

@@ -275,11 +275,11 @@ def test_write_through_copies_of_uncomputed_blocks_are_dropped_from_the_host_tie
 
 @pytest.mark.parametrize("bad", [-1, "8", 1.5, 1 << 31])
 def test_a_bad_computed_is_a_bad_field_and_frees_nothing(bad):
-    from kvpool.manager.core.step import run_step
+    from helpers.step_wire import run_wire_step
 
     pool = make_pool()
     alloc(pool, (None, 1), list(range(9)))
-    (res,) = run_step(pool, None, [{"op": "free", "req": 1, "computed": bad}])
+    (res,) = run_wire_step(pool, None, [{"op": "free", "req": 1, "computed": bad}])
     assert res["code"] == "bad_field" and "computed" in res["msg"] and (None, 1) in pool.requests
 
 
