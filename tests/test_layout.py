@@ -213,8 +213,13 @@ MAY_IMPORT = {
                       "kvpool.manager.config"},
     "manager": {"shared", "manager.core", "manager.store"},
     "worker": {"shared", "kernels", "manager.core"},
-    "frontend": {"shared", "worker", "manager.core"},
-    "cli": {"shared", "worker", "manager.core", "frontend", *CLI_ENTRY_POINTS},
+    # the front door: of the worker only its model presets (a preset's tokenizer) and the manager
+    # client (importing a module runs its package's __init__, hence kvpool.worker itself)
+    "frontend": {"shared", "kvpool.worker", "kvpool.worker.config", "kvpool.worker.manager_client"},
+    "llm": {"shared", "worker", "frontend"},  # the worker's engine, the front door's text handling
+    "bench": {"shared", "manager.core"},  # workloads and the in-process pool benchmark
+    "devcluster": {"shared", "worker", "frontend"},  # above the product: nothing in it imports this
+    "cli": {"shared", "worker", "manager.core", "frontend", "devcluster", "bench", *CLI_ENTRY_POINTS},
 }
 
 

@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 from helpers.worker import make_prompt
-from helpers.worker_procs import CLI, Cluster, ClusterConfig
 
+from kvpool.devcluster.cluster import ClusterConfig, DevCluster
+from kvpool.shared.procs import CLI
 from kvpool.worker.client import GenerateClient
 from kvpool.worker.config import PRESETS
 from kvpool.worker.manager_client import ManagerClient
@@ -27,7 +28,7 @@ def model():
 
 @pytest.fixture
 def cluster():
-    c = Cluster(ClusterConfig(num_workers=1))
+    c = DevCluster(ClusterConfig(num_workers=1))
     try:
         c.start()
         yield c
