@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.client.generate import GenerateClient, WorkerUnavailable
 from kvpool.shared.curve import ClientKeys
 from kvpool.shared.procs import CLI
-from kvpool.worker.client import GenerateClient, WorkerUnavailable
 from kvpool.worker.config import PRESETS
 from kvpool.worker.profiler import page_bytes
 

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 
 from helpers.durable import random_step  # noqa: E402
 from helpers.kv_spec import SPEC  # noqa: E402
+from kvpool.client.manager import ManagerClient, ManagerRestarted, ManagerUnavailable  # noqa: E402
 from kvpool.shared.protocol import KVSpec  # noqa: E402
-from kvpool.worker.manager_client import ManagerClient, ManagerRestarted, ManagerUnavailable  # noqa: E402
 
 BLOCKS = 400
 CHECK_EVERY = 4

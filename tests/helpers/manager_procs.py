@@ -17,9 +17,9 @@ import time
 import zmq
 from kv_spec import SPEC  # run as a script: its folder, tests/helpers, is on sys.path
 
+from kvpool.client.manager import ManagerClient
 from kvpool.shared.hashing import hash_blocks
 from kvpool.shared.protocol import KVSpec, pack, unpack
-from kvpool.worker.manager_client import ManagerClient
 
 SHARED = list(range(1000, 1032))  # 32 tokens = 8 full blocks, the same in every process
 

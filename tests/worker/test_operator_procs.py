@@ -15,10 +15,10 @@ import time
 import pytest
 from helpers.worker import make_prompt
 
+from kvpool.client.generate import GenerateClient
+from kvpool.client.manager import ManagerClient
 from kvpool.devcluster.cluster import ClusterConfig, DevCluster
 from kvpool.shared.procs import CLI
-from kvpool.worker.client import GenerateClient
-from kvpool.worker.manager_client import ManagerClient
 
 pytestmark = pytest.mark.slow
 

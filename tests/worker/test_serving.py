@@ -10,11 +10,11 @@ import pytest
 import torch
 from helpers.worker import make_prompt
 
+from kvpool.client.generate import GenerateClient
+from kvpool.client.manager import ManagerClient
 from kvpool.devcluster.cluster import ClusterConfig, DevCluster
 from kvpool.shared.procs import CLI
-from kvpool.worker.client import GenerateClient
 from kvpool.worker.config import PRESETS
-from kvpool.worker.manager_client import ManagerClient
 from kvpool.worker.model import build_model
 from kvpool.worker.reference import reference_generate
 
@@ -42,8 +42,8 @@ def collect(client: GenerateClient, prompt, **params) -> tuple[list[list[int]], 
     messages = 0
     for msg in client.stream(prompt, timeout_s=30, **params):
         messages += 1
-        if msg["token"] is not None:
-            outs.setdefault(msg["index"], []).append(msg["token"])
+        if msg.token is not None:
+            outs.setdefault(msg.index, []).append(msg.token)
     return [outs[i] for i in sorted(outs)], messages
 
 
