@@ -7,8 +7,8 @@ import json
 import click
 from tqdm import tqdm
 
-from kvpool.manager.core.bench import report_lines, run_trace
-from kvpool.shared.trace import TraceConfig
+from kvpool.bench.pool import report_lines, run_trace
+from kvpool.bench.trace import TraceConfig
 
 
 @click.command("bench")

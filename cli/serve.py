@@ -1,5 +1,5 @@
 """Worker commands: `kvpool worker` serves a model, `kvpool generate` asks it, `kvpool demo` (text
-through the front door: frontend/demo.py)."""
+through the front door: devcluster/demo.py)."""
 
 from __future__ import annotations
 
@@ -283,8 +283,8 @@ def _finish_report(reasons: list[str], counts: list[int], max_tokens: int) -> in
 def demo(num_requests: int, max_inflight: int, kv_blocks: int, tenants: int, policy: str, seed: int,
          host_kv_memory: int, as_json: bool) -> None:
     """A manager, two CPU workers and the HTTP front door serving a multi-tenant chat trace."""
-    from kvpool.frontend.demo import TextDemoConfig, format_report, run_text_demo
-    from kvpool.frontend.loadgen import ChatTraceConfig
+    from kvpool.devcluster.demo import TextDemoConfig, format_report, run_text_demo
+    from kvpool.devcluster.loadgen import ChatTraceConfig
 
     try:
         cfg = TextDemoConfig(ChatTraceConfig(num_requests=num_requests, num_tenants=tenants, seed=seed),

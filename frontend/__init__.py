@@ -1,2 +1,5 @@
 """The text front door: tokenizers, chat templates, the OpenAI-compatible HTTP server
-(`kvpool serve`), KV-aware routing across workers found through the managers, the offline LLM."""
+(`kvpool serve`), KV-aware routing across workers found through the managers.
+
+The offline LLM is ``kvpool.llm``; the demo, its load generator and local clusters are
+``kvpool.devcluster``."""

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The reference trace (shared/trace.py) through the manager daemon, next to the in-process pool.
+"""The reference trace (bench/trace.py) through the manager daemon, next to the in-process pool.
 
 A real daemon (`kvpool manager`) on ipc:// serves one pool; ``--clients`` worker processes each
 take every n-th request of the trace and drive it in scheduler steps: one ``step`` message per
@@ -7,7 +7,7 @@ step, freeing the requests admitted by the previous step and admitting the next 
 ones (``2 * batch`` sub-ops, 64 by default). Two comparisons, each measured in this run:
 
 1. hashing in the loop: clients SHA-256 their prompts as a worker would, against
-   kvpool.manager.core.bench.run_trace (hash + allocate + free in one process), the figure bench_pool prints;
+   kvpool.bench.pool.run_trace (hash + allocate + free in one process), the figure bench_pool prints;
 2. hashes precomputed before the clock starts: the daemon against the very same steps run
    through ``run_step`` in one process, which isolates the cost of the daemon itself.
 
@@ -40,8 +40,9 @@ import numpy as np
 from manager_daemon import start_daemon
 from rtt_breakdown import StepTimes, attribute, join, tail_line
 
+from kvpool.bench.pool import run_trace
+from kvpool.bench.trace import TraceConfig, prompts
 from kvpool.client.manager import ManagerClient
-from kvpool.manager.core.bench import run_trace
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
 from kvpool.shared.hashing import hash_blocks
@@ -55,7 +56,6 @@ from kvpool.shared.step_ops import (
     decode_results,
     encode_ops,
 )
-from kvpool.shared.trace import TraceConfig, prompts
 
 POOL = "bench"
 SPEC = {"block_size": 16, "num_layers": 1, "num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
@@ -328,7 +328,7 @@ def main() -> None:
           f"{os.cpu_count()} CPUs")
     print_table(table_rows(hashing, prehashed, durable))
     if args.explain:
-        report("SHA-256 hashing in the loop (in-process = kvpool.manager.core.bench.run_trace; clients hash their "
+        report("SHA-256 hashing in the loop (in-process = kvpool.bench.pool.run_trace; clients hash their "
                "prompts)", hashing)
         report("hashes precomputed (in-process = the same steps through run_step, one process)", prehashed)
         if durable:

@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""In-process block-pool benchmark on the reference trace (shared/trace.py).
+"""In-process block-pool benchmark on the reference trace (bench/trace.py).
 
 Prints, as the median of ``--rounds`` replays measured in this run: CPU µs per request including
 SHA-256 hashing, split into hash, lookup+allocate and free; requests/s; the allocate+free cost
 per block without hashing or prefix caching; the prefix hit rate (cached tokens / prompt
 tokens) and blocks per request. CPU time (not wall time) is the figure that matters on a shared
-machine: see kvpool.manager.core.bench, which `kvpool bench` runs too. No figure from elsewhere
+machine: see kvpool.bench.pool, which `kvpool bench` runs too. No figure from elsewhere
 is printed beside these. ``--against REV`` compares two builds in one run: it loads the pool
-core and hashing of git revision REV (``shared/`` and ``manager/core/``, extracted to a temporary
-package) and alternates rounds of both on the same trace, printing CPU per request of each
+core and hashing of git revision REV (``shared/``, ``manager/core/`` and ``bench/``, extracted to a
+temporary package) and alternates rounds of both on the same trace, printing CPU per request of each
 phase for both and their ratios (REV / this build).
 
     python scripts/bench_pool.py                 # the reference trace (100k requests), 3 rounds
@@ -31,8 +31,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from kvpool.manager.core.bench import report_lines, run_trace
-from kvpool.shared.trace import TraceConfig
+from kvpool.bench.pool import report_lines, run_trace
+from kvpool.bench.trace import TraceConfig
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -41,15 +41,21 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def baseline_run_trace(rev: str):
-    """``run_trace`` of git revision ``rev`` (``load_revision``), so both builds run in this process."""
-    return importlib.import_module(load_revision(rev) + ".manager.core.bench").run_trace
+    """``run_trace`` of git revision ``rev`` (``load_revision``), so both builds run in this process.
+    Revisions before the benchmark drivers left the product kept it in ``manager/core/bench.py``."""
+    pkg, folders = load_revision(rev)
+    return importlib.import_module(pkg + (".bench.pool" if "bench" in folders else ".manager.core.bench")).run_trace
 
 
-def load_revision(rev: str) -> str:
-    """Extracts git revision ``rev``'s ``shared/`` and ``manager/core/`` as the package
-    ``kvpool_base`` (imports rewritten) and returns that package name, importable from now on."""
+def load_revision(rev: str) -> tuple[str, list[str]]:
+    """Extracts git revision ``rev``'s ``shared/``, ``manager/core/`` and ``bench/`` (where it has
+    one) as the package ``kvpool_base`` (imports rewritten); returns that package name, importable
+    from now on, and the folders extracted."""
     root = Path(__file__).resolve().parent.parent
-    tar = subprocess.run(["git", "-C", str(root), "archive", rev, "shared", "manager/core"],
+    tree = subprocess.run(["git", "-C", str(root), "ls-tree", "--name-only", rev],
+                          capture_output=True, text=True, check=False)  # an unknown rev: archive says so
+    folders = ["shared", "manager/core", *(["bench"] if "bench" in tree.stdout.split() else [])]
+    tar = subprocess.run(["git", "-C", str(root), "archive", rev, *folders],
                          capture_output=True, check=False)
     if tar.returncode:
         sys.exit(f"bench_pool: git archive {rev} failed: {tar.stderr.decode().strip()}")
@@ -63,7 +69,7 @@ def load_revision(rev: str) -> str:
     for py in pkg.rglob("*.py"):
         py.write_text(py.read_text().replace("kvpool.", "kvpool_base."))
     sys.path.insert(0, str(tmp))
-    return "kvpool_base"
+    return "kvpool_base", folders
 
 
 def compare_lines(rev: str, this: dict, base: dict) -> list[str]:

@@ -33,9 +33,9 @@ import sys
 import time
 
 from kvpool.client.manager import ManagerClient
-from kvpool.frontend.demo import worker_stats
-from kvpool.frontend.loadgen import ChatTraceConfig, chat_trace, drive, summarize
-from kvpool.frontend.procs import LocalCluster
+from kvpool.devcluster.cluster import DevCluster
+from kvpool.devcluster.demo import worker_stats
+from kvpool.devcluster.loadgen import ChatTraceConfig, chat_trace, drive, summarize
 from kvpool.frontend.server import FrontDoorServer
 from kvpool.frontend.service import FrontDoorConfig
 from kvpool.shared.protocol import ManagerError
@@ -156,7 +156,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(row, indent=2) if args.json else table([row]) + "\n(hit rate: the workers' counts "
               f"are not reachable from here; routed estimate {row['routed_hit_rate']:.1%})")
         return 0
-    cluster = LocalCluster(prefix="kvpool-bench-router-")
+    cluster = DevCluster(prefix="kvpool-bench-router-")
     try:
         manager = cluster.manager()
         for k in range(args.workers):

@@ -15,7 +15,7 @@ larger. Every request is submitted at t=0. The modes run interleaved, one engine
 turn, so load from elsewhere on the machine falls on all of them alike; tokens/s is a mode's
 generated tokens over the time of its own steps, and each mode is reported as a ratio against
 static, measured in the same run. A progress bar (stderr) counts the tokens of every mode.
-Prompts come from the reference trace generator (shared/trace.py), output lengths from the same
+Prompts come from the reference trace generator (bench/trace.py), output lengths from the same
 seed.
 
     .venv/bin/python scripts/bench_worker.py             # static and paged, small preset, CPU
@@ -34,7 +34,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from kvpool.shared.trace import TraceConfig, prompts
+from kvpool.bench.trace import TraceConfig, prompts
 from kvpool.worker.block_manager import LocalBlockManager
 from kvpool.worker.config import PRESETS, WorkerConfig
 from kvpool.worker.profiler import page_bytes

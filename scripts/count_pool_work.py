@@ -29,7 +29,7 @@ from pathlib import Path
 
 from bench_pool import load_revision
 
-from kvpool.shared.trace import TraceConfig, prompts
+from kvpool.bench.trace import TraceConfig, prompts
 
 
 def count(package: str, cfg: TraceConfig, warmup: int) -> tuple[Counter, int]:
@@ -100,7 +100,7 @@ def main() -> None:
     cfg = TraceConfig(num_requests=args.warmup + args.requests)
     runs = [("this build", *count("kvpool", cfg, args.warmup))]
     if args.against:
-        runs.append((args.against, *count(load_revision(args.against), cfg, args.warmup)))
+        runs.append((args.against, *count(load_revision(args.against)[0], cfg, args.warmup)))
     if len({b for _, _, b in runs}) != 1:
         print(f"WARNING: the builds gave different numbers of blocks: {[b for _, _, b in runs]}")
     print(f"bytecodes per request over {args.requests} requests after {args.warmup} untraced "

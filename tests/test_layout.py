@@ -214,8 +214,11 @@ MAY_IMPORT = {
     "manager": {"shared", "manager.core", "manager.store"},
     "client": {"shared"},
     "worker": {"shared", "kernels", "manager.core", "client"},
-    "frontend": {"shared", "worker", "manager.core", "client"},
-    "cli": {"shared", "worker", "manager.core", "frontend", "client", *CLI_ENTRY_POINTS},
+    "frontend": {"shared", "client", "kvpool.worker", "kvpool.worker.config"},
+    "llm": {"shared", "worker", "frontend"},  # the worker's engine, the front door's text handling
+    "bench": {"shared", "manager.core"},  # workloads and the in-process pool benchmark
+    "devcluster": {"shared", "worker", "client", "frontend"},  # above the product: nothing in it imports this
+    "cli": {"shared", "worker", "manager.core", "frontend", "client", "devcluster", "bench", *CLI_ENTRY_POINTS},
 }
 
 

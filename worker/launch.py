@@ -14,21 +14,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import signal
-import socket
 import subprocess
-import sys
 import time
 
+from kvpool.shared.procs import CLI, free_port
+
 logger = logging.getLogger(__name__)
-CLI = [sys.executable, "-c", "import sys; from kvpool.cli.main import cli; sys.exit(cli())"]
 PR_SET_PDEATHSIG = 1
-
-
-def free_port() -> int:
-    """A port free right now on 127.0.0.1 (rank 0 binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

@@ -17,12 +17,13 @@ import time
 import httpx
 import pytest
 
+from kvpool.devcluster.cluster import DevCluster
 from kvpool.frontend.directory import Directory
-from kvpool.frontend.procs import CLI, LocalCluster
 from kvpool.frontend.serve_config import ServeConfig
 from kvpool.frontend.server import FrontDoorServer
 from kvpool.frontend.service import FrontDoorConfig
 from kvpool.shared.curve import ClientKeys, write_keypair
+from kvpool.shared.procs import CLI
 
 PROMPT = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 4, "ignore_eos": True}
 
@@ -50,7 +51,7 @@ def test_front_door_serves_a_curve_worker_and_says_why_one_refuses_it(tmp_path, 
     for n in ("worker", "front", "stranger"):  # the manager lets the stranger in: the worker refuses it
         shutil.copy(keys[n][0], manager_allowed)
     shutil.copy(keys["front"][0], worker_allowed)
-    cluster = LocalCluster()
+    cluster = DevCluster(prefix="kvpool-fd-")
     doors: list[FrontDoorServer] = []
     try:
         manager = cluster.manager("manager", "--curve-secret-key-file", str(keys["manager"][1]),

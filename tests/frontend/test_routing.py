@@ -90,11 +90,11 @@ def test_workers_lost_mid_stream_end_streams_cleanly_and_new_workers_are_noticed
                 timeout=60) as r:
             lines = r.iter_lines()
             first = [next(lines) for _ in range(2)]
-            stack.cluster.procs["late"].send_signal(signal.SIGTERM)
+            stack.cluster.named["late"].send_signal(signal.SIGTERM)
             rest = list(lines)
         events = [ln[6:] for ln in first + rest if ln.startswith("data: ")]
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["reason"] in ("worker_ended", "worker_lost")
-        assert stack.cluster.procs["late"].wait(15) == 0
+        assert stack.cluster.named["late"].wait(15) == 0
         deadline = time.monotonic() + 10
         while stack.fd.frontdoor.directory.workers:  # deregistered: gone from the manager's list
             assert time.monotonic() < deadline

@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 
-from kvpool.frontend.procs import CLI, LocalCluster
+from kvpool.devcluster.cluster import DevCluster
+from kvpool.shared.procs import CLI
 
 
 def test_bad_options_say_what_to_write() -> None:
@@ -22,7 +23,7 @@ def test_bad_options_say_what_to_write() -> None:
 
 @pytest.mark.slow
 def test_kvpool_serve_answers_http_and_stops_on_sigterm() -> None:
-    cluster = LocalCluster()
+    cluster = DevCluster(prefix="kvpool-fd-")
     proc = None
     try:
         manager = cluster.manager()

@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 
-from kvpool.frontend.procs import CLI
 from kvpool.frontend.serve_config import ServeConfig
 from kvpool.shared.config import ConfigError, load
+from kvpool.shared.procs import CLI
 
 A, A2, B = "tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556", "ipc:///tmp/kvpool-node2.sock"  # loopback: no CURVE needed
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from kvpool.frontend.demo import TextDemoConfig, format_report, run_text_demo
-from kvpool.frontend.loadgen import ChatTraceConfig, chat_trace
-from kvpool.frontend.procs import CLI
+from kvpool.devcluster.demo import TextDemoConfig, format_report, run_text_demo
+from kvpool.devcluster.loadgen import ChatTraceConfig, chat_trace
+from kvpool.shared.procs import CLI
 
 pytestmark = pytest.mark.slow
 

@@ -25,6 +25,7 @@ from kvpool.manager.server import Server
 from kvpool.manager.store.journal import encode_batch, recover
 from kvpool.manager.store.state_file import dump_registry, encode_state
 from kvpool.shared.hashing import hash_blocks
+from kvpool.shared.procs import free_port
 from kvpool.shared.protocol import encode_request, unpack
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -269,14 +270,6 @@ class LeaseWatch:
 
 def logged(log: Path, text: str) -> bool:
     return log.exists() and text in log.read_text(errors="replace")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def redis_server(spawn, directory: str, *extra: str, port: int | None = None):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpool.frontend.procs import LocalCluster
+from kvpool.devcluster.cluster import DevCluster
 from kvpool.frontend.server import FrontDoorServer
 from kvpool.frontend.service import FrontDoorConfig
 
@@ -11,7 +11,7 @@ class Stack:
     def __init__(self, workers: int = 2, managers: int = 1, policy: str = "kv-aware", kv_blocks: int = 128,
                  silence_s: float = 30.0, **server: object) -> None:
         """``server``: FrontDoorServer's keywords (``limits``, ``api_keys``)."""
-        self.cluster = LocalCluster()
+        self.cluster = DevCluster(prefix="kvpool-fd-")
         self.fd: FrontDoorServer | None = None
         try:
             self.managers = [self.cluster.manager(f"manager{i}", "--session-timeout", "2") for i in range(managers)]

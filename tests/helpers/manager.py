@@ -7,21 +7,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
+from helpers.kv_spec import SPEC
 from kvpool.manager.config import ManagerConfig
 from kvpool.manager.server import Server
 from kvpool.shared.metrics import parse_text
+from kvpool.shared.procs import CLI, free_port  # noqa: F401 (the tests import them from here too)
 from kvpool.shared.protocol import KVSpec, encode_request, unpack
 
-SPEC = {"block_size": 4, "num_layers": 2, "num_kv_heads": 2, "head_size": 8, "dtype": "float16"}
-CLI = [sys.executable, "-c", "import sys; from kvpool.cli.main import cli; sys.exit(cli())"]
 SHARED = list(range(1000, 1032))  # 32 tokens = 8 full blocks of 4
 HELPERS = Path(__file__).parent  # the process scripts: manager_procs.py, chaos_procs.py
 
@@ -78,12 +76,6 @@ def wait_until(pred, timeout: float = 20.0, what: str = "condition") -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

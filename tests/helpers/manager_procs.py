@@ -15,12 +15,12 @@ import sys
 import time
 
 import zmq
+from kv_spec import SPEC  # run as a script: its folder, tests/helpers, is on sys.path
 
 from kvpool.client.manager import ManagerClient
 from kvpool.shared.hashing import hash_blocks
 from kvpool.shared.protocol import KVSpec, pack, unpack
 
-SPEC = {"block_size": 4, "num_layers": 2, "num_kv_heads": 2, "head_size": 8, "dtype": "float16"}
 SHARED = list(range(1000, 1032))  # 32 tokens = 8 full blocks, the same in every process
 
 

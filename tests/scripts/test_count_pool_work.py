@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvpool.shared.trace import TraceConfig
+from kvpool.bench.trace import TraceConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,15 +14,16 @@ import time
 
 import pytest
 from helpers.worker import make_prompt
-from helpers.worker_procs import CLI, Cluster, ClusterConfig
 
 from kvpool.client.generate import GenerateClient
 from kvpool.client.manager import ManagerClient
+from kvpool.devcluster.cluster import ClusterConfig, DevCluster
+from kvpool.shared.procs import CLI
 
 pytestmark = pytest.mark.slow
 
 
-class OpsCluster(Cluster):
+class OpsCluster(DevCluster):
     """The test cluster with a short session timeout (a dead worker is seen in ~1.5 s)."""
 
     def start_manager(self) -> subprocess.Popen:
@@ -44,12 +45,12 @@ def kvpool(*args: str, timeout: float = 60, env: dict | None = None) -> subproce
                           env={**os.environ, **(env or {})})
 
 
-def worker_args(c: Cluster, *extra: str) -> list[str]:
+def worker_args(c: DevCluster, *extra: str) -> list[str]:
     return ["worker", "--manager", c.manager_ep, "--model", "tiny", "--dtype", "float32", "--device", "cpu",
             "--max-model-len", "1024", "--threads", "1", "--kv-cache-memory", "4MiB", *extra]
 
 
-def pool_row(c: Cluster) -> dict | None:
+def pool_row(c: DevCluster) -> dict | None:
     rows = json.loads(kvpool("pools", "-m", c.manager_ep, "--json").stdout)
     return next((r for r in rows if r["pool"] == c.pools[0]), None)
 
@@ -69,7 +70,7 @@ def wait_for(pred, timeout: float = 15.0, what: str = "condition") -> None:
         time.sleep(0.1)
 
 
-def long_generate(c: Cluster, *extra: str) -> subprocess.Popen:
+def long_generate(c: DevCluster, *extra: str) -> subprocess.Popen:
     prompt = map(str, make_prompt(20, 7))
     return subprocess.Popen([*CLI, "generate", "-w", c.worker_eps[0], "--max-tokens", "1000", "--ignore-eos",
                              *extra, *prompt], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

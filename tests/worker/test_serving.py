@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 from helpers.worker import make_prompt
-from helpers.worker_procs import CLI, Cluster, ClusterConfig
 
 from kvpool.client.generate import GenerateClient
 from kvpool.client.manager import ManagerClient
+from kvpool.devcluster.cluster import ClusterConfig, DevCluster
+from kvpool.shared.procs import CLI
 from kvpool.worker.config import PRESETS
 from kvpool.worker.model import build_model
 from kvpool.worker.reference import reference_generate
@@ -27,7 +28,7 @@ def model():
 
 @pytest.fixture
 def cluster():
-    c = Cluster(ClusterConfig(num_workers=1))
+    c = DevCluster(ClusterConfig(num_workers=1))
     try:
         c.start()
         yield c

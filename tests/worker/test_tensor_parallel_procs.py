@@ -11,10 +11,10 @@ import time
 import pytest
 from helpers.tp import rank_kv_bytes
 from helpers.worker import greedy, make_engine, make_prompt
-from helpers.worker_procs import Cluster, ClusterConfig
 
 from kvpool.client.generate import GenerateClient
 from kvpool.client.manager import ManagerClient
+from kvpool.devcluster.cluster import ClusterConfig, DevCluster
 from kvpool.shared.protocol import SessionExpired, StaleEpoch
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ class Replica:
     """A manager and one two-rank pool, in the test cluster's private directory."""
 
     def __init__(self) -> None:
-        self.cluster = Cluster(ClusterConfig())
+        self.cluster = DevCluster(ClusterConfig())
         self.endpoint = f"ipc://{self.cluster.dir}/tp.sock"
         self.launcher = None
         self.ranks: dict[int, int] = {}
@@ -69,7 +69,7 @@ class Replica:
         assert sorted(self.ranks) == [0, 1]
 
     def log(self) -> str:
-        return Cluster.log_tail(self.launcher, 100_000)
+        return self.cluster.log_tail(self.launcher, 100_000)
 
     def stop(self) -> None:
         self.cluster.stop()  # SIGTERM to the launcher (-> rank 0 -> rank 1), then the manager

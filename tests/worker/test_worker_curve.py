@@ -10,10 +10,11 @@ import time
 import pytest
 import torch
 from helpers.worker import make_prompt
-from helpers.worker_procs import CLI, Cluster, ClusterConfig
 
 from kvpool.client.generate import GenerateClient, WorkerUnavailable
+from kvpool.devcluster.cluster import ClusterConfig, DevCluster
 from kvpool.shared.curve import ClientKeys, write_keypair
+from kvpool.shared.procs import CLI
 from kvpool.worker.config import PRESETS
 from kvpool.worker.model import build_model
 from kvpool.worker.reference import reference_generate
@@ -26,7 +27,7 @@ def test_a_curve_worker_serves_allowed_keys_and_refuses_the_others(tmp_path):
     allowed.mkdir()
     keys = {name: write_keypair(tmp_path, name) for name in ("worker", "front", "stranger")}
     shutil.copy(keys["front"][0], allowed)
-    cluster = Cluster(ClusterConfig(num_workers=1))
+    cluster = DevCluster(ClusterConfig(num_workers=1))
     clients: list[GenerateClient] = []
     front = ClientKeys.load(str(keys["worker"][0]), str(keys["front"][1]))
     try:

@@ -16,9 +16,9 @@ import pytest
 import torch
 import zmq
 from helpers.worker import make_prompt
-from helpers.worker_procs import Cluster, ClusterConfig
 
 from kvpool.client.generate import GenerateClient
+from kvpool.devcluster.cluster import ClusterConfig, DevCluster
 from kvpool.worker.config import PRESETS
 from kvpool.worker.model import build_model
 from kvpool.worker.reference import reference_generate
@@ -98,7 +98,7 @@ def served_correctly(client: GenerateClient, model, rng: random.Random) -> None:
 
 
 def test_worker_survives_hostile_messages_and_serves_a_good_client_throughout(model):
-    cluster = Cluster(ClusterConfig(num_workers=1))
+    cluster = DevCluster(ClusterConfig(num_workers=1))
     ctx = zmq.Context()
     evil = ctx.socket(zmq.DEALER)
     evil.setsockopt(zmq.LINGER, 0)

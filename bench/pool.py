@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
 
+from kvpool.bench.trace import TraceConfig, prompts
 from kvpool.manager.core.pool import Pool
 from kvpool.shared.hashing import hash_blocks
-from kvpool.shared.trace import TraceConfig, prompts
 
 CHUNK = 1000
 

@@ -17,8 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from kvpool.client.generate import GenerateClient
-from kvpool.frontend.loadgen import ChatTraceConfig, Result, chat_trace, drive, summarize
-from kvpool.frontend.procs import LocalCluster
+from kvpool.devcluster.cluster import DevCluster
+from kvpool.devcluster.loadgen import ChatTraceConfig, Result, chat_trace, drive, summarize
 from kvpool.frontend.server import FrontDoorServer
 from kvpool.frontend.service import FrontDoorConfig
 
@@ -73,7 +73,7 @@ def say(progress: bool, text: str) -> None:
 
 def run_text_demo(cfg: TextDemoConfig, progress: bool = True) -> dict:
     """Runs the demo; with ``progress`` says on stderr what starts and how far it got."""
-    cluster = LocalCluster(prefix="kvpool-demo-")
+    cluster = DevCluster(prefix="kvpool-demo-")
     fd = None
     say(progress, f"starting a manager, {cfg.num_workers} CPU workers (model {cfg.model!r}: seeded random weights, "
                   f"{cfg.kv_blocks} KV blocks each) and the HTTP front door ({cfg.policy} routing)")
