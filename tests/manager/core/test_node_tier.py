@@ -114,6 +114,18 @@ def test_prefetch_brings_a_disk_block_up_readable_once_its_batch_finishes():
     t.check_invariants()
 
 
+def test_a_prefetched_disk_slot_is_not_the_victim_of_the_write_down_its_host_slot_needs():
+    t = make_tier(host=3, disk=3)  # 2 usable slots each
+    fill(t, "a", [1, 2, 3, 4])  # disk: h(1)@1, h(2)@2; host: h(3)@1, h(4)@2
+    assert t.lookup([h(1)]) == [Hit("disk", 1, h(1))]
+    # h(3) leaves host slot 1 for h(1) and is written down: into disk slot 2 (h(2), evicted),
+    # never slot 1, the LRU one, which this very prefetch reads
+    assert t.prefetch("p", t.lookup([h(1)])) == [Save("disk", 1, 2, h(3)), Load("disk", 1, 1, h(1))]
+    t.finish("p")
+    assert t.lookup([h(1), h(3)]) == [Hit("host", 1, h(1)), Hit("disk", 2, h(3))]
+    t.check_invariants()
+
+
 def test_a_held_slot_is_never_a_victim_and_a_full_level_drops_the_save():
     t = make_tier(host=3, disk=0)
     fill(t, "a", [1, 2])
