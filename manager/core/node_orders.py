@@ -7,7 +7,9 @@ a block is used, so an order that reaches a recycled or torn slot is a verify fa
 wrong K/V served.
 
   * ``Save(to="host")``: the pool's device block ``src`` -> node host slot ``dst``;
-  * ``Save(to="disk")``: node host slot ``src`` -> disk slot ``dst`` (a write-down);
+  * ``Save(to="disk")``: node host slot ``src`` -> disk slot ``dst`` (a write-down; the worker
+    reads the host slot verified, like any load, so a torn host block is never written down
+    as whole: it reports the write-down failed);
   * ``Load(frm="host")``: node host slot ``src`` -> the pool's device block ``dst``;
   * ``Load(frm="disk")``: disk slot ``src`` -> node host slot ``dst`` (a prefetch: the block
     is loaded to the device by a later step, once it landed in host memory).
