@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 
+from kvpool.manager.core.node_orders import Save
+from kvpool.manager.core.node_tier import NodeTier
 from kvpool.shared.protocol import KVSpec
 from kvpool.worker.node_layout import HEADER
 from kvpool.worker.node_store import DiskStore, HostStore, NodeStoreError, StoreLayout, disk_slots
@@ -208,3 +210,50 @@ def test_layouts_never_share_a_store(tmp_path):
     ha.close()
     with pytest.raises(ValueError, match="model's identity"):
         StoreLayout(TINY, "")
+
+
+def test_the_node_tiers_orders_run_on_the_real_store_and_a_bad_restore_is_dropped(tmp_path):
+    """The bookkeeping (manager/core/node_tier.py) and the bytes together: orders run in their
+    order on real stores, a write-down reads its host slot verified, a disk block with a flipped
+    byte fails its prefetch, is reported, and leaves the tier (the pool recomputes it)."""
+    lay = layout()
+    host = HostStore(lay, 3, tmp_path)
+    disk = DiskStore(lay, tmp_path / "d", 2 * (HEADER.size + lay.block_bytes))
+    tier = NodeTier(host.num_slots, disk.num_slots, 16, lay.block_bytes)
+    device = {d: block(lay, d) for d in (1, 2, 3)}
+
+    def run(owner, orders):
+        failed = []
+        for o in orders:
+            buf = lay.empty_block()
+            if isinstance(o, Save) and o.to == "host":
+                f = host.write(o.dst, o.key, device[o.src])
+            elif isinstance(o, Save):
+                f = host.read_into(o.src, o.key, buf) or disk.write(o.dst, o.key, buf)
+            elif o.frm == "host":
+                f = host.read_into(o.src, o.key, buf)
+                if f is None:
+                    device[o.dst] = buf
+            else:
+                f = disk.read_into(o.src, o.key, buf) or host.write(o.dst, o.key, buf)
+            if f is not None:
+                failed.append(o)
+        tier.finish(owner, failed)
+        return failed
+
+    k1, k2, k3 = (bytes([i]) * 32 for i in (1, 2, 3))
+    assert run(1, tier.save(1, 1, k1, None)) == [] and run(2, tier.save(2, 2, k2, None)) == []
+    orders = tier.save(3, 3, k3, None)  # host slot 1 reused: k1 written down first
+    assert orders == [Save("disk", 1, 1, k1), Save("host", 3, 1, k3)] and run(3, orders) == []
+    (hit,) = tier.lookup([k1])
+    raw = bytearray(disk.path(hit.slot).read_bytes())
+    raw[-1] ^= 0x01
+    disk.path(hit.slot).write_bytes(bytes(raw))
+    orders = tier.prefetch("p", [hit])
+    assert run("p", orders) == [orders[-1]]  # the disk block did not verify
+    assert tier.lookup([k1]) == [] and tier.disk.stats.verify_failures == 1
+    (hit,) = tier.lookup([k3])
+    tier.hold("l", [hit])
+    assert run("l", tier.load("l", [hit], [9])) == [] and torch.equal(device[9], device[3])
+    tier.check_invariants()
+    host.close()
