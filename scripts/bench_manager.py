@@ -11,7 +11,8 @@ ones (``2 * batch`` sub-ops, 64 by default). Two comparisons, each measured in t
 2. hashes precomputed before the clock starts: the daemon against the very same steps run
    through ``run_step`` in one process, which isolates the cost of the daemon itself.
 
-Prints requests/s, the ratio to in-process, and the step round trip p50/p99 the clients saw.
+Prints one table: per case the ratio of requests/s to its baseline, the step round trip p50/p99
+the clients saw, and the target; ``--explain`` adds where each case's time went.
 
 With ``--durability none,sync,async`` (and ``--redis-url``) a third comparison runs the
 prehashed steps against daemons persisting their state in Redis (a fresh namespace each,
@@ -19,6 +20,7 @@ deleted afterwards), each against the no-persistence daemon of the same run.
 
     python scripts/bench_manager.py                    # the reference trace (100k requests)
     python scripts/bench_manager.py --requests 20000 --json
+    python scripts/bench_manager.py --requests 20000 --explain    # the table, then the breakdown
     python scripts/bench_manager.py --durability none,sync,async --redis-url redis://127.0.0.1:6379/0
 """
 
@@ -38,13 +40,13 @@ import numpy as np
 from manager_daemon import start_daemon
 from rtt_breakdown import StepTimes, attribute, join, tail_line
 
+from kvpool.client.manager import ManagerClient
 from kvpool.manager.core.bench import run_trace
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
 from kvpool.shared.hashing import hash_blocks
 from kvpool.shared.protocol import KVSpec
 from kvpool.shared.trace import TraceConfig, prompts
-from kvpool.worker.manager_client import ManagerClient
 
 POOL = "bench"
 SPEC = {"block_size": 16, "num_layers": 1, "num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
@@ -287,6 +289,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="requests admitted per step (sub-ops = 2x)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--explain", action="store_true",
+                    help="after the table, where each case's time went (the daemon's iterations, its per-message "
+                         "rows joined to the clients' steps, the tail part by part)")
     ap.add_argument("--durability", default="none",
                     help="comma-separated modes to compare: none (no persistence), sync, async")
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
@@ -312,10 +317,39 @@ def main() -> None:
     print(f"reference trace: {cfg.num_requests} requests, block_size {cfg.block_size}, {cfg.num_blocks} blocks; "
           f"daemon: {args.clients} client processes over ipc://, {2 * args.batch} sub-ops per step, "
           f"{os.cpu_count()} CPUs")
-    report("SHA-256 hashing in the loop (in-process = kvpool.manager.core.bench.run_trace; clients hash their prompts)", hashing)
-    report("hashes precomputed (in-process = the same steps through run_step, one process)", prehashed)
-    if durable:
-        report_durability(durable, prehashed["daemon"], args.redis_url)
+    print_table(table_rows(hashing, prehashed, durable))
+    if args.explain:
+        report("SHA-256 hashing in the loop (in-process = kvpool.manager.core.bench.run_trace; clients hash their "
+               "prompts)", hashing)
+        report("hashes precomputed (in-process = the same steps through run_step, one process)", prehashed)
+        if durable:
+            report_durability(durable, prehashed["daemon"], args.redis_url)
+    else:
+        print("ratio: requests/s against the baseline measured in this run; p50/p99: the step round trip the "
+              "clients saw; --explain says where the time went")
+
+
+def table_rows(hashing: dict, prehashed: dict, durable: dict) -> list[tuple[str, str, float, float, str]]:
+    """(case, ratio, step p50 us, step p99 us, target) per case: each daemon against its baseline."""
+    rows = []
+    for case, r in (("hashing (vs in-process run_trace)", hashing), ("prehashed (vs in-process run_step)", prehashed)):
+        d = r["daemon"]
+        rows.append((case, f"{r['throughput_ratio']:.2f}x", d["rtt_p50_us"], d["rtt_p99_us"],
+                     ">= 0.50x, p99 <= 2 x p50"))
+    none = prehashed["daemon"]
+    for mode, d in durable.items():
+        if mode != "none":
+            rows.append((f"durability {mode} (vs no persistence)", f"{d['requests_per_s'] / none['requests_per_s']:.2f}x",
+                         d["rtt_p50_us"], d["rtt_p99_us"], ">= 0.50x" if mode == "sync" else "-"))
+    return rows
+
+
+def print_table(rows: list[tuple[str, str, float, float, str]]) -> None:
+    head = ("case", "ratio", "p50 us", "p99 us", "target")
+    cells = [head] + [(c, ratio, f"{p50:,.0f}", f"{p99:,.0f}", target) for c, ratio, p50, p99, target in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
+    for row in cells:
+        print("  " + "  ".join(v.ljust(w) if i in (0, 4) else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))))
 
 
 def run_durable(endpoint: str, shards: list[str], batch: int, tmp: str, mode: str, redis_url: str) -> dict:

@@ -148,8 +148,10 @@ def busy_between(starts: np.ndarray, ends: np.ndarray, t0: np.ndarray, t1: np.nd
 
 
 def _on_path(span: np.ndarray, stall: np.ndarray) -> np.ndarray:
-    """The share of each ``stall`` that fits in its ``span`` of the round trip (1 where all of it does)."""
-    return np.divide(np.clip(span, 0.0, None), stall, out=np.ones(len(span)), where=stall > span)
+    """The share of each ``stall`` that fits in its ``span`` of the round trip (1 where all of it
+    does, and where there is no stall: a span is never below 0, so a stall above it is above 0)."""
+    span = np.clip(span, 0.0, None)
+    return np.divide(span, stall, out=np.ones(len(span)), where=stall > span)
 
 
 def join(client: dict[int, dict[str, np.ndarray]], rows: dict[str, list]) -> dict[str, np.ndarray]:
@@ -171,6 +173,11 @@ def join(client: dict[int, dict[str, np.ndarray]], rows: dict[str, list]) -> dic
     k = np.array(picks)
     col = {f: np.array([client[s][f][j] for s, j in sides], dtype=float) for f in CLIENT_FIELDS}
     ready, start, handled, sent, cpu = (d[f][k].astype(float) for f in ("ready", "start", "handled", "sent", "cpu"))
+    # ``ready`` is stamped once per iteration, before the loop drains its socket: a message that
+    # arrived during the drain (a drain preempted under load) carries a ``ready`` before its
+    # client even began the step. It was ready no earlier than that begin: without this, its
+    # hand-over came before its begin and the send side's share of its stalls was 0 / 0 (NaN)
+    ready = np.maximum(ready, col["begin"])
     # the hand-over: the client takes its clock after the send returns, and a client preempted
     # right after sending can take it after the loop already read the message (ready); it was
     # in the socket by then. Its stalls before its clock count only up to the hand-over (GC
@@ -208,8 +215,13 @@ def attribute(parts: dict[str, np.ndarray]) -> dict:
     """Mean of each part over the steps at or above the round trip's p99 against the steps
     between its p45 and p55: what the tail adds, and where."""
     rtt = parts["rtt"]
+    if not len(rtt) or np.isnan(rtt).any():
+        raise ValueError(f"attribute needs round trips, all of them measured: got {len(rtt)}, "
+                         f"{int(np.isnan(rtt).sum())} NaN")
     p45, p50, p55, p99 = np.percentile(rtt, [45, 50, 55, 99])
     tail, mid = rtt >= p99, (rtt >= p45) & (rtt <= p55)
+    if not mid.any():  # under 11 steps, p45..p55 can fall between two of them: the one nearest p50
+        mid = rtt == rtt[np.argmin(np.abs(rtt - p50))]
     out = {"steps": len(rtt), "tail_steps": int(tail.sum()), "p50_us": p50 * 1e6, "p99_us": p99 * 1e6}
     for name in ("rtt", *PARTS, *QUEUE_PARTS, *ASIDE):
         out[f"{name}_mid_us"] = float(parts[name][mid].mean() * 1e6)

@@ -12,6 +12,10 @@ import torch
 # test module can import one. Only without CUDA: on a GPU the kernels must really compile.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread, as the worker processes the tests start have (helpers/worker_procs.py):
+# the tests' models are tiny, and on a busy 2-core machine OpenMP's spinning threads turned a
+# 1.2 s greedy reference (test_chaos.py) into 11-46 s, past pytest's timeout
+torch.set_num_threads(1)
 
 import shutil  # noqa: E402
 import signal  # noqa: E402

@@ -82,6 +82,7 @@ class Recovery:
         self.exit_code = 0
         self.next_activate = 0.0
         self.went_back: str | None = None  # why the state must be reloaded (check_seen)
+        self.served = False  # it was active once: only then can another manager cut it off
 
     def activate(self, now: float) -> bool:
         """Takes the lease and loads the state into a fresh registry, which the server's adopts
@@ -91,7 +92,9 @@ class Recovery:
         self.next_activate = now + (self.lease_ms / 5000 if was == "standby" else RECOVER_EVERY_S)
         try:
             if not self.store.acquire():
-                if was == "recovering":  # cut off past the lease, and a standby took over
+                # cut off past the lease, and a standby took over; one that never served (a
+                # standby or a starting manager whose poll timed out) just stands by
+                if was == "recovering" and self.served:
                     self._fence("the lease went to another manager while the store was unreachable")
                 elif was != "standby":
                     logger.warning("another manager holds the lease: standing by")
@@ -108,7 +111,7 @@ class Recovery:
             self._fence(str(e))
             return False
         self.registry.adopt(fresh)
-        self.mode, self.went_back = "active", None
+        self.mode, self.went_back, self.served = "active", None, True
         logger.warning("manager %s active: state %s, %d sessions, %d pools, %d requests", self.registry.incarnation,
                        fresh.state_id, len(fresh.sessions), len(fresh.pools), fresh.total_requests())
         return True

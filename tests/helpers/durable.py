@@ -188,10 +188,17 @@ class Daemon:
         self.config.write_text("\n".join(lines).replace("'", '"') + "\n")
         self.proc = None
 
-    def start(self):
+    def start(self, log: Path | None = None):
+        """Starts the daemon; ``log``: its stderr (the log) appended to that file, to read what it
+        reported (``logged``), else to the test's stderr."""
         from helpers.manager import CLI
 
-        self.proc = self.spawn([*CLI, "manager", "--config", str(self.config)], stdout=None)
+        err = open(log, "a") if log is not None else None  # noqa: SIM115 - the child holds it
+        try:
+            self.proc = self.spawn([*CLI, "manager", "--config", str(self.config)], stdout=None, stderr=err)
+        finally:
+            if err is not None:
+                err.close()
         return self.proc
 
     def kill(self) -> None:
@@ -202,7 +209,7 @@ class Daemon:
 
     def wait_active(self, timeout: float = 30.0) -> float:
         """Seconds until the manager answers as the active one (not a standby)."""
-        from kvpool.worker.manager_client import ManagerClient, ManagerError
+        from kvpool.client.manager import ManagerClient, ManagerError
 
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
@@ -215,6 +222,53 @@ class Daemon:
                     pass
             time.sleep(0.05)
         raise AssertionError(f"the manager at {self.endpoint} did not become active in {timeout}s")
+
+
+class LeaseWatch:
+    """Watches a namespace's lease from a thread, on Redis's own clock: one script reads the
+    holder, the fencing token, the lease's remaining time and Redis's TIME at once, so what a
+    test asserts about the lease (who held it from when, when it would lapse) never depends on
+    how promptly the test itself was scheduled. ``first_seen[(holder, token)]``: the Redis time
+    that holding was first read (never before it began; at most one poll after it did)."""
+
+    SCRIPT = ("local t = redis.call('TIME') return {redis.call('GET', KEYS[1]) or '', "
+              "redis.call('GET', KEYS[2]) or '', redis.call('PTTL', KEYS[1]), t[1], t[2]}")
+
+    def __init__(self, r, namespace: str, every_s: float = 0.01) -> None:
+        import threading
+
+        self.r, self.every_s = r, every_s
+        self.keys = [f"kvpool:{{{namespace}}}:lease", f"kvpool:{{{namespace}}}:fence"]
+        self.first_seen: dict[tuple[str, str], float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-watch", daemon=True)
+        self._thread.start()
+
+    def read(self) -> tuple[str, str, float, float]:
+        """(holder, fencing token, seconds until the lease lapses (< 0: none), Redis time)."""
+        holder, token, pttl, sec, usec = self.r.eval(self.SCRIPT, 2, *self.keys)
+        now = int(sec) + int(usec) / 1e6
+        seen = (holder.decode(), token.decode())
+        if holder:
+            self.first_seen.setdefault(seen, now)
+        return seen[0], seen[1], int(pttl) / 1000, now
+
+    def holding(self, endpoint: str) -> tuple[str, float] | None:
+        """The latest (token, first seen) of the manager at ``endpoint`` holding the lease."""
+        mine = [(t, at) for (h, t), at in list(self.first_seen.items()) if h.endswith(endpoint)]
+        return max(mine, key=lambda m: m[1]) if mine else None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.read()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def logged(log: Path, text: str) -> bool:
+    return log.exists() and text in log.read_text(errors="replace")
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ import pytest
 from helpers.durable import Daemon, chaos_clients, finish_chaos_clients
 from helpers.manager import wait_until
 
-from kvpool.worker.manager_client import ManagerClient
+from kvpool.client.manager import ManagerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 KILLS = 22
@@ -88,7 +88,7 @@ def test_a_worker_generation_survives_manager_kills(procs, sock_dir, namespace):
         while not stop.wait(rng.uniform(0.05, 0.2)) and len(kills) < 4:
             daemon.kill()
             daemon.start()
-            kills.append(daemon.wait_active())
+            kills.append(daemon.wait_active(120))  # a loaded machine may take many seconds to start one
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
@@ -102,6 +102,7 @@ def test_a_worker_generation_survives_manager_kills(procs, sock_dir, namespace):
             # so a fast machine cannot finish the generation before the manager died 4 times.
             deadline = time.monotonic() + 60
             while steps >= 60 and len(kills) < 4 and time.monotonic() < deadline:
+                bm.client.maybe_heartbeat()  # idle, as a worker's loop is: the session stays alive
                 time.sleep(0.02)
             for ev in engine.step():
                 if ev.token is not None:
@@ -112,8 +113,11 @@ def test_a_worker_generation_survives_manager_kills(procs, sock_dir, namespace):
         thread.join(60)
     outs = [outs[rid] for rid in ids]
     assert len(kills) >= 4, f"the manager was killed {len(kills)} times, not 4"
-    want = [[reference_generate(engine.model, p, 80, None)] for p in prompts]
-    assert outs == want
-    assert engine.stats()["resets"] == 0  # the worker carried on: nothing was recomputed
+    resets = engine.stats()["resets"]
+    # done with the manager before the reference runs: on a loaded machine the reference takes
+    # longer than the session timeout, and a silent session expires
     engine.shutdown()
     bm.close()
+    want = [[reference_generate(engine.model, p, 80, None)] for p in prompts]
+    assert outs == want
+    assert resets == 0  # the worker carried on: nothing was recomputed

@@ -8,7 +8,7 @@ import time
 import pytest
 from helpers.manager import SPEC, LiveServer, kv_bytes
 
-from kvpool.worker.manager_client import (
+from kvpool.client.manager import (
     ManagerClient,
     ManagerError,
     ManagerRestarted,
@@ -183,13 +183,13 @@ def test_context_manager_deregisters(live_server):
 
 def test_a_too_large_request_is_answered_with_a_nil_id_and_the_client_takes_it(live_server):
     live = live_server()
-    c = ManagerClient(live.endpoint, timeout_s=5)
+    c = ManagerClient(live.endpoint, timeout_s=30)  # far above what a loaded machine takes to answer
     reg(c)
     hashes = [bytes(32)] * ((live.server.cfg.max_message_bytes // 34) + 1000)  # over the limit, under 2x
     t0 = time.monotonic()
     with pytest.raises(ManagerError) as ei:
         c.lookup("p", hashes)
-    assert ei.value.code == "too_large" and time.monotonic() - t0 < 4.5, "an error, not a timeout"
+    assert ei.value.code == "too_large" and time.monotonic() - t0 < 25, "an error, not a timeout"
     assert c.lookup("p", []) == 0  # the same session carries on
     c.close()
 

@@ -124,3 +124,33 @@ def test_a_client_clocked_after_the_loop_read_its_message_queued_for_no_time():
         assert p[part] == pytest.approx([value], abs=1e-9), part
     assert sum(p[n] for n in rb.PARTS) == pytest.approx(p["rtt"], abs=1e-12) and p["rtt"][0] == pytest.approx(0.005)
     assert rb.attribute(p)["queue_share"] == 0.0
+
+
+def test_a_message_drained_after_its_iteration_began_splits_without_nan():
+    """The loop stamps ``ready`` before it drains its socket; a step sent during the drain (a
+    drain preempted under load) carries a ``ready`` before its own begin. It once made the send
+    side 0 / 0 (NaN), and bench_manager died in tail_line: it was ready no earlier than its begin."""
+    daemon = rows((5, 1, "step", 30.0, 30.002, 30.003, 30.003, 0.001))
+    steps = {5: client((1, 30.001, 30.0011, 30.004, 0.0, 0.0, 0.0, 0.0, 0.0))}
+    p = rb.join(steps, daemon)
+    assert all(np.isfinite(p[n]).all() for n in p), p
+    expect = {"client_send": 0.0, "socket": 0.0, "to_loop": 0.0, "behind": 0.001, "daemon_cpu": 0.001,
+              "to_client": 0.001, "client_gc": 0.0, "client_wait": 0.0}
+    for part, value in expect.items():
+        assert p[part] == pytest.approx([value], abs=1e-9), part
+    assert sum(p[n] for n in rb.PARTS) == pytest.approx(p["rtt"], abs=1e-12)
+    assert "+0 us" in rb.tail_line(rb.attribute({k: np.repeat(v, 20) for k, v in p.items()}))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 10])
+def test_a_few_steps_still_have_a_median_to_compare_the_tail_with(n):
+    """Under 11 steps, p45..p55 can fall between two round trips: the mean of no steps was NaN."""
+    parts = {name: np.zeros(n) for name in (*rb.PARTS, *rb.QUEUE_PARTS, *rb.ASIDE)}
+    parts["socket"][:] = np.arange(1, n + 1) * 0.001
+    parts["rtt"] = parts["socket"].copy()
+    a = rb.attribute(parts)
+    assert all(np.isfinite(v) for v in a.values() if isinstance(v, float)), a
+    assert a["rtt_tail_us"] == pytest.approx(n * 1000) and a["rtt_mid_us"] <= a["rtt_tail_us"]
+    rb.tail_line(a)
+    with pytest.raises(ValueError, match="NaN"):
+        rb.attribute({**parts, "rtt": np.full(n, np.nan)})

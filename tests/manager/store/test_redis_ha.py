@@ -19,7 +19,7 @@ from helpers.durable import Daemon, chaos_clients, finish_chaos_clients, free_po
 from helpers.manager import wait_until
 from helpers.redis_topologies import Sentinel, cli, cluster
 
-from kvpool.worker.manager_client import ManagerClient, ManagerRestarted
+from kvpool.client.manager import ManagerClient, ManagerRestarted
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -34,13 +34,29 @@ def admin_call(admin: ManagerClient, op: str) -> dict:
     raise AssertionError(f"{op}: the manager kept starting over")
 
 
-def all_registered(admin: ManagerClient, n: int) -> bool:
-    """Every chaos client has a session and the pool has seen steps."""
-    return len(admin_call(admin, "sessions")["sessions"]) > n and allocations(admin) > 20 * n
+def all_registered(admin: ManagerClient, n: int):
+    """A condition for wait_until: every one of the ``n`` chaos clients has been seen holding
+    requests (it registered and steps: a client still registering when its state is lost
+    never held anything, and rightly is never told) and the pool has seen steps. A session
+    alone is not enough: on a loaded machine a client may stay between hello and register."""
+    stepping: set[str] = set()
+
+    def ready() -> bool:
+        for row in admin_call(admin, "sessions")["sessions"]:
+            if str(row["identity"]).startswith("chaos-") and row["requests"] > 0:
+                stepping.add(row["identity"])
+        return len(stepping) == n and allocations(admin) > 20 * n
+
+    return ready
 
 
 def allocations(admin: ManagerClient) -> int:
     return admin_call(admin, "stats")["pools"].get("chaos", {}).get("allocations", 0)
+
+
+def store_seq(port: int) -> int:
+    """The last commit (journal batch) of the test's namespace that the Redis at ``port`` holds."""
+    return int(cli(port, "GET", "kvpool:{sentinel}:seq") or 0)
 
 
 def finish(clients: list[subprocess.Popen], stop: Path) -> list[dict]:
@@ -69,17 +85,20 @@ def test_a_sentinel_failover_of_the_redis_master_under_load(procs, sock_dir, tmp
     clients = chaos_clients(procs, d.endpoint, stop, 3, "1")
     admin = ManagerClient(d.endpoint, role="admin", identity="admin", timeout_s=0.5, failover_s=60)
     try:
-        wait_until(lambda: all_registered(admin, 3), 60, "the clients")
+        wait_until(all_registered(admin, 3), 120, "every client to step")
         if lagging:  # the replicas lose their link (pointed at a dead port): what is acknowledged now
             for port in s.replica_ports:  # never reaches them
                 cli(port, "REPLICAOF", "127.0.0.1", str(free_port()))
-            time.sleep(0.5)
+            # until the master holds commits the replicas lack (the store's own sequence, not a
+            # fixed 0.5 s that a loaded machine's clients may spend without one step)
+            replicated = max(store_seq(port) for port in s.replica_ports)
+            wait_until(lambda: store_seq(s.master_port) > replicated + 3, 60, "commits the replicas lack")
         os.kill(s.master.pid, signal.SIGKILL)  # the Redis master dies under load
         t0 = time.monotonic()
-        wait_until(lambda: s.master_addr() in s.replica_ports, 30, "Sentinel to promote a replica")
+        wait_until(lambda: s.master_addr() in s.replica_ports, 60, "Sentinel to promote a replica")
         promoted = time.monotonic() - t0
         before = allocations(admin)  # answered once the manager follows Sentinel to the new master
-        wait_until(lambda: allocations(admin) > before + 60, 60, "steps on the promoted master")
+        wait_until(lambda: allocations(admin) > before + 60, 120, "steps on the promoted master")
         served = time.monotonic() - t0
         assert d.proc.poll() is None
         outs = finish(clients, stop)
@@ -110,7 +129,7 @@ def test_a_three_master_cluster_under_manager_kills(procs, sock_dir, tmp_path):
     clients = chaos_clients(procs, d.endpoint, stop, 2, "1")
     admin = ManagerClient(d.endpoint, role="admin", identity="admin", timeout_s=0.5, failover_s=60)
     try:
-        wait_until(lambda: all_registered(admin, 2), 60, "the clients")
+        wait_until(all_registered(admin, 2), 120, "every client to step")
         for _ in range(4):
             time.sleep(0.3)
             d.kill()
