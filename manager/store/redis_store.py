@@ -37,7 +37,6 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.manager.core.snapshot import CorruptState
-from kvpool.manager.registry import Registry
 from kvpool.manager.store.base import Fenced, StoreUnavailable
 from kvpool.manager.store.high_water import HighWater, Mark, start_over_reason
 from kvpool.manager.store.journal import encode_batch, recover
@@ -51,6 +50,7 @@ from kvpool.manager.store.snapshot_child import (
     write_when_journal_ready,
 )
 from kvpool.manager.store.state_file import dump_registry, encode_state
+from kvpool.manager.store.view import StateView
 
 logger = logging.getLogger(__name__)
 DURABILITY = ("sync", "async")
@@ -158,7 +158,7 @@ class RedisStore:
 
     # -- loading ---------------------------------------------------------------------------
 
-    def load(self, reg: Registry, now: float) -> bool:
+    def load(self, reg: StateView, now: float) -> bool:
         """Fills the empty ``reg`` from Redis (call ``acquire`` first); False for a new namespace.
 
         The lease is renewed in small steps while a large state loads (a thread), so a manager
@@ -173,7 +173,7 @@ class RedisStore:
             if not snap:
                 if blobs or seq:
                     raise CorruptState(f"namespace {self.namespace!r}: a journal without a snapshot (partial state)")
-                reg.state_id = uuid.uuid4().hex
+                reg.rename(uuid.uuid4().hex)
                 self.seq = self.snap_seq = 0
                 self._snapshot_now(reg)
                 loaded = False
@@ -189,7 +189,8 @@ class RedisStore:
                 k = self.keys
                 self._run_replicated("commit", [k["fence"], k["lease"], k["journal"], k["seq"]],
                                      [self.token, self.owner, self.lease_ms, 0])
-        reg.durable, reg.log, reg.dirty, reg.seq = True, [], set(), self.seq
+        reg.mark_durable()
+        reg.mark_committed(self.seq)
         self._ack(reg)
         if self.durability == "async":
             self._writer = AsyncWriter(self._write_blobs, self._write_snapshot)
@@ -198,18 +199,17 @@ class RedisStore:
                     self.seq - self.snap_seq, time.perf_counter() - t0)
         return loaded
 
-    def _start_over(self, reg: Registry, why: str) -> None:
+    def _start_over(self, reg: StateView, why: str) -> None:
         """Serves a new empty state instead of one that went back in time: every client's next
         call sees another state id (ManagerRestarted: abort, register again, recompute)."""
         old = reg.state_id
-        reg.sessions, reg.pools, reg.draining = {}, {}, False
-        reg.state_id = uuid.uuid4().hex
+        reg.start_over(uuid.uuid4().hex)
         logger.error("namespace %s: %s; serving a new empty state %s instead of %s (clients are told: they abort, "
                      "register again and recompute)", self.namespace, why, reg.state_id, old)
         self.counts["start_overs"] += 1
         self._snapshot_now(reg)
 
-    def _ack(self, reg: Registry) -> None:
+    def _ack(self, reg: StateView) -> None:
         """``reg``'s state at ``self.seq`` is what replies from now on say (before they go out)."""
         self._acked = Mark(reg.state_id, self.seq)
         self.high_water.note(reg.state_id, self.seq)
@@ -228,21 +228,20 @@ class RedisStore:
 
     # -- the loop's commit -----------------------------------------------------------------
 
-    def commit(self, reg: Registry, dirty: set[str]) -> None:
+    def commit(self, reg: StateView, dirty: set[str]) -> None:
         if self._writer is not None and self._writer.error is not None:
             raise self._writer.error  # an async write failed: stop acknowledging now
-        log = reg.log
+        log = reg.take_log()
         if log:
             self.seq += 1
             blob = encode_batch(self.seq, log)
-            reg.log = []
             self.journal_bytes += len(blob)
             if self._writer is not None:
                 self._writer.put(("blobs", self.seq, [blob]))
             else:
                 self._write_blobs(self.seq, [blob])
             self.counts["commits"] += 1
-            reg.seq = self.seq
+            reg.mark_committed(self.seq)
             self._ack(reg)
             if self.journal_bytes >= max(self.snapshot_bytes, self.snap_bytes) and self._child is None:
                 self._compact_in_background(reg)
@@ -255,12 +254,12 @@ class RedisStore:
         if self._child is not None:
             self._reap_child()
 
-    def compact(self, reg: Registry) -> None:
+    def compact(self, reg: StateView) -> None:
         """Snapshot now, on this thread, dropping the journal batches it includes."""
         self.wait_for_snapshot()
         self._snapshot_now(reg)
 
-    def _snapshot_now(self, reg: Registry) -> None:
+    def _snapshot_now(self, reg: StateView) -> None:
         data = encode_state(dump_registry(reg, self.seq))
         if self._writer is not None:
             self._writer.put(("snapshot", data, self.seq))
@@ -269,18 +268,18 @@ class RedisStore:
         self.snap_seq, self.snap_bytes, self.journal_bytes = self.seq, len(data), 0
         self.counts["snapshots"] += 1
 
-    def _compact_in_background(self, reg: Registry) -> None:
+    def _compact_in_background(self, reg: StateView) -> None:
         """A forked child writes the snapshot (snapshot_child.py); the loop carries on."""
         if self._reconnect is None:
             self.compact(reg)
             return
         seq, token = self.seq, self.token
         child = fork_snapshot(lambda: encode_state(dump_registry(reg, seq)),
-                              lambda data: self._child_write(data, seq, token))
+                              lambda data: self._child_write(data, seq, token), seq)
         if child is None:
             self.compact(reg)
             return
-        child.seq, self._child = seq, child
+        self._child = child
         self._child_bytes, self.journal_bytes = self.journal_bytes, 0
 
     def _child_write(self, data: bytes, seq: int, token: str | None) -> None:
@@ -372,7 +371,7 @@ class RedisStore:
             self._writer.close()
             self._writer = None
 
-    def shutdown(self, reg: Registry | None) -> None:
+    def shutdown(self, reg: StateView | None) -> None:
         """A clean stop: flush, snapshot ``reg`` (None: it is not ours to write), release the lease."""
         try:
             if self._writer is not None:

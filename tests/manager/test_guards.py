@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.manager.core.pool import Pool
-from kvpool.manager.entries import PoolEntry
+from kvpool.manager.state.entries import PoolEntry
 from kvpool.manager.guards import Bounds, _projected_work, check_step
 from kvpool.shared.protocol import ManagerError
 

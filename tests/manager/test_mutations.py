@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers.manager import SPEC, kv_bytes
 
-from kvpool.manager.mutations import (
+from kvpool.manager.state.mutations import (
     BlocksEvicted,
     CacheReset,
     DrainingSet,
