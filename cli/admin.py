@@ -50,7 +50,7 @@ def manager(ctx: click.Context, config_path: str | None, **_: object) -> None:
 
     `kvpool config show manager` prints the effective config and where each value came from.
     """
-    from kvpool.manager.server import serve
+    from kvpool.manager.daemon import serve
     from kvpool.shared.logs import setup_logging
 
     cfg, source = load_service("manager", config_path, *explicit_flags(ctx, "manager"))

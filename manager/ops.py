@@ -40,7 +40,7 @@ def op(*, session: bool = True, admin: bool = False) -> Callable[[Callable[[Any,
     return register
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen init costs 0.5 us, on every message
 class Call:
     msg_id: int
     session: Session | None  # None only for an op without a session (hello)

@@ -21,7 +21,7 @@ PACKAGES = tuple(sorted(
 # What the CLI may import from the manager besides kvpool.manager.core: its public entry points.
 # (README "How it fits together" lists the same.)
 CLI_ENTRY_POINTS = {
-    "kvpool.manager.server": {"serve"},
+    "kvpool.manager.daemon": {"serve"},
     "kvpool.manager.config": {"ManagerConfig"},
     "kvpool.manager.snapshots": {"CorruptState", "StateIOError", "load_file", "load_namespace",
                                  "restore_namespace", "save_file", "summary"},

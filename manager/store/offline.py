@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvpool.manager.core.snapshot import CorruptState
 from kvpool.manager.store.journal import recover
-from kvpool.manager.store.redis_store import READ, namespace_keys
+from kvpool.manager.store.redis_scripts import READ, namespace_keys
 from kvpool.manager.store.view import StateView
 
 # KEYS lease fence snap journal seq clean; ARGV snapshot seq force. A restored state is whole
