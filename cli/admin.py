@@ -22,6 +22,7 @@ from kvpool.cli.common import (
     table,
 )
 from kvpool.cli.layered import explicit_flags, load_service, manager_ops_options, summary
+from kvpool.shared.summaries import PoolSummary
 
 # -- the daemon ----------------------------------------------------------------------------
 
@@ -138,8 +139,9 @@ def pools(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool)
     """Pools with their epoch, shards and block usage."""
     rows = ask(endpoint, timeout_s, admin_key, "pools")["pools"]
     for r in rows:
-        r["shards_up"] = f"{r['registered']}/{r['shard_count']}"
-        r["live_up"] = f"{r.get('live_shards', 0)}/{r['shard_count']}"
+        summary = PoolSummary.from_wire(r)
+        r["shards_up"] = f"{summary.registered}/{summary.shard_count}"
+        r["live_up"] = f"{r.get('live_shards', 0)}/{summary.shard_count}"
     cols = [("POOL", "pool"), ("STATE", "state"), ("HEALTH", "health"), ("EPOCH", "epoch"),
             ("SHARDS", "shards_up"), ("LIVE", "live_up"),
             ("BLOCKS", "num_blocks"), ("FREE", "free_blocks"), ("CACHED", "cached_blocks"),

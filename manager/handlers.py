@@ -29,13 +29,13 @@ from kvpool.shared.protocol import (
     KVSpec,
     ManagerError,
     bad_field,
-    check_serve,
     get_hashes,
     get_int,
     get_map,
     get_str,
     short_repr,
 )
+from kvpool.shared.summaries import PoolSummary, ServeInfo, WorkerRow
 
 U63 = (1 << 63) - 1
 
@@ -50,21 +50,12 @@ def check_tier(args: dict, pool: Pool) -> str:
     return tier
 
 
-def pool_info(entry: PoolEntry) -> dict:
+def pool_summary(entry: PoolEntry) -> PoolSummary:
     pool = entry.pool
-    info = {
-        "pool": entry.name,
-        "state": entry.state,
-        "epoch": entry.epoch,
-        "registered": len(entry.shards),
-        "shard_count": entry.shard_count,
-        "num_blocks": pool.blocks.num_blocks if pool else 0,
-        "block_size": entry.spec["block_size"],
-    }
-    if pool is not None and pool.host is not None:  # a pool without a host tier: as before
-        info["host_num_blocks"] = pool.host.num_blocks
-        info["host_policy"] = pool.host.policy
-    return info
+    host = pool.host if pool is not None else None
+    return PoolSummary(entry.name, entry.state, entry.epoch, len(entry.shards), entry.shard_count,
+                       pool.blocks.num_blocks if pool else 0, entry.spec.block_size,
+                       host.num_blocks if host is not None else None, host.policy if host is not None else None)
 
 
 def _flag(args: dict, key: str) -> bool:
@@ -172,11 +163,12 @@ class Handlers:
         replace = args.get("replace", False)
         if type(replace) is not bool:
             raise bad_field("replace", "a bool", replace)
-        serve = check_serve(args["serve"]) if "serve" in args else None  # where rank 0 takes generate requests
+        # where rank 0 takes generate requests: validated, kept (and journaled) as its wire map
+        serve = ServeInfo.from_wire(args["serve"]).to_wire() if "serve" in args else None
         check_register(self.reg, self.bounds, sess, name, rank, incarnation, available // spec.block_bytes, replace)
         entry = self.reg.register(sess, name, rank, count, incarnation, spec, available, serve, host_kv_bytes,
                                   host_kv_policy)
-        return {**pool_info(entry), "max_model_len": max_model_len(self.bounds, entry)}
+        return {**pool_summary(entry).to_wire(), "max_model_len": max_model_len(self.bounds, entry)}
 
     @op()
     def step(self, call: Call) -> dict:
@@ -218,9 +210,9 @@ class Handlers:
             if entry.pool is None or lead is None or lead.serve is None or lead.sid not in self.reg.sessions:
                 continue
             blocks = entry.pool.blocks
-            out.append({**lead.serve, "pool": entry.name, "epoch": entry.epoch, "num_blocks": blocks.num_blocks,
-                        "block_size": entry.spec["block_size"], "free_blocks": blocks.num_free,
-                        "requests": len(entry.pool.requests)})
+            serve = ServeInfo(lead.serve["endpoint"], lead.serve["model"], lead.serve["max_model_len"])
+            out.append(WorkerRow(serve, entry.name, entry.epoch, blocks.num_blocks, entry.spec.block_size,
+                                 blocks.num_free, len(entry.pool.requests)).to_wire())
         return {"workers": out}
 
     @op()
@@ -265,11 +257,11 @@ class Handlers:
         out = []
         live = self.reg.sessions
         for entry in self.reg.pools.values():
-            info = pool_info(entry)
+            info = pool_summary(entry).to_wire()
             pool = entry.pool
             info.update(pool_health(entry, live).as_dict())
             info.update(
-                spec=entry.spec,
+                spec=entry.common_spec(),
                 free_blocks=pool.blocks.num_free if pool else 0,
                 cached_blocks=len(pool.blocks.cached) if pool else 0,
                 requests=len(pool.requests) if pool else 0,

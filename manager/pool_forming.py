@@ -80,7 +80,7 @@ def new_epoch(entry: PoolEntry, max_blocks: int, kv_events: bool = True) -> None
         logger.warning("pool %s: %d blocks clamped to max_blocks %d", entry.name, num_blocks, max_blocks)
         num_blocks = max_blocks
     restarted = entry.epoch > 0  # an earlier Pool of this name had cached hashes
-    pool = Pool(num_blocks, entry.spec["block_size"], enable_events=kv_events,
+    pool = Pool(num_blocks, entry.spec.block_size, enable_events=kv_events,
                 host_blocks=min(entry.host_num_blocks, max_blocks), host_policy=entry.host_policy)
     entry.form(pool)
     if restarted:

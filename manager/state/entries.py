@@ -78,10 +78,15 @@ class PoolEntry:
     pool: Pool | None = None
 
     @property
-    def spec(self) -> dict:
+    def spec(self) -> KVSpec:
+        """A shard's spec: its COMMON_SPEC fields are what every shard of the pool agrees on (a
+        shard's ``num_kv_heads`` is its own slice of the heads)."""
+        return next(iter(self.shards.values())).spec
+
+    def common_spec(self) -> dict:
         """What every shard of the pool agrees on (COMMON_SPEC), as a wire map."""
-        any_shard = next(iter(self.shards.values()))
-        return {k: getattr(any_shard.spec, k) for k in COMMON_SPEC}
+        spec = self.spec
+        return {k: getattr(spec, k) for k in COMMON_SPEC}
 
     @property
     def state(self) -> str:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from helpers.manager import SPEC, call, hello, kv_bytes, make_server, ok
 
-from kvpool.manager.state.mutations import ShardRegistered, from_wire, to_wire
 from kvpool.manager.registry import Registry
+from kvpool.manager.state.mutations import ShardRegistered, from_wire, to_wire
 from kvpool.manager.store.state_file import dump_registry, load_registry
 from kvpool.shared.protocol import KVSpec
 
