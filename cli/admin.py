@@ -22,7 +22,10 @@ from kvpool.cli.common import (
     table,
 )
 from kvpool.cli.layered import explicit_flags, load_service, manager_ops_options, summary
+from kvpool.client.retry import RetryPolicy
 from kvpool.shared.summaries import PoolSummary
+
+DRAIN_POLL = RetryPolicy(first_pause_s=0.2, max_pause_s=0.2)  # `drain --wait`: asked every 0.2 s
 
 # -- the daemon ----------------------------------------------------------------------------
 
@@ -280,13 +283,13 @@ def drain(wait: bool, wait_timeout: float, cancel: bool, endpoint: str, timeout_
 def _wait_drained(client, total: int, wait_timeout: float, quiet: bool) -> None:
     from tqdm import tqdm
 
-    deadline = time.monotonic() + wait_timeout
+    backoff = DRAIN_POLL.with_deadline(wait_timeout).start()
     with tqdm(total=total, desc="freed", unit="req", disable=quiet) as bar:
         while (left := client.call("drain", enable=True)["requests"]) > 0:
             bar.update(max(0, total - left - bar.n))
-            if time.monotonic() > deadline:
+            if backoff.expired():
                 raise click.ClickException(f"{left} requests still running after {wait_timeout}s")
-            time.sleep(0.2)
+            time.sleep(backoff.advance())
         bar.update(total - bar.n)
 
 

@@ -140,7 +140,7 @@ def _check_socket_exists(endpoint: str) -> None:
 
 @contextmanager
 def connect(endpoint: str, timeout_s: float, admin_key: str | None) -> Iterator:
-    from kvpool.worker.manager_client import ManagerClient
+    from kvpool.client.manager import ManagerClient
 
     ctx = click.get_current_context(silent=True)
     curve = ctx.meta.get(CURVE_META) if ctx is not None else None

@@ -20,6 +20,7 @@ from kvpool.cli.common import (
     export_curve_env,
     log_options,
 )
+from kvpool.shared.generate import TokenMessage
 from kvpool.shared.protocol import ManagerError, default_endpoint
 
 
@@ -200,8 +201,8 @@ def generate(prompt_ids: tuple[int, ...], endpoint: str | None, pool: str, manag
     serve (no worker, it died, the manager is draining or unreachable: the message says which),
     130 on Ctrl-C. A request given up for any reason is aborted on the worker.
     """
+    from kvpool.client.generate import GenerateClient, WorkerUnavailable
     from kvpool.shared.curve import ClientKeys
-    from kvpool.worker.client import GenerateClient, WorkerUnavailable
 
     try:
         curve = ClientKeys.load(worker_key, curve_key_file) if worker_key else None
@@ -215,10 +216,9 @@ def generate(prompt_ids: tuple[int, ...], endpoint: str | None, pool: str, manag
     try:
         for msg in client.stream(list(prompt_ids), timeout_s=timeout_s, **params):
             _print_token(msg, n, as_json)
-            index = msg.get("index", 0)
-            counts[index] += msg.get("token") is not None
-            if msg.get("finished"):
-                reasons[index] = msg.get("reason") or "?"
+            counts[msg.index] += msg.token is not None
+            if msg.finished:
+                reasons[msg.index] = msg.reason or "?"
         if not as_json and n == 1:
             click.echo()
     except WorkerUnavailable as e:
@@ -235,12 +235,12 @@ def generate(prompt_ids: tuple[int, ...], endpoint: str | None, pool: str, manag
     sys.exit(_finish_report(reasons, counts, max_tokens))
 
 
-def _print_token(msg: dict, n: int, as_json: bool) -> None:
+def _print_token(msg: TokenMessage, n: int, as_json: bool) -> None:
     if as_json:
-        click.echo(json.dumps(msg))
-    elif msg.get("token") is not None:
-        prefix = f"[{msg['index']}] " if n > 1 else ""
-        click.echo(f"{prefix}{msg['token']}", nl=n > 1)
+        click.echo(json.dumps(msg.to_wire()))
+    elif msg.token is not None:
+        prefix = f"[{msg.index}] " if n > 1 else ""
+        click.echo(f"{prefix}{msg.token}", nl=n > 1)
         if n == 1:
             click.echo(" ", nl=False)
 

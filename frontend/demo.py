@@ -16,11 +16,11 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
+from kvpool.client.generate import GenerateClient
 from kvpool.frontend.loadgen import ChatTraceConfig, Result, chat_trace, drive, summarize
 from kvpool.frontend.procs import LocalCluster
 from kvpool.frontend.server import FrontDoorServer
 from kvpool.frontend.service import FrontDoorConfig
-from kvpool.worker.client import GenerateClient
 
 SAMPLES = 3
 
@@ -46,7 +46,7 @@ def worker_stats(fd: FrontDoorServer) -> list[dict]:
     for w in sorted(fd.frontdoor.directory.workers.values(), key=lambda w: w.name):
         client = GenerateClient(w.endpoint)
         try:
-            out.append(client.call("stats", timeout_s=10)["stats"])
+            out.append(client.stats(timeout_s=10))
         finally:
             client.close()
     return out
@@ -54,7 +54,7 @@ def worker_stats(fd: FrontDoorServer) -> list[dict]:
 
 def host_tier_stats(manager: str) -> dict:
     """Per pool, the manager's count of hits by tier and of host-tier copies."""
-    from kvpool.worker.manager_client import ManagerClient
+    from kvpool.client.manager import ManagerClient
 
     client = ManagerClient(manager)
     try:

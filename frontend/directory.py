@@ -5,10 +5,10 @@ ready pools announced a generate endpoint, opens a ``WorkerLink`` to each new en
 the open requests of a worker that dropped out (its session ended: killed, stopped, expired).
 ``locate`` asks a manager how many leading blocks of a hash chain each of its pools holds.
 
-Manager calls are blocking (``ManagerClient``); each manager's client runs in a worker thread,
-one call at a time (an asyncio lock), so the event loop never blocks on a manager.
+Manager calls are coroutines on the event loop (``AsyncManagerClient``, one call in flight per
+manager): no thread, and the loop never blocks on a manager.
 
-CURVE: ``manager_keys`` secure the manager connections (without them ``ManagerClient`` takes the
+CURVE: ``manager_keys`` secure the manager connections (without them the client takes the
 ``KVPOOL_CURVE_*`` environment), ``worker_keys`` every worker link. A worker announced on a
 non-loopback TCP endpoint while ``worker_keys`` is None is not connected to unless ``insecure``
 (shared/bind.py ``check_connect``): its link stays lost, with the reason its requests' 503 says.
@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import zmq.asyncio
 
-from kvpool.frontend.worker_link import WorkerLink
+from kvpool.client.generate_async import WorkerLink
+from kvpool.client.manager_async import AsyncManagerClient
 from kvpool.shared.bind import check_connect
 from kvpool.shared.curve import ClientKeys
 from kvpool.shared.protocol import ManagerError
 from kvpool.shared.summaries import WorkerRow
-from kvpool.worker.manager_client import ManagerClient
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +64,10 @@ class Directory:
             raise ValueError("the front door needs at least one manager endpoint (--manager)")
         self.endpoints = managers
         self.worker_keys, self.insecure = worker_keys, insecure
-        self.clients = [ManagerClient(ep.split(","), role="router", timeout_s=timeout_s, failover_s=timeout_s,
-                                      curve=manager_keys) for ep in managers]
-        self._locks = [asyncio.Lock() for _ in managers]
-        self.poll_s, self.silence_s = poll_s, silence_s
         self.ctx = zmq.asyncio.Context()
+        self.clients = [AsyncManagerClient(ep.split(","), ctx=self.ctx, role="router", timeout_s=timeout_s,
+                                           failover_s=timeout_s, curve=manager_keys) for ep in managers]
+        self.poll_s, self.silence_s = poll_s, silence_s
         self.workers: dict[tuple[int, str], Worker] = {}
         self.reachable = [False] * len(managers)
         self._task: asyncio.Task | None = None
@@ -86,14 +85,10 @@ class Directory:
             except Exception:  # noqa: BLE001 (the poller must outlive any one bad round)
                 logger.exception("refreshing the worker list failed")
 
-    async def _call(self, i: int, fn, *args):
-        async with self._locks[i]:
-            return await asyncio.to_thread(fn, *args)
-
     async def refresh(self) -> None:
         for i, client in enumerate(self.clients):
             try:
-                rows = await self._call(i, client.workers)
+                rows = await client.workers()
             except ManagerError as e:
                 if self.reachable[i]:
                     logger.warning("manager %s: %s (keeping its last known workers)", self.endpoints[i], e)
@@ -150,7 +145,7 @@ class Directory:
         if not hashes:
             return {}
         try:
-            return await self._call(manager, self.clients[manager].locate, hashes)
+            return await self.clients[manager].locate(hashes)
         except ManagerError as e:
             logger.warning("locate at %s failed: %s", self.endpoints[manager], e)
             return {}
@@ -162,9 +157,9 @@ class Directory:
         for w in list(self.workers.values()):
             await w.link.close()
         self.workers.clear()
-        for i, c in enumerate(self.clients):
+        for c in self.clients:
             try:
-                await self._call(i, c.deregister)
+                await c.deregister()
             except ManagerError:
                 pass
             c.close()

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpool.client.generate_core import WorkerLost  # a request's worker went away
+
+__all__ = ["APIError", "WorkerLost", "bad_param"]
+
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
          503: "service_unavailable", 500: "internal_server_error"}
@@ -27,6 +31,3 @@ class APIError(Exception):
 def bad_param(param: str, message: str) -> APIError:
     return APIError(400, message, param, "invalid_parameter")
 
-
-class WorkerLost(RuntimeError):
-    """The worker serving a request went away (killed, disconnected, silent too long)."""

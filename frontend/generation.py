@@ -17,6 +17,7 @@ from kvpool.frontend.detokenizer import IncrementalDetokenizer
 from kvpool.frontend.errors import APIError
 from kvpool.frontend.router import Decision
 from kvpool.frontend.tokenizer import Tokenizer
+from kvpool.shared.generate import ErrorMessage, TokenMessage
 
 
 @dataclass
@@ -101,30 +102,32 @@ class PromptRun:
         try:
             while any(c.finish_reason is None for c in self.choices):
                 msg = await link.next(rid)
-                if "error" in msg:
-                    raise APIError(400, f"the worker refused the request: {msg['error']}", None, "worker_refused")
+                if isinstance(msg, ErrorMessage):
+                    raise APIError(400, f"the worker refused the request: {msg.error}", None, "worker_refused")
+                if not isinstance(msg, TokenMessage):
+                    continue  # a heartbeat
                 delta = self._apply(msg)
                 if delta is not None:
                     yield delta
         finally:
             link.abort(rid) if any(c.finish_reason is None for c in self.choices) else link.done(rid)
 
-    def _apply(self, msg: dict) -> Delta | None:
-        index = msg.get("index", 0)
+    def _apply(self, msg: TokenMessage) -> Delta | None:
+        index = msg.index
         if type(index) is not int or not 0 <= index < len(self.choices):
             return None
         c = self.choices[index]
         if c.finish_reason is not None:
             return None  # ended by a stop string; the worker had not seen it
-        tok, finished = msg.get("token"), bool(msg.get("finished"))
+        tok, finished = msg.token, msg.finished
         text, lps = "", []
         if tok is not None:
             c.tokens += 1
             self.timing.token()
             text = c.detok.add(tok)
-            if self.want_logprobs and msg.get("logprob") is not None:
-                top = [(t, self._token_text(t), lp) for t, lp in msg.get("top_logprobs") or []]
-                lps.append(TokenLogprob(tok, self._token_text(tok), msg["logprob"], top))
+            if self.want_logprobs and msg.logprob is not None:
+                top = [(t, self._token_text(t), lp) for t, lp in msg.top_logprobs or []]
+                lps.append(TokenLogprob(tok, self._token_text(tok), msg.logprob, top))
         if finished:
             text += c.detok.flush()
         out, stopped, c.held = cut_at_stop(c.held + text, self.stops, finished)
@@ -132,7 +135,7 @@ class PromptRun:
         if stopped:
             c.finish_reason = "stop"
         elif finished:
-            c.finish_reason = self._reason(msg.get("reason"))
+            c.finish_reason = self._reason(msg.reason)
         if not out and not lps and c.finish_reason is None:
             return None
         return Delta(c.index, out, lps, c.finish_reason)

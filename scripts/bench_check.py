@@ -28,10 +28,10 @@ import tempfile
 import threading
 import time
 
+from kvpool.client.manager import ManagerClient
 from kvpool.manager.config import ManagerConfig
 from kvpool.manager.server import Server
 from kvpool.shared.protocol import KVSpec
-from kvpool.worker.manager_client import ManagerClient
 
 SPEC = {"block_size": 16, "num_layers": 1, "num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
 REQ_BLOCKS = 64

@@ -38,13 +38,13 @@ import numpy as np
 from manager_daemon import start_daemon
 from rtt_breakdown import StepTimes, attribute, join, tail_line
 
+from kvpool.client.manager import ManagerClient
 from kvpool.manager.core.bench import run_trace
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
 from kvpool.shared.hashing import hash_blocks
 from kvpool.shared.protocol import KVSpec
 from kvpool.shared.trace import TraceConfig, prompts
-from kvpool.worker.manager_client import ManagerClient
 
 POOL = "bench"
 SPEC = {"block_size": 16, "num_layers": 1, "num_kv_heads": 1, "head_size": 8, "dtype": "float16"}

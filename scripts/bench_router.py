@@ -32,13 +32,13 @@ import json
 import sys
 import time
 
+from kvpool.client.manager import ManagerClient
 from kvpool.frontend.demo import worker_stats
 from kvpool.frontend.loadgen import ChatTraceConfig, chat_trace, drive, summarize
 from kvpool.frontend.procs import LocalCluster
 from kvpool.frontend.server import FrontDoorServer
 from kvpool.frontend.service import FrontDoorConfig
 from kvpool.shared.protocol import ManagerError
-from kvpool.worker.manager_client import ManagerClient
 
 # name -> (the front door's policy, count routed prompts as hits)
 POLICIES = {"kv-aware": ("kv-aware", True), "kv-aware-located": ("kv-aware", False),

@@ -43,10 +43,10 @@ from bench_zmq_floor import serve as floor_serve
 from manager_daemon import start_daemon
 from step_messages import BS, FLOOR, message_part, print_messages
 
+from kvpool.client.manager import ManagerClient
 from kvpool.worker.block_manager import LocalBlockManager, RemoteBlockManager
 from kvpool.worker.config import PRESETS, WorkerConfig
 from kvpool.worker.kv_cache import kv_spec
-from kvpool.worker.manager_client import ManagerClient
 from kvpool.worker.sampler import SamplingParams
 from kvpool.worker.startup import build_engine
 

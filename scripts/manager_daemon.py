@@ -7,11 +7,13 @@ import subprocess
 import sys
 import time
 
-from kvpool.worker.manager_client import ManagerClient
+from kvpool.client.manager import ManagerClient
+from kvpool.client.retry import RetryPolicy
 
 # The package layout of pyproject.toml ([tool.setuptools.package-dir]): kvpool.X -> folder.
 PACKAGE_DIRS = {"kvpool": "api", "kvpool.cli": "cli", "kvpool.shared": "shared", "kvpool.manager": "manager",
-                "kvpool.worker": "worker", "kvpool.kernels": "kernels", "kvpool.frontend": "frontend"}
+                "kvpool.worker": "worker", "kvpool.kernels": "kernels", "kvpool.frontend": "frontend",
+                "kvpool.client": "client"}
 
 # Run with `-c` in place of the installed package: kvpool's packages from CHECKOUT (argv[1]),
 # found ahead of the editable install, so an older commit's daemon runs beside this one.
@@ -50,14 +52,14 @@ def start_daemon(endpoint: str, session_timeout_s: int, extra: list[str] | None 
     cmd = [sys.executable, *head, "manager", "-m", endpoint, "--session-timeout", str(session_timeout_s), *(extra or [])]
     out = subprocess.DEVNULL if quiet else None
     proc = subprocess.Popen(cmd, stdout=out, stderr=out)
-    deadline = time.monotonic() + 30
+    backoff = RetryPolicy(deadline_s=30, first_pause_s=0.2, max_pause_s=0.2).start()
     while True:
         try:
             with ManagerClient(endpoint, role="admin", timeout_s=1.0) as c:
                 c.hello()
             return proc
         except Exception:
-            if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is not None or backoff.expired():
                 proc.kill()
                 raise RuntimeError("the manager daemon did not start: try `kvpool manager -m ipc://...`") from None
-            time.sleep(0.2)
+            time.sleep(backoff.advance())

@@ -38,12 +38,12 @@ from collections.abc import Callable
 
 import zmq
 
+from kvpool.client.manager import ManagerClient
 from kvpool.manager.config import ManagerConfig
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
 from kvpool.manager.server import Server
 from kvpool.shared.protocol import KVSpec, encode_request, raise_for_reply, unpack
-from kvpool.worker.manager_client import ManagerClient
 from kvpool.worker.request import Request
 from kvpool.worker.sampler import SamplingParams
 from kvpool.worker.scheduler import Output, Scheduler

@@ -294,9 +294,10 @@ MAY_IMPORT = {
     "manager.state": {"shared", "manager.core"},
     "manager.store": {"shared", "manager.core", "manager.state"},  # below the daemon: no edge back
     "manager": {"shared", "manager.core", "manager.state", "manager.store"},
-    "worker": {"shared", "kernels", "manager.core"},
-    "frontend": {"shared", "worker", "manager.core"},
-    "cli": {"shared", "worker", "manager.core", "frontend", *CLI_ENTRY_POINTS},
+    "client": {"shared"},
+    "worker": {"shared", "kernels", "manager.core", "client"},
+    "frontend": {"shared", "worker", "manager.core", "client"},
+    "cli": {"shared", "worker", "manager.core", "frontend", "client", *CLI_ENTRY_POINTS},
 }
 
 
@@ -327,3 +328,51 @@ def test_the_store_sits_below_the_daemon():
            if part_of(module) in ("manager.store", "manager.state")
            for dep in deps if part_of(dep) == "manager"]
     assert bad == []
+
+
+# Who may build or read the manager's and the generate socket's messages: the clients, the
+# records' codecs in shared/, and the sides that answer (the manager daemon, the worker's server).
+PROTOCOL_SPEAKERS = ("kvpool.client", "kvpool.shared", "kvpool.manager", "kvpool.worker.server")
+REQUEST_OPS = {"hello", "register", "step", "lookup", "locate", "workers", "heartbeat", "deregister",
+               "generate", "abort", "ping"}
+
+
+def hand_spoken(tree: ast.AST) -> list[str]:
+    """Where a module speaks a protocol by hand: ``encode_request``, a request map literal
+    (``{"op": "generate", "id": ...}``; other maps with an ``op``, such as the tensor-parallel
+    ranks' broadcast, are not these protocols), or a DEALER socket in a module that packs msgpack itself."""
+    found, dealer, packs = [], None, None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            fn = ast.unparse(node.func)
+            if fn.endswith("encode_request"):
+                found.append(f"line {node.lineno}: {fn}(...)")
+            elif fn.endswith("msgpack.packb") or fn == "packb":
+                packs = packs or node.lineno
+            elif fn.endswith(".socket") and any(ast.unparse(a).endswith("DEALER") for a in node.args):
+                dealer = dealer or node.lineno
+        elif isinstance(node, ast.Dict):
+            keys = {k.value: v for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant)}
+            op = keys.get("op")
+            if "id" in keys and isinstance(op, ast.Constant) and op.value in REQUEST_OPS:
+                found.append(f"line {node.lineno}: a {op.value!r} message built by hand")
+    if dealer and packs:
+        found.append(f"line {dealer}: a DEALER socket fed with msgpack.packb (line {packs})")
+    return found
+
+
+def test_the_hand_speaking_finder_sees_each_kind():
+    tree = ast.parse("import msgpack, zmq\nsock = ctx.socket(zmq.DEALER)\nsock.send(msgpack.packb({'op': 'ping', 'id': 1}))\n"
+                     "encode_request(1, 'hello', None, {})\nplan = {'op': 'step', 'seqs': []}\n")
+    assert hand_spoken(tree) == ["line 4: encode_request(...)", "line 3: a 'ping' message built by hand",
+                                 "line 2: a DEALER socket fed with msgpack.packb (line 3)"]
+    assert hand_spoken(ast.parse("sock = ctx.socket(zmq.DEALER)\nsock.send(b'raw')\n")) == []
+
+
+def test_only_the_client_package_speaks_the_protocols():
+    """Every manager and generate client is kvpool.client's (tests' hostile probes aside:
+    tests/ is not scanned)."""
+    bad = [f"{name} {hit}" for name, path in module_files().items()
+           if not name.startswith(PROTOCOL_SPEAKERS)
+           for hit in hand_spoken(ast.parse(path.read_text()))]
+    assert bad == [], "use kvpool.client (ManagerClient, AsyncManagerClient, GenerateClient, WorkerLink)"

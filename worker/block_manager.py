@@ -16,10 +16,10 @@ import uuid
 from collections.abc import Iterator
 from typing import Protocol
 
+from kvpool.client.manager import ManagerClient
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
 from kvpool.shared.protocol import KVSpec, ManagerRestarted, ManagerUnavailable, StaleEpoch
-from kvpool.worker.manager_client import ManagerClient
 
 logger = logging.getLogger(__name__)
 

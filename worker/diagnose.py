@@ -6,8 +6,8 @@ names the real cause (a mistyped pool, a dead worker, a stopped manager) within 
 
 from __future__ import annotations
 
+from kvpool.client.manager import ManagerClient
 from kvpool.shared.protocol import ManagerError, ManagerUnavailable
-from kvpool.worker.manager_client import ManagerClient
 
 
 def pool_diagnosis(manager_endpoint: str, pool: str, timeout_s: float = 1.5) -> str:

@@ -18,8 +18,7 @@ from __future__ import annotations
 import logging
 import os
 
-import msgpack
-import zmq
+from kvpool.client.generate import ping_once
 
 logger = logging.getLogger(__name__)
 
@@ -37,19 +36,10 @@ def probe(endpoint: str, timeout_s: float = 1.0) -> tuple[str, str | None]:
     path = ipc_path(endpoint)
     if path is not None and not os.path.exists(path):
         return "absent", None
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(msgpack.packb({"op": "ping", "id": "probe"}, use_bin_type=True))
-        if sock.poll(timeout_s * 1000, zmq.POLLIN):
-            reply = msgpack.unpackb(sock.recv(), raw=False)
-            pool = reply.get("pong") if type(reply) is dict else None
-            return "serving", pool if isinstance(pool, str) else None
-        return ("stale" if path is not None else "absent"), None
-    finally:
-        sock.close(linger=0)
+    answered, pool = ping_once(endpoint, timeout_s)
+    if answered:
+        return "serving", pool
+    return ("stale" if path is not None else "absent"), None
 
 
 def claim(endpoint: str, pool: str, replace: bool) -> str:

@@ -1,6 +1,7 @@
 """The worker's generate service: a ZeroMQ ROUTER socket in front of one engine.
 
-Messages are msgpack maps (never pickle). Client -> worker::
+Messages are msgpack maps (never pickle), each a record of shared/generate.py (PROTOCOL.md
+section 12; the clients are kvpool.client's). Client -> worker::
 
     {"op": "generate", "id": str, "prompt": [int...], "cache_salt": str (optional),
      "params": {max_tokens, temperature, top_p, seed, n, ignore_eos, top_k, min_tokens,
@@ -39,16 +40,16 @@ import logging
 import signal
 import time
 
-import msgpack
 import zmq
 
+from kvpool.client.retry import Backoff, RetryPolicy
+from kvpool.shared import generate as wire  # the messages' records (PROTOCOL.md section 12)
 from kvpool.shared.curve import CurveServer
 from kvpool.shared.notify import Notifier
 from kvpool.shared.protocol import ManagerError
 from kvpool.worker.endpoint import bound_inode, ipc_path, release
 from kvpool.worker.engine import Engine, TokenEvent
 from kvpool.worker.metrics import WorkerMetrics
-from kvpool.worker.wire import MAX_MESSAGE_BYTES, client_id, decode, op_of, parse_generate
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 100
@@ -57,10 +58,7 @@ DROP_LOG_EVERY_S = 5.0
 MAX_OPEN_REQUESTS = 4096  # client requests queued or running; more are refused until some finish
 HEARTBEAT_S = 1.0  # an open request hears from the worker at least this often
 MAX_BACKOFF_S = 1.0  # the longest pause between steps while the manager refuses admissions
-
-
-def pack(obj: dict) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+STALL_BACKOFF = RetryPolicy(first_pause_s=0.05, max_pause_s=MAX_BACKOFF_S)  # no deadline: until admitted
 
 
 class WorkerServer:
@@ -75,7 +73,7 @@ class WorkerServer:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a client that is gone raises
         self.curve = CurveServer(self._ctx, *curve) if curve else None
         if self.curve is not None:
@@ -85,7 +83,7 @@ class WorkerServer:
         self._last_sent: dict[str, float] = {}  # engine id -> when its client last heard from us
         self._next = 0
         self._stop = False
-        self._backoff = 0.0  # seconds to wait before the next step while the engine is stalled
+        self._backoff = Backoff(STALL_BACKOFF)  # the pause before the next step while the engine is stalled
         self._manager_down: str | None = None  # the last manager error, until a call succeeds
         self._inode: int | None = None
         self._next_file_check = 0.0
@@ -116,7 +114,7 @@ class WorkerServer:
 
     def run_once(self) -> None:
         busy = self.engine.has_work()
-        wait_ms = IDLE_POLL_MS if not busy else int(self._backoff * 1000)
+        wait_ms = IDLE_POLL_MS if not busy else int(self._backoff.current_s * 1000)
         if self._sock.poll(wait_ms, zmq.POLLIN):
             for _ in range(MAX_BATCH):
                 try:
@@ -159,8 +157,10 @@ class WorkerServer:
             self._manager_down = str(e)  # unreachable while re-registering: retry shortly
             logger.warning("manager unavailable: %s", e)
             time.sleep(0.2)
-        stalled = self.engine.stalled is not None
-        self._backoff = min(max(2 * self._backoff, 0.05), MAX_BACKOFF_S) if stalled else 0.0
+        if self.engine.stalled is not None:
+            self._backoff.advance()
+        else:
+            self._backoff.reset()
 
     def _check_socket_file(self, now: float) -> None:
         """Stops when another worker bound our ipc path (``kvpool worker --replace``): nobody
@@ -188,31 +188,31 @@ class WorkerServer:
                 continue  # aborted meanwhile (its client went away)
             ident, cid = self._clients[eid]
             self._last_sent[eid] = now
-            self._reply(ident, {"id": cid, "heartbeat": True, "finished": False, "waiting": reason})
+            self._reply(ident, wire.Heartbeat(cid, reason).to_wire())
 
     def _handle(self, ident: bytes, payload: bytes) -> None:
         """One message; anything wrong with it becomes an error reply (never an exception)."""
         cid = ""
         try:
-            msg = decode(payload)
-            op = op_of(msg)
-            cid = client_id(msg)
+            msg = wire.decode(payload)
+            op = wire.op_of(msg)
+            cid = wire.client_id(msg)
             if op == "generate":
                 self._generate(ident, msg)
             elif op == "abort":
                 self._abort(ident, cid)
             elif op == "stats":
-                self._reply(ident, {"id": cid, "stats": {"pool": self.pool, **self.engine.stats()}})
+                self._reply(ident, wire.StatsReply(cid, {"pool": self.pool, **self.engine.stats()}).to_wire())
             else:
-                self._reply(ident, {"id": cid, "pong": self.pool})
+                self._reply(ident, wire.Pong(cid, self.pool).to_wire())
         except ValueError as e:
-            self._reply(ident, {"id": cid, "error": str(e), "finished": True})
+            self._reply(ident, wire.ErrorMessage(cid, str(e)).to_wire())
         except Exception:  # a bug, not the client's fault: it must not stop the worker either
             logger.exception("internal error handling a generate-socket message")
-            self._reply(ident, {"id": cid, "error": "internal worker error (logged)", "finished": True})
+            self._reply(ident, wire.ErrorMessage(cid, "internal worker error (logged)").to_wire())
 
     def _generate(self, ident: bytes, msg: dict) -> None:
-        req = parse_generate(msg)
+        req = wire.GenerateRequest.from_wire(msg)
         if len(self._clients) >= MAX_OPEN_REQUESTS:
             raise ValueError(f"the worker has {MAX_OPEN_REQUESTS} open requests; retry when some finished")
         eid = f"c{self._next}"
@@ -233,10 +233,8 @@ class WorkerServer:
             ident, cid = self._clients.get(ev.request_id, (None, ""))
             if ident is None:
                 continue
-            body = {"id": cid, "index": ev.index, "token": ev.token, "finished": ev.finished,
-                    "reason": ev.finish_reason}
-            if ev.logprob is not None:
-                body.update(logprob=ev.logprob, top_logprobs=ev.top_logprobs)
+            body = wire.TokenMessage(cid, ev.index, ev.token, ev.finished, ev.finish_reason, ev.logprob,
+                                ev.top_logprobs).to_wire()
             self._last_sent[ev.request_id] = time.monotonic()
             self._reply(ident, body)
             if ev.finished and ev.request_id in self._open:
@@ -252,7 +250,7 @@ class WorkerServer:
     def _reply(self, ident: bytes, body: dict) -> bool:
         """Sends one message; False when the client is gone (its requests are then aborted)."""
         try:
-            self._sock.send_multipart([ident, pack(body)], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, wire.pack(body)], zmq.NOBLOCK)
         except zmq.Again:
             self.replies_dropped += 1
             now = time.monotonic()

@@ -12,7 +12,7 @@ from helpers.manager import SPEC, kv_bytes
 
 from kvpool.cli.common import EXIT_UNREACHABLE
 from kvpool.cli.main import cli
-from kvpool.worker.manager_client import ManagerClient
+from kvpool.client.manager import ManagerClient
 
 
 @pytest.fixture

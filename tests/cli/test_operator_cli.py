@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from helpers.manager import SPEC, kv_bytes
 
 from kvpool.cli.main import cli
+from kvpool.client.manager import ManagerClient
 from kvpool.shared.hashing import hash_blocks
-from kvpool.worker.manager_client import ManagerClient
 
 
 def run(*args: str, env: dict | None = None, code: int = 0) -> str:

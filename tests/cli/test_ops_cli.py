@@ -12,9 +12,9 @@ from click.testing import CliRunner
 from helpers.manager import SPEC, LiveServer, kv_bytes
 
 from kvpool.cli.main import cli
+from kvpool.client.manager import ManagerClient
 from kvpool.manager.config import ManagerConfig
 from kvpool.shared.logs import JsonFormatter, OneLineFormatter
-from kvpool.worker.manager_client import ManagerClient
 
 
 def run(*args: str, env: dict | None = None, code: int = 0) -> str:

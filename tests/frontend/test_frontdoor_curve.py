@@ -64,7 +64,7 @@ def test_front_door_serves_a_curve_worker_and_says_why_one_refuses_it(tmp_path, 
         r = httpx.post(good.url + "/v1/completions", json=PROMPT, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
-        caplog.set_level(logging.WARNING, logger="kvpool.frontend.worker_link")
+        caplog.set_level(logging.WARNING, logger="kvpool.client.generate_async")
         for name, worker_curve, reason in (("stranger", True, "refused this front door's CURVE key"),
                                            ("front", False, "the worker runs CURVE and this front door does not")):
             fd = front_door(manager, keys, name, worker_curve)

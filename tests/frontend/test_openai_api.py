@@ -171,7 +171,7 @@ def test_metrics_have_latency_histograms(stack) -> None:
 
 
 def worker_computed(stack) -> dict[str, int]:
-    from kvpool.worker.client import GenerateClient
+    from kvpool.client.generate import GenerateClient
 
     out = {}
     for w in stack.fd.frontdoor.directory.workers.values():
@@ -182,7 +182,7 @@ def worker_computed(stack) -> dict[str, int]:
 
 
 def assert_pools_drain(stack) -> None:
-    from kvpool.worker.manager_client import ManagerClient
+    from kvpool.client.manager import ManagerClient
 
     fd = stack.fd.frontdoor
     with ManagerClient(stack.managers[0], role="admin") as mc:

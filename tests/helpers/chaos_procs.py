@@ -26,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: tests/ holds `helpers`
 
 from helpers.durable import random_step  # noqa: E402
+from kvpool.client.manager import ManagerClient, ManagerRestarted, ManagerUnavailable  # noqa: E402
 from kvpool.shared.protocol import KVSpec  # noqa: E402
-from kvpool.worker.manager_client import ManagerClient, ManagerRestarted, ManagerUnavailable  # noqa: E402
 
 SPEC = {"block_size": 4, "num_layers": 2, "num_kv_heads": 2, "head_size": 8, "dtype": "float16"}
 BLOCKS = 400

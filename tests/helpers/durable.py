@@ -209,7 +209,7 @@ class Daemon:
 
     def wait_active(self, timeout: float = 30.0) -> float:
         """Seconds until the manager answers as the active one (not a standby)."""
-        from kvpool.worker.manager_client import ManagerClient, ManagerError
+        from kvpool.client.manager import ManagerClient, ManagerError
 
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:

@@ -16,9 +16,9 @@ import time
 
 import zmq
 
+from kvpool.client.manager import ManagerClient
 from kvpool.shared.hashing import hash_blocks
 from kvpool.shared.protocol import KVSpec, pack, unpack
-from kvpool.worker.manager_client import ManagerClient
 
 SPEC = {"block_size": 4, "num_layers": 2, "num_kv_heads": 2, "head_size": 8, "dtype": "float16"}
 SHARED = list(range(1000, 1032))  # 32 tokens = 8 full blocks, the same in every process

@@ -16,9 +16,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from kvpool.client.generate import GenerateClient, WorkerUnavailable
 from kvpool.frontend.procs import CLI, worker_command
 from kvpool.shared.curve import ClientKeys
-from kvpool.worker.client import GenerateClient, WorkerUnavailable
 from kvpool.worker.config import PRESETS
 
 

@@ -17,7 +17,7 @@ import pytest
 from helpers.durable import Daemon, chaos_clients, finish_chaos_clients
 from helpers.manager import wait_until
 
-from kvpool.worker.manager_client import ManagerClient
+from kvpool.client.manager import ManagerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 KILLS = 22

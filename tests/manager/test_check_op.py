@@ -16,9 +16,9 @@ import time
 import pytest
 from helpers.manager import SPEC, LiveServer, kv_bytes, wait_until
 
+from kvpool.client.manager import ManagerClient
 from kvpool.manager.check_job import INLINE_BLOCKS
 from kvpool.shared.protocol import ManagerError
-from kvpool.worker.manager_client import ManagerClient
 
 BLOCKS = 4 * INLINE_BLOCKS  # above the inline limit: every check forks
 HOLD = {"on": False}

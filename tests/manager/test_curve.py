@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from helpers.manager import SPEC, LiveServer, kv_bytes, wait_until
 
 from kvpool.cli.main import cli
+from kvpool.client.manager import ManagerClient, ManagerError, ManagerUnavailable
 from kvpool.shared.curve import ClientKeys, read_keypair, read_public_key, write_keypair
-from kvpool.worker.manager_client import ManagerClient, ManagerError, ManagerUnavailable
 
 ADMIN_KEY = "admin-key-0123"
 

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from helpers.manager import LiveServer
 
 from kvpool.cli.main import cli
+from kvpool.client.manager import ManagerClient
 from kvpool.manager.config import ManagerConfig
 from kvpool.manager.server import Server
 from kvpool.shared.bind import (
@@ -23,7 +24,6 @@ from kvpool.shared.bind import (
 from kvpool.shared.curve import write_keypair
 from kvpool.shared.protocol import encode_request, unpack
 from kvpool.worker.config import WorkerConfig
-from kvpool.worker.manager_client import ManagerClient
 
 ADMIN_KEY = "admin-key-0123"
 

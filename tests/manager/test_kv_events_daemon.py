@@ -13,10 +13,10 @@ import zmq
 from helpers.manager import CLI, SPEC, kv_bytes, shared_prefix_allocs, wait_until
 from helpers.vllm_structs import V011
 
+from kvpool.client.manager import ManagerClient, ManagerError, ManagerUnavailable
 from kvpool.manager.event_client import TIER_MEDIUM, CachedView
 from kvpool.manager.events import END_SEQ, decode_batch
 from kvpool.shared.hashing import hash_blocks
-from kvpool.worker.manager_client import ManagerClient, ManagerError, ManagerUnavailable
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import time
 import pytest
 from helpers.manager import SPEC, LiveServer, kv_bytes
 
-from kvpool.worker.manager_client import (
+from kvpool.client.manager import (
     ManagerClient,
     ManagerError,
     ManagerRestarted,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers.manager import CLI, HELPERS, wait_until
 
-from kvpool.worker.manager_client import ManagerClient, ManagerUnavailable
+from kvpool.client.manager import ManagerClient, ManagerUnavailable
 
 pytestmark = pytest.mark.slow
 PROC = [sys.executable, str(HELPERS / "manager_procs.py")]

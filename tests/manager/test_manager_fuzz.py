@@ -13,9 +13,9 @@ import msgpack
 import zmq
 from helpers.manager import SPEC, kv_bytes
 
+from kvpool.client.manager import ManagerClient
 from kvpool.shared.hashing import hash_blocks
 from kvpool.shared.protocol import ERROR_CODES, pack, unpack
-from kvpool.worker.manager_client import ManagerClient
 
 ADMIN_KEY = "fuzz-admin-key"
 N_MESSAGES = 12_000

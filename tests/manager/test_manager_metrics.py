@@ -18,10 +18,10 @@ from helpers.manager import (
     wait_until,
 )
 
+from kvpool.client.manager import ManagerClient
 from kvpool.manager.config import ManagerConfig
 from kvpool.manager.server import Server
 from kvpool.shared.protocol import encode_request
-from kvpool.worker.manager_client import ManagerClient
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import time
 import pytest
 from helpers.manager import CLI, free_port, scrape, value
 
-from kvpool.worker.manager_client import ManagerClient
+from kvpool.client.manager import ManagerClient
 
 pytestmark = pytest.mark.slow
 

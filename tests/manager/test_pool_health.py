@@ -10,7 +10,7 @@ from helpers.manager import SPEC, call, hello, kv_bytes, ok, register, wait_unti
 
 from kvpool.cli.admin import EXIT_UNHEALTHY
 from kvpool.cli.main import cli
-from kvpool.worker.manager_client import ManagerClient
+from kvpool.client.manager import ManagerClient
 
 
 def health(srv, sid) -> dict:

@@ -14,9 +14,9 @@ from helpers.durable import Daemon
 from helpers.manager import SPEC, kv_bytes
 from helpers.vllm_structs import V033
 
+from kvpool.client.manager import ManagerClient
 from kvpool.manager.events import END_SEQ
 from kvpool.shared.hashing import hash_blocks
-from kvpool.worker.manager_client import ManagerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 SHARED = list(range(1000, 1032))  # 8 full blocks of 4, shared by every prompt

@@ -10,7 +10,7 @@ import pytest
 from helpers.durable import Daemon
 from helpers.manager import CLI
 
-from kvpool.worker.client import GenerateClient, WorkerUnavailable
+from kvpool.client.generate import GenerateClient, WorkerUnavailable
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """The generate service's liveness, in process over a real ipc socket: heartbeats, clients that
-go away, back-off while the manager drains, and the client's causes (worker/client.py)."""
+go away, back-off while the manager drains, and the client's causes (client/generate.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import pytest
 from helpers.worker import make_engine, make_prompt
 
-from kvpool.worker.client import GenerateClient, WorkerUnavailable
+from kvpool.client.generate import GenerateClient, WorkerUnavailable
 from kvpool.worker.server import WorkerServer
 
 

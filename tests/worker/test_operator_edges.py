@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers.worker import make_engine, make_prompt
 
+from kvpool.client.generate import GenerateClient
 from kvpool.worker import host_memory
-from kvpool.worker.client import GenerateClient
 from kvpool.worker.config import WorkerConfig
 from kvpool.worker.profiler import KVMemoryError
 

@@ -16,8 +16,8 @@ import pytest
 from helpers.worker import make_prompt
 from helpers.worker_procs import CLI, Cluster, ClusterConfig
 
-from kvpool.worker.client import GenerateClient
-from kvpool.worker.manager_client import ManagerClient
+from kvpool.client.generate import GenerateClient
+from kvpool.client.manager import ManagerClient
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from helpers.worker import make_engine, make_prompt
 
-from kvpool.worker.server import WorkerServer, pack
+from kvpool.shared.generate import pack
+from kvpool.worker.server import WorkerServer
 
 
 def test_abort_reaches_only_the_senders_request():

@@ -11,9 +11,9 @@ import torch
 from helpers.worker import make_prompt
 from helpers.worker_procs import CLI, Cluster, ClusterConfig
 
-from kvpool.worker.client import GenerateClient
+from kvpool.client.generate import GenerateClient
+from kvpool.client.manager import ManagerClient
 from kvpool.worker.config import PRESETS
-from kvpool.worker.manager_client import ManagerClient
 from kvpool.worker.model import build_model
 from kvpool.worker.reference import reference_generate
 
@@ -41,8 +41,8 @@ def collect(client: GenerateClient, prompt, **params) -> tuple[list[list[int]], 
     messages = 0
     for msg in client.stream(prompt, timeout_s=30, **params):
         messages += 1
-        if msg["token"] is not None:
-            outs.setdefault(msg["index"], []).append(msg["token"])
+        if msg.token is not None:
+            outs.setdefault(msg.index, []).append(msg.token)
     return [outs[i] for i in sorted(outs)], messages
 
 

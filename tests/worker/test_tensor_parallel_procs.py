@@ -13,9 +13,9 @@ from helpers.tp import rank_kv_bytes
 from helpers.worker import greedy, make_engine, make_prompt
 from helpers.worker_procs import Cluster, ClusterConfig
 
+from kvpool.client.generate import GenerateClient
+from kvpool.client.manager import ManagerClient
 from kvpool.shared.protocol import SessionExpired, StaleEpoch
-from kvpool.worker.client import GenerateClient
-from kvpool.worker.manager_client import ManagerClient
 
 pytestmark = pytest.mark.slow
 NUM_BLOCKS, MAX_MODEL_LEN, BATCH = 14, 128, 32  # small: four 90-token requests must preempt

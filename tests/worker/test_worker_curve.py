@@ -12,8 +12,8 @@ import torch
 from helpers.worker import make_prompt
 from helpers.worker_procs import CLI, Cluster, ClusterConfig
 
+from kvpool.client.generate import GenerateClient, WorkerUnavailable
 from kvpool.shared.curve import ClientKeys, write_keypair
-from kvpool.worker.client import GenerateClient, WorkerUnavailable
 from kvpool.worker.config import PRESETS
 from kvpool.worker.model import build_model
 from kvpool.worker.reference import reference_generate
@@ -37,7 +37,7 @@ def test_a_curve_worker_serves_allowed_keys_and_refuses_the_others(tmp_path):
         clients.append(good)
         assert good.call("ping")["pong"] == cluster.pools[0]
         prompt = make_prompt(20, 3)
-        tokens = [m["token"] for m in good.stream(prompt, timeout_s=30, max_tokens=5, ignore_eos=True)]
+        tokens = [m.token for m in good.stream(prompt, timeout_s=30, max_tokens=5, ignore_eos=True)]
         model = build_model(PRESETS["tiny"], torch.float32, "cpu", seed=0)
         assert tokens == reference_generate(model, prompt, 5)
         stranger = GenerateClient(ep, curve=ClientKeys.load(str(keys["worker"][0]), str(keys["stranger"][1])))

@@ -18,7 +18,7 @@ import zmq
 from helpers.worker import make_prompt
 from helpers.worker_procs import Cluster, ClusterConfig
 
-from kvpool.worker.client import GenerateClient
+from kvpool.client.generate import GenerateClient
 from kvpool.worker.config import PRESETS
 from kvpool.worker.model import build_model
 from kvpool.worker.reference import reference_generate
@@ -92,8 +92,8 @@ def served_correctly(client: GenerateClient, model, rng: random.Random) -> None:
     n = rng.choice([1, 2])
     outs: dict[int, list[int]] = {}
     for msg in client.stream(prompt, timeout_s=30, max_tokens=4, n=n, ignore_eos=True):
-        if msg["token"] is not None:
-            outs.setdefault(msg["index"], []).append(msg["token"])
+        if msg.token is not None:
+            outs.setdefault(msg.index, []).append(msg.token)
     assert [outs[i] for i in range(n)] == [reference_generate(model, prompt, 4)] * n
 
 

@@ -20,7 +20,7 @@ from helpers.manager import (
     wait_until,
 )
 
-from kvpool.worker.client import GenerateClient, WorkerUnavailable
+from kvpool.client.generate import GenerateClient, WorkerUnavailable
 
 pytestmark = pytest.mark.slow
 KV_BLOCKS = 64  # tiny preset, float32, block_size 16: 8 KiB per block over its 2 layers
@@ -60,7 +60,7 @@ def test_worker_metrics_move_with_generation(procs, sock_dir):
         prompt = list(range(2, 42))
         tokens = 0
         for p in (prompt, prompt[:32] + [7, 8, 9]):  # the second one hits the first's 32 cached tokens
-            tokens += sum(m["token"] is not None for m in client.stream(p, max_tokens=10, ignore_eos=True))
+            tokens += sum(m.token is not None for m in client.stream(p, max_tokens=10, ignore_eos=True))
         assert tokens == 20
         wait_until(lambda: sample(scrape(port), "kvpool_worker_generated_tokens_total", pool="w0") == tokens,
                    10, "a render after the last token")

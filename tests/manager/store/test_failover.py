@@ -15,8 +15,8 @@ import pytest
 from helpers.durable import Daemon, redis_or_skip, seed_big_state
 from helpers.manager import CLI, HELPERS, SPEC, kv_bytes, wait_until
 
+from kvpool.client.manager import ManagerClient
 from kvpool.shared.protocol import encode_request, unpack
-from kvpool.worker.manager_client import ManagerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 PROC = [sys.executable, str(HELPERS / "manager_procs.py")]

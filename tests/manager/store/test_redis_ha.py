@@ -19,7 +19,7 @@ from helpers.durable import Daemon, chaos_clients, finish_chaos_clients, free_po
 from helpers.manager import wait_until
 from helpers.redis_topologies import Sentinel, cli, cluster
 
-from kvpool.worker.manager_client import ManagerClient, ManagerRestarted
+from kvpool.client.manager import ManagerClient, ManagerRestarted
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 

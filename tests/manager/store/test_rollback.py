@@ -29,9 +29,9 @@ from helpers.durable import (
 )
 from helpers.manager import SPEC, kv_bytes, ok, wait_until
 
+from kvpool.client.manager import ManagerClient, ManagerRestarted
 from kvpool.manager.store.high_water import HighWater, Mark, start_over_reason
 from kvpool.shared.protocol import encode_request, unpack
-from kvpool.worker.manager_client import ManagerClient, ManagerRestarted
 
 
 def alloc(rid: int) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Takes a sent step's reply off the socket while the worker computes (ManagerClient.begin_step).
+"""Takes a sent step's reply off the socket while the worker computes (``begin_step``).
 
 With overlap the reply to step N+1's message arrives during step N's forward pass; read after
 it, the read (``recv``, msgpack decode, on caches the forward pass just evicted) is manager wait

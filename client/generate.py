@@ -1,4 +1,6 @@
-"""Client of the worker's generate service (worker/server.py): `kvpool generate`, the demo.
+"""The generate client, sync transport (worker/server.py serves it; PROTOCOL.md section 12):
+`kvpool generate`, the demo, tests. One core with the asyncio ``WorkerLink``
+(client/generate_core.py); the messages are shared/generate.py's records.
 
 A client learns within a few seconds why a request cannot be served, instead of waiting out
 its timeout (``WorkerUnavailable.cause``):
@@ -17,7 +19,6 @@ worker, so it stops generating for nobody and frees its blocks.
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from collections.abc import Iterator
@@ -26,22 +27,12 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvpool.client.generate_core import GenerateCore, Stream, WorkerUnavailable
 from kvpool.shared.curve import ClientKeys
+from kvpool.shared.generate import Pong, StatsReply, TokenMessage, pack, parse_reply
 
+__all__ = ["GenerateClient", "WorkerUnavailable", "ping_once"]
 MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-
-
-class WorkerUnavailable(RuntimeError):
-    def __init__(self, message: str, cause: str = "timeout") -> None:
-        super().__init__(message)
-        self.cause = cause
-
-
-def pack(obj: dict) -> bytes:
-    try:
-        return msgpack.packb(obj, use_bin_type=True)
-    except (OverflowError, TypeError, ValueError) as e:  # e.g. an integer beyond 64 bits
-        raise ValueError(f"cannot encode the request: {e}; integers must fit in 64 bits") from None
 
 
 class GenerateClient:
@@ -61,27 +52,35 @@ class GenerateClient:
         self._monitor = self.sock.get_monitor_socket(MONITORED)
         self.connected = False
         self.sock.connect(endpoint)
-        self._ids = itertools.count()
+        self._core = GenerateCore()
 
     # -- sending -----------------------------------------------------------------------------
 
     def send(self, op: str, **body: object) -> str:
-        rid = str(body.pop("id", None) or f"{op}-{next(self._ids)}")
+        """Any message, as given (tests' probes of a worker): ``generate`` and the controls go
+        through ``submit``, ``stats``, ``ping`` and ``abort``."""
+        rid = str(body.pop("id", None) or self._core.next_id(op))
+        self._put(pack({"op": op, "id": rid, **body}))
+        return rid
+
+    def _put(self, payload: bytes) -> None:
         try:  # a socket whose connection was refused (CURVE) has nowhere to queue: never block
-            self.sock.send(pack({"op": op, "id": rid, **body}), zmq.NOBLOCK)
+            self.sock.send(payload, zmq.NOBLOCK)
         except zmq.Again:
             raise WorkerUnavailable(f"cannot send to the worker at {self.endpoint}: no connection (refused by "
                                     "its CURVE keys, or its queue is full); open a new client",
                                     "not_listening") from None
-        return rid
 
-    def submit(self, prompt: list[int], **params: object) -> str:
-        return self.send("generate", prompt=list(prompt), params=params)
+    def submit(self, prompt: list[int], cache_salt: str | None = None, **params: object) -> str:
+        """Sends a generate request (``params`` unchecked: the worker's refusal says what is wrong)."""
+        rid, payload = self._core.generate(list(prompt), params, cache_salt)
+        self._put(payload)
+        return rid
 
     def abort(self, rid: str) -> None:
         """Tells the worker to drop request ``rid`` (best effort: the worker may be gone)."""
         try:
-            self.sock.send(pack({"op": "abort", "id": rid}), zmq.NOBLOCK)
+            self.sock.send(self._core.control("abort", rid)[1], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
@@ -134,8 +133,9 @@ class GenerateClient:
         return None
 
     def call(self, op: str, timeout_s: float = 5.0) -> dict:
-        """A request with one reply (stats, ping)."""
-        rid = self.send(op)
+        """A request with one reply (stats, ping), the reply as sent."""
+        rid, payload = self._core.control(op)
+        self._put(payload)
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             msg = self.recv(left)
@@ -143,16 +143,22 @@ class GenerateClient:
                 return msg
         raise WorkerUnavailable(f"no reply to {op!r} from the worker at {self.endpoint} in {timeout_s}s")
 
-    def stream(self, prompt: list[int], timeout_s: float = 60.0, **params: object) -> Iterator[dict]:
+    def stats(self, timeout_s: float = 5.0) -> dict:
+        return StatsReply.from_wire(self.call("stats", timeout_s)).stats
+
+    def ping(self, timeout_s: float = 5.0) -> str:
+        """The pool the worker serves."""
+        return Pong.from_wire(self.call("ping", timeout_s)).pool
+
+    def stream(self, prompt: list[int], timeout_s: float = 60.0, **params: object) -> Iterator[TokenMessage]:
         """Token messages of one request until all its samples finished (heartbeats are not
         yielded). Raises WorkerUnavailable (see the module docstring) or ValueError (refused)."""
         self.check_reachable()
         rid = self.submit(prompt, **params)
-        open_samples = set(range(max(1, int(params.get("n", 1)))))  # n < 1: wait for the refusal
+        stream = Stream(rid, int(params.get("n", 1)), self.manager_grace_s)
         deadline = time.monotonic() + timeout_s
-        manager_down_since: float | None = None
         try:
-            while open_samples:
+            while not stream.done:
                 now = time.monotonic()
                 msg = self._next(min(deadline, now + self.liveness_s))
                 if msg is None:
@@ -160,37 +166,12 @@ class GenerateClient:
                         raise WorkerUnavailable(f"the request did not finish within {timeout_s}s", "timeout")
                     raise WorkerUnavailable(f"the worker at {self.endpoint} sent nothing, not even a heartbeat, "
                                             f"for {self.liveness_s}s: it is stuck or paused", "silent")
-                if msg.get("id") != rid:
-                    continue
-                if "error" in msg:
-                    open_samples.clear()
-                    raise ValueError(f"the worker refused the request: {msg['error']}")
-                if msg.get("heartbeat"):
-                    manager_down_since = self._check_waiting(msg.get("waiting"), manager_down_since)
-                    continue
-                manager_down_since = None
-                if msg.get("finished"):
-                    open_samples.discard(msg.get("index", 0))
-                yield msg
+                token = stream.feed(parse_reply(msg))
+                if token is not None:
+                    yield token
         finally:
-            if open_samples:
+            if not stream.done:
                 self.abort(rid)
-
-    def _check_waiting(self, reason: object, down_since: float | None) -> float | None:
-        """Raises when a heartbeat says the request cannot move; returns when the manager was
-        first reported unreachable (None: it is not)."""
-        if reason == "draining":
-            raise WorkerUnavailable("the manager is draining: it admits no new requests (an operator ran "
-                                    "`kvpool drain`; `kvpool drain --cancel` ends it); retry later", "draining")
-        if reason != "manager_unreachable":
-            return None
-        now = time.monotonic()
-        if down_since is None:
-            return now
-        if now - down_since >= self.manager_grace_s:
-            raise WorkerUnavailable(f"the worker cannot reach its manager (for {now - down_since:.0f}s); "
-                                    "check `kvpool status` on the worker's host", "manager_unreachable")
-        return down_since
 
     def close(self) -> None:
         if not self.sock.closed:
@@ -199,3 +180,19 @@ class GenerateClient:
         self._monitor.close(linger=0)
         if self._own_ctx:
             self._ctx.term()
+
+
+def ping_once(endpoint: str, timeout_s: float = 1.0) -> tuple[bool, str | None]:
+    """(anything answered, the pool a pong named) for one ``ping`` with id ``probe``: no
+    monitor, no retry (worker/endpoint.py asks whether a live worker holds a path)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(GenerateCore().control("ping", "probe")[1])
+        if not sock.poll(timeout_s * 1000, zmq.POLLIN):
+            return False, None
+        reply = parse_reply(msgpack.unpackb(sock.recv(), raw=False))
+        return True, reply.pool if isinstance(reply, Pong) and isinstance(reply.pool, str) else None
+    finally:
+        sock.close(linger=0)

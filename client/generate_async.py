@@ -1,4 +1,5 @@
-"""The front door's connection to one worker's generate service (worker/server.py), asyncio.
+"""The generate client, asyncio transport: the front door's link to one worker's generate
+service (worker/server.py), over the core the sync ``GenerateClient`` uses (client/generate_core.py).
 
 One DEALER socket per worker; many requests in flight, each with its own queue of token
 messages. A worker is taken for lost (every open request gets a ``lost`` message, which the
@@ -17,17 +18,20 @@ succeeds (the worker restarted, or re-read its allowed keys and ZeroMQ reconnect
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import struct
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import zmq
 import zmq.asyncio
 
-from kvpool.frontend.errors import WorkerLost
+from kvpool.client.generate_core import GenerateCore, WorkerLost
 from kvpool.shared.curve import ClientKeys
+from kvpool.shared.generate import Reply, parse_reply
 
 logger = logging.getLogger(__name__)
 PING_S = 1.0
@@ -35,8 +39,11 @@ HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
-def _pack(obj: dict) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+@dataclass(frozen=True)
+class Lost:
+    """Put on an open request's queue when its worker is taken for lost."""
+
+    reason: str
 
 
 def handshake_failure(event: int, value: int, curve: bool) -> str:
@@ -68,8 +75,8 @@ class WorkerLink:
             curve.apply(self.sock)
         self._monitor = self.sock.get_monitor_socket(
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
-        self._ids = itertools.count()
-        self.queues: dict[str, asyncio.Queue] = {}
+        self._core = GenerateCore("fd")
+        self.queues: dict[str, asyncio.Queue[Reply | Lost]] = {}
         self.last_heard = time.monotonic()
         self.lost: str | None = None
         if refused is None:
@@ -83,24 +90,21 @@ class WorkerLink:
     def running(self) -> int:
         return len(self.queues)
 
-    def submit(self, prompt: list[int], params: dict, cache_salt: str | None = None) -> str:
+    def submit(self, prompt: list[int], params: Mapping[str, Any], cache_salt: str | None = None) -> str:
         if self.lost is not None:
             raise WorkerLost(f"the worker at {self.endpoint} is gone: {self.lost}")
-        rid = f"fd-{next(self._ids)}"
+        rid, payload = self._core.generate(prompt, params, cache_salt)
         self.queues[rid] = asyncio.Queue()
-        msg = {"op": "generate", "id": rid, "prompt": prompt, "params": params}
-        if cache_salt is not None:
-            msg["cache_salt"] = cache_salt
         if self.running == 1:
             self.last_heard = time.monotonic()  # the silence clock starts with the first open request
-        self._send(msg)
+        self._send(payload)
         return rid
 
-    async def next(self, rid: str) -> dict:
-        """The next message of request ``rid``; raises WorkerLost."""
+    async def next(self, rid: str) -> Reply:
+        """The next message of request ``rid`` (shared/generate.py's records); raises WorkerLost."""
         msg = await self.queues[rid].get()
-        if "lost" in msg:
-            raise WorkerLost(msg["lost"])
+        if isinstance(msg, Lost):
+            raise WorkerLost(msg.reason)
         return msg
 
     def done(self, rid: str) -> None:
@@ -109,7 +113,7 @@ class WorkerLink:
     def abort(self, rid: str) -> None:
         """Stops ``rid`` on the worker (its blocks are freed at once); its messages are dropped."""
         if self.queues.pop(rid, None) is not None and self.lost is None:
-            self._send({"op": "abort", "id": rid})
+            self._send(self._core.control("abort", rid)[1])
 
     def fail(self, reason: str) -> None:
         """Fails every open request; the first reason stays (a refused handshake is followed by
@@ -118,11 +122,11 @@ class WorkerLink:
             logger.warning("worker at %s lost: %s", self.endpoint, reason)
             self.lost = reason
         for q in self.queues.values():
-            q.put_nowait({"lost": f"the worker at {self.endpoint} is gone ({self.lost})"})
+            q.put_nowait(Lost(f"the worker at {self.endpoint} is gone ({self.lost})"))
 
-    def _send(self, msg: dict) -> None:
+    def _send(self, payload: bytes) -> None:
         try:
-            self.sock.send(_pack(msg), zmq.NOBLOCK)
+            self.sock.send(payload, zmq.NOBLOCK)
         except zmq.Again:
             self.fail("its socket does not take messages")
 
@@ -134,9 +138,10 @@ class WorkerLink:
                 msg = msgpack.unpackb(payload, raw=False)
             except (ValueError, msgpack.UnpackException):
                 continue
-            q = self.queues.get(msg.get("id")) if type(msg) is dict else None
+            reply = parse_reply(msg)
+            q = self.queues.get(reply.client_id) if reply is not None else None
             if q is not None:
-                q.put_nowait(msg)
+                q.put_nowait(reply)
 
     async def _watch(self) -> None:
         while True:
@@ -158,7 +163,7 @@ class WorkerLink:
             if time.monotonic() - self.last_heard > self.silence_s:
                 self.fail(f"silent for {self.silence_s:.0f}s")
             else:
-                self._send({"op": "ping", "id": "ping"})
+                self._send(self._core.control("ping", "ping")[1])
 
     async def close(self) -> None:
         for t in self._tasks:
