@@ -4,7 +4,7 @@ manager daemon and its queries; ``serve``: worker, generate, demo; ``state``: sn
 connection, output helpers, the one exit-status table).
 
 Import rule: the CLI imports from ``kvpool.manager`` only ``kvpool.manager.core`` and the
-manager's public entry points (``server.serve``, ``config.ManagerConfig``, ``store.snapshots``,
+manager's public entry points (``daemon.serve``, ``config.ManagerConfig``, ``snapshots``,
 ``event_client.EventTail``); it may import ``kvpool.worker``, ``kvpool.client`` and ``kvpool.shared`` freely.
 tests/test_layout.py checks it.
 """

@@ -23,6 +23,7 @@ from kvpool.cli.common import (
 )
 from kvpool.cli.layered import explicit_flags, load_service, manager_ops_options, summary
 from kvpool.client.retry import RetryPolicy
+from kvpool.shared.summaries import PoolSummary
 
 DRAIN_POLL = RetryPolicy(first_pause_s=0.2, max_pause_s=0.2)  # `drain --wait`: asked every 0.2 s
 
@@ -53,7 +54,7 @@ def manager(ctx: click.Context, config_path: str | None, **_: object) -> None:
 
     `kvpool config show manager` prints the effective config and where each value came from.
     """
-    from kvpool.manager.server import serve
+    from kvpool.manager.daemon import serve
     from kvpool.shared.logs import setup_logging
 
     cfg, source = load_service("manager", config_path, *explicit_flags(ctx, "manager"))
@@ -141,8 +142,9 @@ def pools(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool)
     """Pools with their epoch, shards and block usage."""
     rows = ask(endpoint, timeout_s, admin_key, "pools")["pools"]
     for r in rows:
-        r["shards_up"] = f"{r['registered']}/{r['shard_count']}"
-        r["live_up"] = f"{r.get('live_shards', 0)}/{r['shard_count']}"
+        summary = PoolSummary.from_wire(r)
+        r["shards_up"] = f"{summary.registered}/{summary.shard_count}"
+        r["live_up"] = f"{r.get('live_shards', 0)}/{summary.shard_count}"
     cols = [("POOL", "pool"), ("STATE", "state"), ("HEALTH", "health"), ("EPOCH", "epoch"),
             ("SHARDS", "shards_up"), ("LIVE", "live_up"),
             ("BLOCKS", "num_blocks"), ("FREE", "free_blocks"), ("CACHED", "cached_blocks"),

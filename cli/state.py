@@ -6,7 +6,7 @@
 
 A snapshot file is the manager's own snapshot format (manager/store/state_file.py: magic, SHA-256,
 msgpack): journal replayed, every invariant checked before it is written or restored
-(manager/store/snapshots.py does the reading and writing; this module is the command line).
+(manager/snapshots.py does the reading and writing; this module is the command line).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def snapshot(redis_url: str | None, namespace: str | None, config_path: str | No
              input_path: str | None, as_json: bool) -> None:
     """Dump a manager's state from Redis to a file (verified), or inspect a file. Which Redis:
     --redis-url, else the manager's config; never a guessed default."""
-    from kvpool.manager.store.snapshots import (
+    from kvpool.manager.snapshots import (
         CorruptState,
         StateIOError,
         load_file,
@@ -94,7 +94,7 @@ def restore(path: str, redis_url: str | None, namespace: str | None, config_path
             keep_state_id: bool, as_json: bool) -> None:
     """Replace a namespace's state in Redis by a snapshot file (verified first). Which Redis:
     --redis-url, else the manager's config; never a guessed default."""
-    from kvpool.manager.store.snapshots import (
+    from kvpool.manager.snapshots import (
         CorruptState,
         StateIOError,
         load_file,

@@ -27,6 +27,7 @@ from kvpool.client.manager_async import AsyncManagerClient
 from kvpool.shared.bind import check_connect
 from kvpool.shared.curve import ClientKeys
 from kvpool.shared.protocol import ManagerError
+from kvpool.shared.summaries import WorkerRow
 
 logger = logging.getLogger(__name__)
 
@@ -96,29 +97,29 @@ class Directory:
             self.reachable[i] = True
             await self._apply(i, rows)
 
-    async def _apply(self, i: int, rows: list[dict]) -> None:
+    async def _apply(self, i: int, wire_rows: list[dict]) -> None:
         seen = set()
-        for row in rows:
-            key = (i, row["pool"])
+        for row in map(WorkerRow.from_wire, wire_rows):
+            key = (i, row.pool)
             seen.add(key)
             old = self.workers.get(key)
-            if old is not None and (old.endpoint, old.epoch) == (row["endpoint"], row["epoch"]):
-                old.free_blocks, old.num_blocks = row["free_blocks"], row["num_blocks"]
+            if old is not None and (old.endpoint, old.epoch) == (row.serve.endpoint, row.epoch):
+                old.free_blocks, old.num_blocks = row.free_blocks, row.num_blocks
                 continue  # a lost link stays lost until the worker re-registers (new epoch) or reconnects
             if old is not None:
                 await self._drop(old, "re-registered")
-            link = WorkerLink(row["endpoint"], self.ctx, self.silence_s, self.worker_keys, self._refusal(row))
-            self.workers[key] = Worker(i, row["pool"], row["model"], row["endpoint"], row["max_model_len"],
-                                       row["block_size"], row["num_blocks"], row["free_blocks"], row["epoch"], link)
+            link = WorkerLink(row.serve.endpoint, self.ctx, self.silence_s, self.worker_keys, self._refusal(row))
+            self.workers[key] = Worker(i, row.pool, row.serve.model, row.serve.endpoint, row.serve.max_model_len,
+                                       row.block_size, row.num_blocks, row.free_blocks, row.epoch, link)
             self.changes += 1
-            logger.info("worker %s serves %s at %s", row["pool"], row["model"], row["endpoint"])
+            logger.info("worker %s serves %s at %s", row.pool, row.serve.model, row.serve.endpoint)
         for key in [k for k in self.workers if k[0] == i and k not in seen]:
             await self._drop(self.workers.pop(key), "left its manager")
 
-    def _refusal(self, row: dict) -> str | None:
+    def _refusal(self, row: WorkerRow) -> str | None:
         try:
-            check_connect(row["endpoint"], curve=self.worker_keys is not None, insecure=self.insecure,
-                          what=f"worker {row['pool']!r} at")
+            check_connect(row.serve.endpoint, curve=self.worker_keys is not None, insecure=self.insecure,
+                          what=f"worker {row.pool!r} at")
         except ValueError as e:
             return f"not connected: {e}"
         return None

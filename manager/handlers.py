@@ -1,8 +1,9 @@
 """One function per manager op: validate ``args``, act on the registry, return the reply body.
 
 Handlers raise ``ManagerError(code, message)`` for bad input; the server turns it into an error
-reply. Each takes ``(session, args, now)``; ``session`` is None only for hello. The dispatch
-table (which op needs a session, which is an admin op) is in manager/server.py.
+reply. Each takes a ``Call`` (manager/ops.py: message id, session, args, clock); its session
+is None only for hello. ``@op`` registers each one in the dispatch table (``OPS``) with whether
+it needs a session and whether it is an admin op.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.guards import Bounds, check_owner, check_register, check_step, max_model_len
 from kvpool.manager.health import pool_health
-from kvpool.manager.registry import PoolEntry, Registry, Session
+from kvpool.manager.ops import Call, op
+from kvpool.manager.registry import PoolEntry, Registry
 from kvpool.manager.stats import ServerStats
 from kvpool.shared.protocol import (
     HOST_POLICIES,
@@ -27,7 +29,6 @@ from kvpool.shared.protocol import (
     KVSpec,
     ManagerError,
     bad_field,
-    check_serve,
     get_hashes,
     get_int,
     get_map,
@@ -35,6 +36,7 @@ from kvpool.shared.protocol import (
     short_repr,
 )
 from kvpool.shared.step_ops import decode_ops
+from kvpool.shared.summaries import PoolSummary, ServeInfo, WorkerRow
 
 U63 = (1 << 63) - 1
 
@@ -49,21 +51,12 @@ def check_tier(args: dict, pool: Pool) -> str:
     return tier
 
 
-def pool_info(entry: PoolEntry) -> dict:
+def pool_summary(entry: PoolEntry) -> PoolSummary:
     pool = entry.pool
-    info = {
-        "pool": entry.name,
-        "state": entry.state,
-        "epoch": entry.epoch,
-        "registered": len(entry.shards),
-        "shard_count": entry.shard_count,
-        "num_blocks": pool.blocks.num_blocks if pool else 0,
-        "block_size": entry.spec["block_size"],
-    }
-    if pool is not None and pool.host is not None:  # a pool without a host tier: as before
-        info["host_num_blocks"] = pool.host.num_blocks
-        info["host_policy"] = pool.host.policy
-    return info
+    host = pool.host if pool is not None else None
+    return PoolSummary(entry.name, entry.state, entry.epoch, len(entry.shards), entry.shard_count,
+                       pool.blocks.num_blocks if pool else 0, entry.spec.block_size,
+                       host.num_blocks if host is not None else None, host.policy if host is not None else None)
 
 
 def _flag(args: dict, key: str) -> bool:
@@ -84,6 +77,9 @@ class Handlers:
         admin_key: str | None,
         request_stop: Callable[[], None],
         bounds: Bounds | None = None,
+        store_stats: Callable[[], dict] = dict,
+        events_info: dict | None = None,
+        admin_needs_key: bool = False,
     ) -> None:
         self.reg, self.counters = registry, stats
         self.max_sub_ops, self.max_message_bytes = max_sub_ops, max_message_bytes
@@ -91,16 +87,17 @@ class Handlers:
         self.request_stop = request_stop
         self.bounds = bounds or Bounds()
         self.started = time.monotonic()
-        self.msg_id = 0  # the id of the message being handled (set by the server): retried steps
-        self.store_stats: Callable[[], dict] = dict  # the state store's counters (set by the server)
-        # where KV events are published (set by the server; None: off): `kvpool events` asks
-        self.events_info: dict = {"events_endpoint": None, "events_replay_endpoint": None}
+        self.store_stats = store_stats  # the state store's counters
+        # where KV events are published (None: off): `kvpool events` asks
+        self.events_info = events_info or {"events_endpoint": None, "events_replay_endpoint": None}
         # With CURVE on, an allowed worker key is no admin credential: admin ops then need admin_key.
-        self.admin_needs_key = False
+        self.admin_needs_key = admin_needs_key
 
     # -- sessions --------------------------------------------------------------------------
 
-    def hello(self, sess: Session | None, args: dict, now: float) -> dict:
+    @op(session=False)
+    def hello(self, call: Call) -> dict:
+        args, now = call.args, call.now
         identity = get_str(args, "identity", 128, default="anonymous")
         role = args.get("role", "worker")
         if role not in ROLES:
@@ -139,15 +136,20 @@ class Handlers:
             raise ManagerError("forbidden", "role 'admin' needs the manager's admin key (admin_key)")
         return True
 
-    def heartbeat(self, sess: Session, args: dict, now: float) -> dict:
+    @op()
+    def heartbeat(self, call: Call) -> dict:
         return {}
 
-    def deregister(self, sess: Session, args: dict, now: float) -> dict:
+    @op()
+    def deregister(self, call: Call) -> dict:
+        sess = call.sess
         return {"freed": self.reg.end_session(sess.sid)}
 
     # -- pools -----------------------------------------------------------------------------
 
-    def register(self, sess: Session, args: dict, now: float) -> dict:
+    @op()
+    def register(self, call: Call) -> dict:
+        args, sess = call.args, call.sess
         name = get_str(args, "pool", 64, pattern=POOL_NAME)
         rank, count = get_int(args, "shard_rank", 0, 4095), get_int(args, "shard_count", 1, 4096)
         incarnation = get_str(args, "incarnation", 128)
@@ -162,13 +164,16 @@ class Handlers:
         replace = args.get("replace", False)
         if type(replace) is not bool:
             raise bad_field("replace", "a bool", replace)
-        serve = check_serve(args["serve"]) if "serve" in args else None  # where rank 0 takes generate requests
+        # where rank 0 takes generate requests: validated, kept (and journaled) as its wire map
+        serve = ServeInfo.from_wire(args["serve"]).to_wire() if "serve" in args else None
         check_register(self.reg, self.bounds, sess, name, rank, incarnation, available // spec.block_bytes, replace)
         entry = self.reg.register(sess, name, rank, count, incarnation, spec, available, serve, host_kv_bytes,
                                   host_kv_policy)
-        return {**pool_info(entry), "max_model_len": max_model_len(self.bounds, entry)}
+        return {**pool_summary(entry).to_wire(), "max_model_len": max_model_len(self.bounds, entry)}
 
-    def step(self, sess: Session, args: dict, now: float) -> dict:
+    @op()
+    def step(self, call: Call) -> dict:
+        args, sess = call.args, call.sess
         entry, pool = self.reg.ready_pool(args.get("pool"), get_int(args, "epoch", 1, U63))
         check_owner(self.reg, sess, entry)
         ops = args.get("ops")
@@ -177,25 +182,28 @@ class Handlers:
         if len(ops) > self.max_sub_ops:
             raise ManagerError("too_many_sub_ops", f"{len(ops)} sub-ops; at most {self.max_sub_ops} per step")
         last = sess.last_step_id
-        if self.reg.durable and last is not None and self.msg_id <= last:  # ids increase (PROTOCOL.md 11)
-            if self.msg_id == last:  # a retry (timeout, failover): the step ran once, answer again
+        if self.reg.durable and last is not None and call.msg_id <= last:  # ids increase (PROTOCOL.md 11)
+            if call.msg_id == last:  # a retry (timeout, failover): the step ran once, answer again
                 return {"results": sess.last_step}
-            raise ManagerError("stale_request", f"step id {self.msg_id} is older than this session's last "
+            raise ManagerError("stale_request", f"step id {call.msg_id} is older than this session's last "
                                f"step {last}: a late duplicate, not run")
         decoded = decode_ops(ops)
         check_step(self.bounds, entry, sess.sid, decoded)
         t0 = time.perf_counter()
-        results = self.reg.step(sess, entry, ops, self.msg_id, decoded)
+        results = self.reg.step(sess, entry, ops, call.msg_id, decoded)
         self.counters.step_latency.observe(time.perf_counter() - t0)
         self.counters.sub_ops += len(ops)
         return {"results": results}
 
-    def lookup(self, sess: Session, args: dict, now: float) -> dict:
+    @op()
+    def lookup(self, call: Call) -> dict:
+        args = call.args
         epoch = get_int(args, "epoch", 1, U63) if "epoch" in args else None
         _, pool = self.reg.ready_pool(args.get("pool"), epoch)
         return {"blocks": pool.lookup(get_hashes(args))}
 
-    def workers(self, sess: Session, args: dict, now: float) -> dict:
+    @op()
+    def workers(self, call: Call) -> dict:
         """Ready pools whose rank-0 shard announced a generate endpoint and is still connected:
         what a front door routes to."""
         out = []
@@ -204,16 +212,20 @@ class Handlers:
             if entry.pool is None or lead is None or lead.serve is None or lead.sid not in self.reg.sessions:
                 continue
             blocks = entry.pool.blocks
-            out.append({**lead.serve, "pool": entry.name, "epoch": entry.epoch, "num_blocks": blocks.num_blocks,
-                        "block_size": entry.spec["block_size"], "free_blocks": blocks.num_free,
-                        "requests": len(entry.pool.requests)})
+            serve = ServeInfo(lead.serve["endpoint"], lead.serve["model"], lead.serve["max_model_len"])
+            out.append(WorkerRow(serve, entry.name, entry.epoch, blocks.num_blocks, entry.spec.block_size,
+                                 blocks.num_free, len(entry.pool.requests)).to_wire())
         return {"workers": out}
 
-    def locate(self, sess: Session, args: dict, now: float) -> dict:
+    @op()
+    def locate(self, call: Call) -> dict:
+        args = call.args
         hashes = get_hashes(args)
         return {"pools": {name: e.pool.lookup(hashes) for name, e in self.reg.pools.items() if e.pool is not None}}
 
-    def stats(self, sess: Session, args: dict, now: float) -> dict:
+    @op()
+    def stats(self, call: Call) -> dict:
+        args, sess = call.args, call.sess
         reg = self.reg
         manager = {
             "incarnation": reg.incarnation,
@@ -242,15 +254,16 @@ class Handlers:
 
     # -- admin -----------------------------------------------------------------------------
 
-    def pools(self, sess: Session, args: dict, now: float) -> dict:
+    @op(admin=True)
+    def pools(self, call: Call) -> dict:
         out = []
         live = self.reg.sessions
         for entry in self.reg.pools.values():
-            info = pool_info(entry)
+            info = pool_summary(entry).to_wire()
             pool = entry.pool
             info.update(pool_health(entry, live).as_dict())
             info.update(
-                spec=entry.spec,
+                spec=entry.common_spec(),
                 free_blocks=pool.blocks.num_free if pool else 0,
                 cached_blocks=len(pool.blocks.cached) if pool else 0,
                 requests=len(pool.requests) if pool else 0,
@@ -263,14 +276,18 @@ class Handlers:
             out.append(info)
         return {"pools": out}
 
-    def sessions(self, sess: Session, args: dict, now: float) -> dict:
+    @op(admin=True)
+    def sessions(self, call: Call) -> dict:
+        now = call.now
         counts = self.reg.request_counts()
         rows = [{"session": s.num, "identity": s.identity, "role": s.role, "admin": s.admin,
                  "age_s": now - s.created, "idle_s": now - s.last_seen, "requests": counts.get(s.sid, 0)}
                 for s in self.reg.sessions.values()]
         return {"sessions": rows}
 
-    def requests(self, sess: Session, args: dict, now: float) -> dict:
+    @op(admin=True)
+    def requests(self, call: Call) -> dict:
+        args = call.args
         entry, pool = self.reg.ready_pool(args.get("pool"))
         limit = get_int(args, "limit", 1, 1 << 20, default=10_000)
         with_ids = args.get("block_ids", False)
@@ -289,7 +306,9 @@ class Handlers:
                 rows[-1]["block_ids"] = list(req.blocks)
         return {"pool": entry.name, "epoch": entry.epoch, "total": len(pool.requests), "requests": rows}
 
-    def reset_cache(self, sess: Session, args: dict, now: float) -> dict:
+    @op(admin=True)
+    def reset_cache(self, call: Call) -> dict:
+        args = call.args
         entry, pool = self.reg.ready_pool(args.get("pool"))
         tier = check_tier(args, pool)
         if not self.reg.reset_cache(entry, tier):
@@ -299,19 +318,25 @@ class Handlers:
                                "drain it first (kvpool drain), then reset")
         return {"reset": True}
 
-    def evict(self, sess: Session, args: dict, now: float) -> dict:
+    @op(admin=True)
+    def evict(self, call: Call) -> dict:
+        args = call.args
         entry, pool = self.reg.ready_pool(args.get("pool"))
         n = get_int(args, "n", 0, U63)
         return {"evicted": self.reg.evict(entry, n, check_tier(args, pool))}
 
-    def drain(self, sess: Session, args: dict, now: float) -> dict:
+    @op(admin=True)
+    def drain(self, call: Call) -> dict:
+        args = call.args
         enable = args.get("enable", True)
         if type(enable) is not bool:
             raise bad_field("enable", "a bool", enable)
         self.reg.set_draining(enable)
         return {"draining": enable, "requests": self.reg.total_requests()}
 
-    def drop_pool(self, sess: Session, args: dict, now: float) -> dict:
+    @op(admin=True)
+    def drop_pool(self, call: Call) -> dict:
+        args = call.args
         entry = self.reg.get_pool(get_str(args, "pool", 64, pattern=POOL_NAME))
         force = _flag(args, "force")
         health = pool_health(entry, self.reg.sessions)
@@ -320,11 +345,13 @@ class Handlers:
                                "worker sessions; stop those workers first, or drop it anyway with force")
         return {"pool": entry.name, "dropped": True, "freed": self.reg.drop_pool(entry)}
 
-    def shutdown(self, sess: Session, args: dict, now: float) -> dict:
+    @op(admin=True)
+    def shutdown(self, call: Call) -> dict:
         self.request_stop()
         return {"stopping": True}
 
-    def check(self, sess: Session, args: dict, now: float) -> dict:
+    @op(admin=True)
+    def check(self, call: Call) -> dict:
         try:
             self.reg.check_invariants()
         except InvariantBroken as e:
@@ -332,9 +359,11 @@ class Handlers:
         return {"pools": len(self.reg.pools), "sessions": len(self.reg.sessions),
                 "requests": self.reg.total_requests()}
 
-    def cached_hashes(self, sess: Session, args: dict, now: float) -> dict:
+    @op(admin=True)
+    def cached_hashes(self, call: Call) -> dict:
         """One tier's prefix-cache keys (what a KV-event subscriber holds for that tier's
         ``medium``), sorted; the device tier unless ``tier`` says "host"."""
+        args = call.args
         entry, pool = self.reg.ready_pool(args.get("pool"))
         limit = get_int(args, "limit", 1, MAX_HASHES, default=MAX_HASHES)
         tier = check_tier(args, pool)

@@ -80,7 +80,7 @@ class LoopHooks:
         """From the shards' spec: a pool that just lost a shard has no Pool, but its events go out.
         A dropped pool's last batch is only AllBlocksCleared, which has no block size."""
         entry = self.reg.pools.get(name)
-        return entry.spec["block_size"] if entry is not None else 0
+        return entry.spec.block_size if entry is not None else 0
 
     def wait(self, sock: zmq.Socket, timeout_ms: int) -> bool:
         """Waits for a request; answers event replay requests meanwhile. True when one is ready."""

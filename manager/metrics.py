@@ -64,9 +64,7 @@ HISTOGRAMS = (
 
 
 def _histogram(h: LatencyHistogram) -> Histogram:
-    out = Histogram(LATENCY_BOUNDS)
-    out.counts, out.sum, out.count = list(h.counts), h.sum, h.total
-    return out
+    return Histogram.of(LATENCY_BOUNDS, h.counts, h.sum, h.total)
 
 
 def render(reg: Registry, stats: ServerStats, uptime_s: float) -> str:

@@ -10,8 +10,8 @@ import logging
 from collections.abc import Container
 
 from kvpool.manager.core.pool import Pool
-from kvpool.manager.entries import COMMON_SPEC, PoolEntry
-from kvpool.manager.mutations import ShardRegistered
+from kvpool.manager.state.entries import COMMON_SPEC, PoolEntry
+from kvpool.manager.state.mutations import ShardRegistered
 from kvpool.shared.protocol import KVSpec, ManagerError
 
 logger = logging.getLogger(__name__)
@@ -80,11 +80,11 @@ def new_epoch(entry: PoolEntry, max_blocks: int, kv_events: bool = True) -> None
         logger.warning("pool %s: %d blocks clamped to max_blocks %d", entry.name, num_blocks, max_blocks)
         num_blocks = max_blocks
     restarted = entry.epoch > 0  # an earlier Pool of this name had cached hashes
-    entry.epoch += 1
-    entry.pool = Pool(num_blocks, entry.spec["block_size"], enable_events=kv_events,
-                      host_blocks=min(entry.host_num_blocks, max_blocks), host_policy=entry.host_policy)
+    pool = Pool(num_blocks, entry.spec.block_size, enable_events=kv_events,
+                host_blocks=min(entry.host_num_blocks, max_blocks), host_policy=entry.host_policy)
+    entry.form(pool)
     if restarted:
-        entry.pool.restate_events()  # the new pool is empty, both tiers: a clear
+        pool.restate_events()  # the new pool is empty, both tiers: a clear
         logger.warning("pool %s: a shard restarted; epoch %d, cache and requests dropped", entry.name, entry.epoch)
     else:
         logger.info("pool %s ready: %d blocks, epoch %d", entry.name, num_blocks, entry.epoch)

@@ -1,6 +1,11 @@
 """Every piece of the manager's state, in one object: pools (with their shards) and sessions.
 
-The loop owns the registry; nothing else mutates it. A store snapshots it (manager/store/base.py).
+The loop owns the registry and it is the one writer of its state: every change is a mutation
+record (manager/state/mutations.py) run by ``apply``, which journals it once; the store and the
+recovery move it only through its commit protocol (``take_log``, ``mark_committed``,
+``mark_durable``, ``start_over``, ``restore``, ``discard_uncommitted``), the loop through
+``take_dirty`` and ``take_orphan_events``. The store sees it as a ``StateView``
+(manager/store/view.py), so it never imports this module.
 
 - A *session* is one connected client (hello .. deregister or expiry). Its secret ``sid`` is
   the owner of its requests inside every pool (``run_step``'s owner), so one client can never
@@ -21,12 +26,16 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 from kvpool.manager.core.kv_events import AllBlocksCleared, KVEvent
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
-from kvpool.manager.entries import GLOBAL, PoolEntry, Session, Shard, check_pools
-from kvpool.manager.mutations import (
+from kvpool.manager.pool_forming import compatible, new_epoch, remove_shards, shard_blocks
+from kvpool.manager.state.entries import GLOBAL, PoolEntry, Session, Shard, check_pools
+from kvpool.manager.state.mutations import (
     BlocksEvicted,
     CacheReset,
     DrainingSet,
@@ -37,11 +46,16 @@ from kvpool.manager.mutations import (
     ShardRegistered,
     StepRan,
 )
-from kvpool.manager.pool_forming import compatible, new_epoch, remove_shards, shard_blocks
 from kvpool.shared.protocol import KVSpec, ManagerError, short_repr
 from kvpool.shared.step_ops import decode_ops, encode_results
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
+UNLIMITED = 1 << 62
+# When ``apply`` journals a record: before it runs (a registration: replayed, it fails or succeeds
+# as it did live), once it ran, or once it ran and its result says it changed something (a step
+# with sub-ops, a reset that found no block in use).
+BEFORE, AFTER, IF_CHANGED = "before", "after", "if_changed"
 
 
 class Registry:
@@ -72,35 +86,95 @@ class Registry:
         # The identity of this state: the incarnation without persistence; a persistent store
         # replaces it with the id it keeps with the state, so it survives restarts and failovers.
         self.state_id = incarnation
-        self.durable = False  # a persistent store holds this state (set by the store)
+        self.durable = False  # a persistent store holds this state (mark_durable)
         self.seq = 0  # the store's last committed batch (its commit sequence); replies carry it
         # When a store journals (manager/store/journal.py): this iteration's mutations as records.
         self.log: list[Mutation] | None = None
 
-    def record(self, rec: Mutation) -> None:
-        if self.log is not None:
-            self.log.append(rec)
-
     def apply(self, rec: Mutation, now: float) -> object:
-        """The one way the state changes: runs ``rec`` and journals it. The named methods below
-        (the live path) and the journal's replay both come here; returns what the method returns."""
-        if type(rec) is StepRan:  # the hot path first
-            return self._step(rec)
-        if type(rec) is SessionOpened:
-            return self._open_session(rec, now)
-        if type(rec) is SessionEnded:
-            return self._end_session(rec)
-        if type(rec) is ShardRegistered:
-            return self._register(rec)
-        if type(rec) is CacheReset:
-            return self._reset_cache(rec)
-        if type(rec) is BlocksEvicted:
-            return self._evict(rec)
-        if type(rec) is DrainingSet:
-            return self._set_draining(rec)
-        if type(rec) is PoolDropped:
-            return self._drop(rec)
-        raise TypeError(f"not a registry mutation: {rec!r:.80}")
+        """The one way the state changes: runs ``rec`` and journals it (once, at the point
+        ``_RUN`` names for its type). The named methods below (the live path) and the journal's
+        replay both come here; returns what the record's method returns."""
+        run = _RUN.get(type(rec))
+        if run is None:
+            raise TypeError(f"not a registry mutation: {rec!r:.80}")
+        return self._apply(rec, run, now)
+
+    def _apply(self, rec: Any, run: Callable[[Registry, Any, float], R], now: float) -> R:
+        when = _WHEN[type(rec)]
+        log = self.log
+        if log is not None and when is BEFORE:
+            log.append(rec)
+        result = run(self, rec, now)
+        if log is not None and (when is AFTER or (when is IF_CHANGED and result)):
+            log.append(rec)
+        return result
+
+    # -- the commit protocol (the loop, the store and the recovery call these) ---------------
+
+    def mark_durable(self) -> None:
+        """A persistent store holds this state from now on: every mutation is journaled."""
+        self.durable, self.log, self.dirty = True, [], set()
+
+    def take_log(self) -> list[Mutation]:
+        """This iteration's mutation records, for the store to commit (journaling goes on)."""
+        log = self.log
+        if not log:
+            return []
+        self.log = []
+        return log
+
+    def mark_committed(self, seq: int) -> None:
+        """The store committed its batch ``seq``: replies say so from now on."""
+        self.seq = seq
+
+    def take_dirty(self) -> set[str]:
+        """What changed this iteration (pool names, GLOBAL); cleared."""
+        dirty = self.dirty
+        if dirty:
+            self.dirty = set()
+        return dirty
+
+    def take_orphan_events(self) -> list[tuple[str, int, list[KVEvent]]]:
+        """KV events of pools dropped this iteration, (pool, epoch, events); cleared."""
+        events = self.orphan_events
+        if not events:
+            return []
+        self.orphan_events = []
+        return events
+
+    def discard_uncommitted(self) -> None:
+        """A commit failed: nothing of this iteration is kept for a commit or published (the
+        state itself is no longer trusted; the recovery reloads it)."""
+        for entry in self.pools.values():
+            if entry.pool is not None:
+                entry.pool.take_events()
+        self.log, self.dirty = [], set()
+
+    def rename(self, state_id: str) -> None:
+        """This state is served under ``state_id`` (a new namespace, a restore as a new state)."""
+        self.state_id = state_id
+
+    def start_over(self, state_id: str) -> None:
+        """An empty state under a new id, instead of one that went back in time (the store)."""
+        self.sessions, self.pools, self.draining = {}, {}, False
+        self.state_id = state_id
+
+    def restore(self, sessions: list[Session], pools: list[PoolEntry], state_id: str, next_num: int,
+                draining: bool) -> None:
+        """Fills this empty registry with a decoded state (manager/store/state_file.py)."""
+        self.sessions = {s.sid: s for s in sessions}
+        self.pools = {e.name: e for e in pools}
+        self.state_id, self.next_num, self.draining = state_id, next_num, bool(draining)
+
+    @contextmanager
+    def replaying(self) -> Iterator[None]:
+        """The journal's replay: opens were checked against the session limit when they happened."""
+        max_sessions, self.max_sessions = self.max_sessions, UNLIMITED
+        try:
+            yield
+        finally:
+            self.max_sessions = max_sessions
 
     def adopt(self, other: Registry) -> None:
         """Takes over the state a store loaded into ``other``; this object (which the loop,
@@ -130,7 +204,8 @@ class Registry:
 
     def open_session(self, identity: str, role: str, admin: bool, version: int, now: float) -> Session:
         """A new session, with a fresh secret sid."""
-        return self.apply(SessionOpened(secrets.token_hex(16), identity, role, admin, version), now)  # type: ignore[return-value]
+        rec = SessionOpened(secrets.token_hex(16), identity, role, admin, version)
+        return self._apply(rec, Registry._open_session, now)
 
     def _open_session(self, rec: SessionOpened, now: float) -> Session:
         if len(self.sessions) >= self.max_sessions:
@@ -139,26 +214,24 @@ class Registry:
         self.next_num += 1
         self.sessions[sess.sid] = sess
         self.dirty.add(GLOBAL)
-        self.record(rec)
         return sess
 
     def end_session(self, sid: str, cause: str = "deregister") -> int:
         """Closes a session (``cause``: "deregister" or "expired"): frees its requests in every
         pool; returns how many. Its shards keep the sid when it expired (see ``pool_health``)."""
-        return self.apply(SessionEnded(sid, cause), 0.0)  # type: ignore[return-value]
+        return self._apply(SessionEnded(sid, cause), Registry._end_session, 0.0)
 
-    def _end_session(self, rec: SessionEnded) -> int:
+    def _end_session(self, rec: SessionEnded, now: float) -> int:
         sid = rec.sid
         if rec.cause not in ("deregister", "expired"):
             raise ValueError(f"a session ends by 'deregister' or 'expired', not {rec.cause!r}")
         self.sessions.pop(sid, None)
         self.dirty.add(GLOBAL)
-        self.record(rec)
         freed = 0
         for entry in self.pools.values():
             lost = [r for r, shard in entry.shards.items() if shard.sid == sid]
             for r in lost:
-                entry.shards[r].sid = None if rec.cause == "deregister" else sid
+                entry.shards[r].session_ended(rec.cause)
             pool = entry.pool
             if pool is None:
                 if lost and entry.shard_count > 1:
@@ -178,8 +251,7 @@ class Registry:
         """Shards of a multi-shard pool are gone: no block of the pool is whole any more. When all
         go, one stays (unbound) so the pool keeps its spec; the others' return re-forms it."""
         remove_shards(entry, ranks)
-        self._drop_pool(entry)
-        entry.epoch += 1
+        self._drop_pool(entry, next_epoch=True)
         self.dirty.add(entry.name)
         logger.warning("pool %s: shards %s left; epoch %d, cache and requests dropped until they register again",
                        entry.name, ranks, entry.epoch)
@@ -191,11 +263,11 @@ class Registry:
         self.dirty.add(entry.name)
         logger.info("pool %s: shards %s left before the pool formed", entry.name, ranks)
 
-    def _drop_pool(self, entry: PoolEntry) -> None:
+    def _drop_pool(self, entry: PoolEntry, next_epoch: bool = False) -> None:
         """The entry's Pool is gone: subscribers drop its hashes now, not when it re-forms."""
         if entry.pool is not None and entry.pool.blocks.events_enabled:
             self.orphan_events.append((entry.name, entry.epoch, [*entry.pool.take_events(), AllBlocksCleared()]))
-        entry.pool = None
+        entry.lose_pool(next_epoch)
 
     def expire(self, now: float) -> list[tuple[Session, int]]:
         """Ends every session silent past the timeout; returns (session, requests freed)."""
@@ -223,11 +295,11 @@ class Registry:
         Who may (ownership, ``replace``) is checked before, in manager/guards.py."""
         rec = ShardRegistered(sess.sid, name, rank, count, incarnation, spec, available, self.max_blocks,
                               self.max_pools, serve, host_kv_bytes, host_kv_policy)
-        return self.apply(rec, 0.0)  # type: ignore[return-value]
+        return self._apply(rec, Registry._register, 0.0)
 
-    def _register(self, rec: ShardRegistered) -> PoolEntry:
-        # Journaled before anything can fail, checked against the record's limits (manager/mutations.py).
-        self.record(rec)
+    def _register(self, rec: ShardRegistered, now: float) -> PoolEntry:
+        # Journaled before anything can fail (BEFORE), checked against the record's limits
+        # (manager/state/mutations.py).
         sess = self.sessions[rec.sid]
         name, rank, count, incarnation, spec, available = (
             rec.pool, rec.rank, rec.count, rec.incarnation, rec.spec, rec.available_kv_bytes)
@@ -249,8 +321,7 @@ class Registry:
                     f"shard {rank} of pool {name!r} is registered as incarnation {incarnation!r} with "
                     "another spec or size; a restarted shard must register with a new incarnation",
                 )
-            old.sid = sess.sid
-            old.serve = rec.serve
+            old.rebind(sess.sid, rec.serve)
             return entry
         entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid, rec.serve,
                                    rec.host_kv_bytes, rec.host_kv_policy)
@@ -288,25 +359,23 @@ class Registry:
         """Runs one step's sub-ops for ``sess`` (the caller checked the epoch); caches the
         results under ``msg_id`` so a retried step is answered, not run twice. ``ops`` as on
         the wire (journaled as they came); ``decoded``: their records, when the caller has them."""
-        return self.apply(StepRan(sess.sid, msg_id, entry.name, ops, decoded), 0.0)  # type: ignore[return-value]
+        return self._apply(StepRan(sess.sid, msg_id, entry.name, ops, decoded), Registry._step, 0.0)
 
-    def _step(self, rec: StepRan) -> list[dict]:
+    def _step(self, rec: StepRan, now: float) -> list[dict]:
         sess, entry = self.sessions[rec.sid], self.pools[rec.pool]
         ops = rec.decoded if rec.decoded is not None else decode_ops(rec.ops)  # a replay decodes here
         results = encode_results(run_step(entry.pool, sess.sid, ops, allow_alloc=not self.draining))  # type: ignore[arg-type]
-        sess.last_step_id, sess.last_step = rec.msg_id, results
-        if rec.ops:
+        sess.remember_step(rec.msg_id, results)
+        if rec.ops:  # journaled only then (IF_CHANGED: one result per sub-op)
             self.dirty.add(entry.name)
-            self.record(rec)
         return results
 
     def drop_pool(self, entry: PoolEntry) -> int:
         """Forgets a pool (admin ``drop_pool``): its requests are freed, subscribers told to
         clear it, its name and memory released. Returns how many requests were freed."""
-        return self.apply(PoolDropped(entry.name), 0.0)  # type: ignore[return-value]
+        return self._apply(PoolDropped(entry.name), Registry._drop, 0.0)
 
-    def _drop(self, rec: PoolDropped) -> int:
-        self.record(rec)
+    def _drop(self, rec: PoolDropped, now: float) -> int:
         entry = self.pools.pop(rec.pool)
         freed = len(entry.pool.requests) if entry.pool is not None else 0
         if entry.pool is not None and entry.pool.blocks.events_enabled:
@@ -317,36 +386,48 @@ class Registry:
         return freed
 
     def reset_cache(self, entry: PoolEntry, tier: str = "device") -> bool:
-        return self.apply(CacheReset(entry.name, tier), 0.0)  # type: ignore[return-value]
+        return self._apply(CacheReset(entry.name, tier), Registry._reset_cache, 0.0)
 
-    def _reset_cache(self, rec: CacheReset) -> bool:
+    def _reset_cache(self, rec: CacheReset, now: float) -> bool:
         done = self.pools[rec.pool].pool.reset_prefix_cache(rec.tier)  # type: ignore[union-attr]
         if done:
             self.dirty.add(rec.pool)
-            self.record(rec)
         return done
 
     def evict(self, entry: PoolEntry, n: int, tier: str = "device") -> int:
-        return self.apply(BlocksEvicted(entry.name, n, tier), 0.0)  # type: ignore[return-value]
+        return self._apply(BlocksEvicted(entry.name, n, tier), Registry._evict, 0.0)
 
-    def _evict(self, rec: BlocksEvicted) -> int:
+    def _evict(self, rec: BlocksEvicted, now: float) -> int:
         pool = self.pools[rec.pool].pool
         self.dirty.add(rec.pool)
-        self.record(rec)
         return pool.evict(rec.n, rec.tier)  # type: ignore[union-attr]
 
     def set_draining(self, enable: bool) -> None:
-        self.apply(DrainingSet(enable), 0.0)
+        self._apply(DrainingSet(enable), Registry._set_draining, 0.0)
 
-    def _set_draining(self, rec: DrainingSet) -> None:
+    def _set_draining(self, rec: DrainingSet, now: float) -> None:
         self.draining = bool(rec.enable)
         self.dirty.add(GLOBAL)
-        self.record(rec)
 
     def total_requests(self) -> int:
         return sum(len(e.pool.requests) for e in self.pools.values() if e.pool is not None)
 
     def check_invariants(self) -> None:
-        """Every pool's invariants against the live sessions (``check_pools``, manager/entries.py).
+        """Every pool's invariants against the live sessions (``check_pools``, manager/state/entries.py).
         Raises InvariantBroken (explicit checks, not asserts: they hold under ``python -O``)."""
         check_pools(self.pools.values(), self.sessions)
+
+
+# The dispatch of ``apply``: record type -> (its method, when it is journaled).
+_TABLE: dict[type, tuple[Callable[[Registry, Any, float], object], str]] = {
+    StepRan: (Registry._step, IF_CHANGED),
+    SessionOpened: (Registry._open_session, AFTER),
+    SessionEnded: (Registry._end_session, AFTER),
+    ShardRegistered: (Registry._register, BEFORE),
+    CacheReset: (Registry._reset_cache, IF_CHANGED),
+    BlocksEvicted: (Registry._evict, AFTER),
+    DrainingSet: (Registry._set_draining, AFTER),
+    PoolDropped: (Registry._drop, AFTER),
+}
+_RUN = {kind: run for kind, (run, _) in _TABLE.items()}
+_WHEN = {kind: when for kind, (_, when) in _TABLE.items()}

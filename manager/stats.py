@@ -93,6 +93,10 @@ class ServerStats:
         self.iteration_latency.observe(seconds)
         self.recent.append((seconds, cpu_s, messages))
 
+    def observe_frozen(self, objects: int) -> None:
+        """``objects`` were moved out of the collector's sight (settle_heap)."""
+        self.frozen = objects
+
     def observe_gc(self, seconds: float) -> None:
         self.gc_collections += 1
         self.gc_s += seconds

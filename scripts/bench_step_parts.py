@@ -25,8 +25,8 @@ from step_messages import BS, SPEC, StepDriver
 from kvpool.manager import guards as new_guards
 from kvpool.manager.core import step as new_step
 from kvpool.manager.core.pool import Pool
-from kvpool.manager.entries import PoolEntry, Session, Shard
 from kvpool.manager.registry import Registry
+from kvpool.manager.state.entries import PoolEntry, Session, Shard
 from kvpool.shared.step_ops import (
     Result,
     SubOp,

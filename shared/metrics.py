@@ -30,6 +30,13 @@ class Histogram:
         self.sum = 0.0
         self.count = 0
 
+    @classmethod
+    def of(cls, buckets: Sequence[float], counts: list[int], total: float, count: int) -> Histogram:
+        """A histogram with these counts (one per bucket, then +Inf), their sum and number."""
+        out = cls(buckets)
+        out.counts, out.sum, out.count = list(counts), total, count
+        return out
+
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value

@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from kvpool.shared.summaries import ServeInfo
 from kvpool.worker.block_manager import BlockManager, RemoteBlockManager
 from kvpool.worker.checkpoint import load_config, load_model
 from kvpool.worker.config import WorkerConfig
@@ -165,7 +166,7 @@ def serve_rank(cfg: WorkerConfig, manager_eps: list[str], endpoint: str, tp_mast
         if cfg.tp_rank == 0:  # before the model loads: a refusal comes at once
             # a stale socket: the previous worker here died; its session may not have expired yet
             replace = claim(endpoint, cfg.pool, replace) == "stale" or replace
-        serve = {"endpoint": endpoint, "model": cfg.model, "max_model_len": cfg.max_model_len}
+        serve = ServeInfo(endpoint, cfg.model, cfg.max_model_len).to_wire()
         bm = RemoteBlockManager(manager_eps, cfg.pool, shard_rank=cfg.tp_rank, shard_count=cfg.tp_size,
                                 serve=serve if cfg.tp_rank == 0 else None,  # front doors find rank 0 by it
                                 replace=replace, receiver_thread=cfg.overlap)

@@ -7,7 +7,8 @@ The loop (manager/server.py) runs, once per iteration and in this order::
 so every mutation an iteration made is durable before any client hears about it (group commit:
 one commit per iteration, however many messages it held). ``dirty`` names what changed: pool
 names, plus ``registry.GLOBAL`` when sessions or manager-wide flags (draining) changed. All state lives in the
-``Registry`` (manager/registry.py), which a store may snapshot whole or by pool.
+``Registry`` (manager/registry.py), which a store sees as a ``StateView`` (manager/store/view.py)
+and may snapshot whole or by pool.
 
 The memory store keeps nothing (a restarted manager starts empty and workers re-register). The
 Redis store (manager/store/redis_store.py) journals the registry's mutations (manager/store/journal.py) and
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from kvpool.manager.core.kv_events import KVEvent
-    from kvpool.manager.registry import Registry
+    from kvpool.manager.store.view import StateView
 
 
 class StoreUnavailable(Exception):
@@ -43,12 +44,12 @@ class StateStore(Protocol):
         StoreUnavailable."""
         ...
 
-    def load(self, registry: Registry, now: float) -> bool:
+    def load(self, registry: StateView, now: float) -> bool:
         """Restores the empty ``registry`` (after ``acquire``); False when there was nothing.
         Raises CorruptState (manager/core/snapshot.py) rather than load part of a state."""
         ...
 
-    def commit(self, registry: Registry, dirty: set[str]) -> None:
+    def commit(self, registry: StateView, dirty: set[str]) -> None:
         """Makes this iteration's mutations durable; called every iteration (dirty or not, so a
         store can renew its lease); the loop sends no reply before it returns."""
         ...
@@ -59,7 +60,7 @@ class StateStore(Protocol):
 
     def stats(self) -> dict: ...
 
-    def shutdown(self, registry: Registry | None) -> None:
+    def shutdown(self, registry: StateView | None) -> None:
         """A clean stop: a last snapshot of ``registry`` (None: not ours, we are not active),
         the lease released."""
         ...
@@ -78,10 +79,10 @@ class MemoryStore:
     def acquire(self) -> bool:
         return True
 
-    def load(self, registry: Registry, now: float) -> bool:
+    def load(self, registry: StateView, now: float) -> bool:
         return False
 
-    def commit(self, registry: Registry, dirty: set[str]) -> None:
+    def commit(self, registry: StateView, dirty: set[str]) -> None:
         if dirty:
             self.commits += 1
 
@@ -91,7 +92,7 @@ class MemoryStore:
     def stats(self) -> dict:
         return {"kind": "memory"}
 
-    def shutdown(self, registry: Registry | None) -> None:
+    def shutdown(self, registry: StateView | None) -> None:
         pass
 
     def close(self) -> None:

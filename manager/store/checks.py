@@ -15,17 +15,17 @@ from contextlib import contextmanager
 
 from kvpool.manager.core.snapshot import CorruptState
 from kvpool.manager.core.verify import verify_pool
-from kvpool.manager.registry import Registry
+from kvpool.manager.store.view import StateView
 
 
-def verify_registry(reg: Registry, what: str = "state") -> None:
+def verify_registry(reg: StateView, what: str = "state") -> None:
     try:
         _verify(reg, what)
     except CorruptState as e:
         raise CorruptState(f"the state breaks an invariant: {e}") from None
 
 
-def _verify(reg: Registry, what: str) -> None:
+def _verify(reg: StateView, what: str) -> None:
     for entry in reg.pools.values():
         if entry.pool is None:
             continue

@@ -2,11 +2,11 @@
 
 The pool core is deterministic, so the registry's state is a pure function of the sequence of
 mutating commands applied to it. Instead of diffing state, the registry journals each mutation
-as a typed record (manager/mutations.py) with every nondeterministic value already resolved
+as a typed record (manager/state/mutations.py) with every nondeterministic value already resolved
 (the new session's sid, the limits a registration was checked against); replaying the records
-in order through ``Registry.apply``, the code the live path runs, rebuilds the exact state,
+in order through ``Registry.apply`` (the store's ``StateView``), the code the live path runs, rebuilds the exact state,
 free-queue order, hash map and step replies included. Records travel as msgpack lists (their
-layout: manager/mutations.py).
+layout: manager/state/mutations.py).
 
 The loop hands one iteration's records to the store as one *batch*:
 ``b"J" || crc32(payload) as u32le || payload``, payload ``msgpack([seq, [record...]])``, ``seq``
@@ -20,12 +20,11 @@ import struct
 import zlib
 
 from kvpool.manager.core.snapshot import CorruptState
-from kvpool.manager.mutations import Mutation, ShardRegistered, from_wire, to_wire
-from kvpool.manager.registry import Registry
+from kvpool.manager.state.mutations import Mutation, ShardRegistered, from_wire, to_wire
+from kvpool.manager.store.view import StateView
 from kvpool.shared.protocol import ManagerError, pack, unpack
 
 _CRC = struct.Struct("<I")
-UNLIMITED = 1 << 62
 
 
 def encode_batch(seq: int, records: list[Mutation]) -> bytes:
@@ -53,16 +52,14 @@ def decode_batch(blob: bytes) -> tuple[int, list[list]]:
     return seq, records
 
 
-def replay(reg: Registry, blobs: list[bytes], after_seq: int, now: float) -> int:
+def replay(reg: StateView, blobs: list[bytes], after_seq: int, now: float) -> int:
     """Applies the journal batches following the snapshot at ``after_seq``; returns the last seq.
 
     Raises CorruptState on a gap, a bad batch or a record that cannot apply: the caller then
     drops ``reg`` (nothing is half-loaded into a serving manager).
     """
     seq = after_seq
-    max_sessions = reg.max_sessions
-    reg.max_sessions = UNLIMITED  # opens were checked against the limit when they happened
-    try:
+    with reg.replaying():  # opens were checked against the session limit when they happened
         for i, blob in enumerate(blobs):
             bseq, records = decode_batch(blob)
             if bseq != seq + 1:
@@ -71,12 +68,10 @@ def replay(reg: Registry, blobs: list[bytes], after_seq: int, now: float) -> int
             for rec in records:
                 apply(reg, rec, now)
             seq = bseq
-    finally:
-        reg.max_sessions = max_sessions
     return seq
 
 
-def apply(reg: Registry, raw: list, now: float) -> None:
+def apply(reg: StateView, raw: list, now: float) -> None:
     """One journal list through ``Registry.apply``, as the live call ran it."""
     try:
         rec = from_wire(raw)
@@ -94,7 +89,7 @@ def apply(reg: Registry, raw: list, now: float) -> None:
         raise CorruptState(f"journal record {str(raw)[:120]} does not apply: {type(e).__name__}: {e}") from None
 
 
-def recover(reg: Registry, snap: bytes, blobs: list[bytes], committed: int, what: str, now: float) -> tuple[int, int]:
+def recover(reg: StateView, snap: bytes, blobs: list[bytes], committed: int, what: str, now: float) -> tuple[int, int]:
     """Snapshot + journal -> the empty ``reg``, verified; returns (snapshot seq, last seq).
 
     ``committed`` is the store's record of the last committed batch: the journal must end there.

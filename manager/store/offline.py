@@ -7,9 +7,9 @@ any manager, whose next commit then fails (it exits and restarts on the new stat
 from __future__ import annotations
 
 from kvpool.manager.core.snapshot import CorruptState
-from kvpool.manager.registry import Registry
 from kvpool.manager.store.journal import recover
-from kvpool.manager.store.redis_store import READ, namespace_keys
+from kvpool.manager.store.redis_scripts import READ, namespace_keys
+from kvpool.manager.store.view import StateView
 
 # KEYS lease fence snap journal seq clean; ARGV snapshot seq force. A restored state is whole
 # (nothing past its seq was acknowledged in it), as after a clean stop.
@@ -25,7 +25,7 @@ return 1
 """
 
 
-def read_state(client, namespace: str, reg: Registry, now: float) -> int:
+def read_state(client, namespace: str, reg: StateView, now: float) -> int:
     """Loads a namespace's state into the empty ``reg`` (one atomic read; no lease needed, so it
     works beside a running manager); returns its last batch seq. CorruptState when it is not whole."""
     k = namespace_keys(namespace)

@@ -22,20 +22,16 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
-import socket
 from typing import TYPE_CHECKING
 
-from kvpool.manager.store.base import Fenced, MemoryStore, StateStore, StoreUnavailable
-from kvpool.shared.bind import runtime_dir
-from kvpool.shared.protocol import ManagerError, error_reply, unpack
+from kvpool.manager.store.base import Fenced, StateStore, StoreUnavailable
+from kvpool.shared.protocol import ManagerError
 
 if TYPE_CHECKING:
     from collections import Counter
     from collections.abc import Callable
 
-    from kvpool.manager.config import ManagerConfig
-    from kvpool.manager.registry import Registry
+    from kvpool.manager.store.view import StateView
 
 logger = logging.getLogger(__name__)
 RECOVER_EVERY_S = 0.5
@@ -49,21 +45,6 @@ INACTIVE = {
 }
 
 
-def open_store(cfg: ManagerConfig) -> StateStore:
-    """The store ``cfg`` asks for: Redis with ``redis_url``, else memory."""
-    if not cfg.redis_url:
-        return MemoryStore()
-    from kvpool.manager.store.redis_store import RedisStore
-    from kvpool.manager.store.redis_url import connect
-
-    owner = f"{socket.gethostname()}/{cfg.endpoint}"  # stable: a restarted manager takes its lease back at once
-    high_water = cfg.high_water_file or os.path.join(runtime_dir(), f"{cfg.namespace}.seq")
-    return RedisStore(connect(cfg.redis_url, cfg.redis_timeout_s), cfg.namespace, owner=owner,
-                      durability=cfg.durability, lease_ms=cfg.lease_ms, snapshot_bytes=cfg.snapshot_bytes,
-                      high_water_path=high_water, reconnect=lambda: connect(cfg.redis_url, cfg.redis_timeout_s),
-                      min_replicas=cfg.redis_min_replicas)
-
-
 class Recovery:
     """The server's standing with its store: the mode, and the moves between modes.
 
@@ -72,8 +53,8 @@ class Recovery:
     a factory for an empty registry, the error counter and a way to stop the loop.
     """
 
-    def __init__(self, store: StateStore, registry: Registry, *, lease_ms: int,
-                 new_registry: Callable[[str], Registry], errors: Counter, request_stop: Callable[[], None]) -> None:
+    def __init__(self, store: StateStore, registry: StateView, *, lease_ms: int,
+                 new_registry: Callable[[str], StateView], errors: Counter, request_stop: Callable[[], None]) -> None:
         self.store, self.registry, self.lease_ms = store, registry, lease_ms
         self.new_registry, self.errors, self.request_stop = new_registry, errors, request_stop
         # "active" serves; "recovering" (the store failed), "standby" (no lease) and "fenced"
@@ -127,39 +108,26 @@ class Recovery:
         self.store.saw(reg.state_id, seen)
         raise ManagerError(*INACTIVE["recovering"])
 
-    def lost_store(self, err: Exception, replies: list) -> list:
-        """A commit failed: nothing of this iteration is acknowledged; stop serving until recovered."""
-        reg = self.registry
-        for entry in reg.pools.values():  # events of uncommitted mutations are never published
-            if entry.pool is not None:
-                entry.pool.take_events()
-        reg.log, reg.dirty = [], set()
+    def lost_store(self, err: Exception, pending: int) -> ManagerError:
+        """A commit failed: nothing of this iteration is acknowledged; stop serving until
+        recovered. Returns the error each of the iteration's ``pending`` replies becomes."""
+        self.registry.discard_uncommitted()  # events of uncommitted mutations are never published
         if isinstance(err, Fenced):
             self._fence(str(err))
         else:
             logger.error("commit failed (%s): this iteration's %d replies become store_unavailable; "
-                         "recovering from the store", err, sum(r is not None for r in replies))
+                         "recovering from the store", err, pending)
             self.mode = "recovering"
             self.next_activate = 0.0
-        code, message = INACTIVE[self.mode]
-        return [self._as_error(frames, ManagerError(code, message)) for frames in replies]
+        failure = ManagerError(*INACTIVE[self.mode])
+        self.errors[failure.code] += pending
+        return failure
 
     def _fence(self, why: str) -> None:
         logger.error("fenced: %s; this manager stops (exit %d) and must not write again", why, EXIT_FENCED)
         self.mode = "fenced"
         self.exit_code = EXIT_FENCED
         self.request_stop()
-
-    def _as_error(self, frames: list[bytes] | None, err: ManagerError) -> list[bytes] | None:
-        if frames is None:
-            return None
-        try:
-            msg_id = unpack(frames[-1]).get("id")
-        except Exception:
-            msg_id = None
-        self.errors[err.code] += 1
-        reg = self.registry
-        return [*frames[:-1], error_reply(msg_id, reg.incarnation, err, reg.state_id)]
 
 
 def settle_heap() -> int:

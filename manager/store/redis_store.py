@@ -37,12 +37,19 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.manager.core.snapshot import CorruptState
-from kvpool.manager.registry import Registry
 from kvpool.manager.store.base import Fenced, StoreUnavailable
 from kvpool.manager.store.high_water import HighWater, Mark, start_over_reason
 from kvpool.manager.store.journal import encode_batch, recover
 from kvpool.manager.store.lease import renewing
 from kvpool.manager.store.redis_async import ASYNC_MAX_PENDING, AsyncWriter
+from kvpool.manager.store.redis_scripts import (
+    ACQUIRE,
+    COMMIT,
+    READ,
+    RELEASE,
+    SNAPSHOT,
+    namespace_keys,
+)
 from kvpool.manager.store.snapshot_child import (
     Child,
     fork_snapshot,
@@ -51,62 +58,11 @@ from kvpool.manager.store.snapshot_child import (
     write_when_journal_ready,
 )
 from kvpool.manager.store.state_file import dump_registry, encode_state
+from kvpool.manager.store.view import StateView
 
 logger = logging.getLogger(__name__)
 DURABILITY = ("sync", "async")
 __all__ = ["ASYNC_MAX_PENDING", "RedisStore", "namespace_keys"]
-
-_LEASE_CHECK = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('FENCED: another manager took over') end
-local h = redis.call('GET', KEYS[2])
-if h and h ~= ARGV[2] then return redis.error_reply('FENCED: the lease is held by ' .. h) end
-redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
-"""
-# KEYS fence lease journal seq; ARGV token owner lease_ms first_seq blob...
-COMMIT = _LEASE_CHECK + """
-if #ARGV < 5 then return 0 end
-local last = tonumber(redis.call('GET', KEYS[4]) or '-1')
-local first = tonumber(ARGV[4])
-local n = #ARGV - 4
-if last >= first + n - 1 then return 0 end
-if last ~= first - 1 then return redis.error_reply('SEQ: the journal is at ' .. last .. ', not ' .. (first - 1)) end
-redis.call('RPUSH', KEYS[3], unpack(ARGV, 5))
-redis.call('SET', KEYS[4], first + n - 1)
-return n
-"""
-# KEYS fence lease snap journal seq; ARGV token owner lease_ms snapshot seq. The journal holds
-# batches (last - LLEN + 1 .. last): exactly those up to the snapshot's seq are trimmed, however
-# many the loop appended meanwhile; a journal that has not reached seq yet is refused (BEHIND).
-SNAPSHOT = _LEASE_CHECK + """
-local want = tonumber(ARGV[5])
-local last = tonumber(redis.call('GET', KEYS[5]) or ARGV[5])
-if last < want then return redis.error_reply('BEHIND: the journal is at ' .. last) end
-local drop = want - (last - redis.call('LLEN', KEYS[4]))
-if drop > 0 then redis.call('LTRIM', KEYS[4], drop, -1) end
-redis.call('SET', KEYS[3], ARGV[4])
-redis.call('SET', KEYS[5], last)
-return 1
-"""
-# KEYS lease fence; ARGV owner lease_ms -> the new fencing token, or nil while another holds it
-ACQUIRE = """
-local h = redis.call('GET', KEYS[1])
-if h and h ~= ARGV[1] then return false end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return redis.call('INCR', KEYS[2])
-"""
-READ = ("return {redis.call('GET', KEYS[1]) or '', redis.call('LRANGE', KEYS[2], 0, -1), "
-        "redis.call('GET', KEYS[3]) or '', redis.call('GET', KEYS[4]) or ''}")
-# KEYS lease clean; ARGV owner seq: a clean stop says that nothing past ``seq`` was acknowledged
-RELEASE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[2], ARGV[2])
-return redis.call('DEL', KEYS[1])
-"""
-
-
-def namespace_keys(namespace: str) -> dict[str, str]:
-    return {k: f"kvpool:{{{namespace}}}:{k}" for k in ("snap", "journal", "seq", "lease", "fence", "clean")}
-
 
 def store_error(e: Exception) -> Exception:
     """A redis-py exception as Fenced or StoreUnavailable."""
@@ -158,7 +114,7 @@ class RedisStore:
 
     # -- loading ---------------------------------------------------------------------------
 
-    def load(self, reg: Registry, now: float) -> bool:
+    def load(self, reg: StateView, now: float) -> bool:
         """Fills the empty ``reg`` from Redis (call ``acquire`` first); False for a new namespace.
 
         The lease is renewed in small steps while a large state loads (a thread), so a manager
@@ -173,7 +129,7 @@ class RedisStore:
             if not snap:
                 if blobs or seq:
                     raise CorruptState(f"namespace {self.namespace!r}: a journal without a snapshot (partial state)")
-                reg.state_id = uuid.uuid4().hex
+                reg.rename(uuid.uuid4().hex)
                 self.seq = self.snap_seq = 0
                 self._snapshot_now(reg)
                 loaded = False
@@ -189,7 +145,8 @@ class RedisStore:
                 k = self.keys
                 self._run_replicated("commit", [k["fence"], k["lease"], k["journal"], k["seq"]],
                                      [self.token, self.owner, self.lease_ms, 0])
-        reg.durable, reg.log, reg.dirty, reg.seq = True, [], set(), self.seq
+        reg.mark_durable()
+        reg.mark_committed(self.seq)
         self._ack(reg)
         if self.durability == "async":
             self._writer = AsyncWriter(self._write_blobs, self._write_snapshot)
@@ -198,18 +155,17 @@ class RedisStore:
                     self.seq - self.snap_seq, time.perf_counter() - t0)
         return loaded
 
-    def _start_over(self, reg: Registry, why: str) -> None:
+    def _start_over(self, reg: StateView, why: str) -> None:
         """Serves a new empty state instead of one that went back in time: every client's next
         call sees another state id (ManagerRestarted: abort, register again, recompute)."""
         old = reg.state_id
-        reg.sessions, reg.pools, reg.draining = {}, {}, False
-        reg.state_id = uuid.uuid4().hex
+        reg.start_over(uuid.uuid4().hex)
         logger.error("namespace %s: %s; serving a new empty state %s instead of %s (clients are told: they abort, "
                      "register again and recompute)", self.namespace, why, reg.state_id, old)
         self.counts["start_overs"] += 1
         self._snapshot_now(reg)
 
-    def _ack(self, reg: Registry) -> None:
+    def _ack(self, reg: StateView) -> None:
         """``reg``'s state at ``self.seq`` is what replies from now on say (before they go out)."""
         self._acked = Mark(reg.state_id, self.seq)
         self.high_water.note(reg.state_id, self.seq)
@@ -228,21 +184,20 @@ class RedisStore:
 
     # -- the loop's commit -----------------------------------------------------------------
 
-    def commit(self, reg: Registry, dirty: set[str]) -> None:
+    def commit(self, reg: StateView, dirty: set[str]) -> None:
         if self._writer is not None and self._writer.error is not None:
             raise self._writer.error  # an async write failed: stop acknowledging now
-        log = reg.log
+        log = reg.take_log()
         if log:
             self.seq += 1
             blob = encode_batch(self.seq, log)
-            reg.log = []
             self.journal_bytes += len(blob)
             if self._writer is not None:
                 self._writer.put(("blobs", self.seq, [blob]))
             else:
                 self._write_blobs(self.seq, [blob])
             self.counts["commits"] += 1
-            reg.seq = self.seq
+            reg.mark_committed(self.seq)
             self._ack(reg)
             if self.journal_bytes >= max(self.snapshot_bytes, self.snap_bytes) and self._child is None:
                 self._compact_in_background(reg)
@@ -255,12 +210,12 @@ class RedisStore:
         if self._child is not None:
             self._reap_child()
 
-    def compact(self, reg: Registry) -> None:
+    def compact(self, reg: StateView) -> None:
         """Snapshot now, on this thread, dropping the journal batches it includes."""
         self.wait_for_snapshot()
         self._snapshot_now(reg)
 
-    def _snapshot_now(self, reg: Registry) -> None:
+    def _snapshot_now(self, reg: StateView) -> None:
         data = encode_state(dump_registry(reg, self.seq))
         if self._writer is not None:
             self._writer.put(("snapshot", data, self.seq))
@@ -269,18 +224,18 @@ class RedisStore:
         self.snap_seq, self.snap_bytes, self.journal_bytes = self.seq, len(data), 0
         self.counts["snapshots"] += 1
 
-    def _compact_in_background(self, reg: Registry) -> None:
+    def _compact_in_background(self, reg: StateView) -> None:
         """A forked child writes the snapshot (snapshot_child.py); the loop carries on."""
         if self._reconnect is None:
             self.compact(reg)
             return
         seq, token = self.seq, self.token
         child = fork_snapshot(lambda: encode_state(dump_registry(reg, seq)),
-                              lambda data: self._child_write(data, seq, token))
+                              lambda data: self._child_write(data, seq, token), seq)
         if child is None:
             self.compact(reg)
             return
-        child.seq, self._child = seq, child
+        self._child = child
         self._child_bytes, self.journal_bytes = self.journal_bytes, 0
 
     def _child_write(self, data: bytes, seq: int, token: str | None) -> None:
@@ -372,7 +327,7 @@ class RedisStore:
             self._writer.close()
             self._writer = None
 
-    def shutdown(self, reg: Registry | None) -> None:
+    def shutdown(self, reg: StateView | None) -> None:
         """A clean stop: flush, snapshot ``reg`` (None: it is not ours to write), release the lease."""
         try:
             if self._writer is not None:

@@ -47,8 +47,9 @@ class Outcome:
     why: str
 
 
-def fork_snapshot(encode: Callable[[], bytes], write: Callable[[bytes], None]) -> Child | None:
-    """Forks a child that runs ``write(encode())``; None where fork is unavailable."""
+def fork_snapshot(encode: Callable[[], bytes], write: Callable[[bytes], None], seq: int) -> Child | None:
+    """Forks a child that runs ``write(encode())``, the snapshot at batch ``seq``; None where fork
+    is unavailable."""
     if not hasattr(os, "fork"):
         return None
     rfd, wfd = os.pipe()
@@ -69,7 +70,7 @@ def fork_snapshot(encode: Callable[[], bytes], write: Callable[[bytes], None]) -
         finally:
             os._exit(code)
     os.close(wfd)
-    return Child(pid, -1, rfd, time.monotonic())
+    return Child(pid, seq, rfd, time.monotonic())
 
 
 def reap(child: Child, block: bool = False) -> Outcome | None:

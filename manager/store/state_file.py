@@ -17,7 +17,8 @@ from __future__ import annotations
 import hashlib
 
 from kvpool.manager.core.snapshot import CorruptState, dump_pool, load_pool
-from kvpool.manager.registry import PoolEntry, Registry, Session, Shard
+from kvpool.manager.state.entries import PoolEntry, Session, Shard
+from kvpool.manager.store.view import StateView
 from kvpool.shared.protocol import HOST_POLICIES, KVSpec, ManagerError, pack, unpack
 
 MAGIC = b"KVPOOL-STATE"
@@ -25,7 +26,7 @@ FORMAT = 1
 _HEAD = len(MAGIC) + 32
 
 
-def dump_registry(reg: Registry, seq: int) -> dict:
+def dump_registry(reg: StateView, seq: int) -> dict:
     sessions = [[s.sid, s.num, s.identity, s.role, s.admin, s.version, s.last_step_id, s.last_step]
                 for s in reg.sessions.values()]
     pools = []
@@ -57,7 +58,7 @@ def decode_state(data: bytes, what: str = "state snapshot") -> dict:
     return d
 
 
-def load_registry(d: dict, reg: Registry, now: float) -> int:
+def load_registry(d: dict, reg: StateView, now: float) -> int:
     """Fills the empty ``reg`` from ``dump_registry`` output; returns the snapshot's seq.
 
     Sessions get ``last_seen = now``: every client has a full session timeout to come back.
@@ -71,9 +72,7 @@ def load_registry(d: dict, reg: Registry, now: float) -> int:
         raise
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise CorruptState(f"state snapshot is not loadable: {type(e).__name__}: {e}") from None
-    reg.sessions = {s.sid: s for s in sessions}
-    reg.pools = {e.name: e for e in pools}
-    reg.state_id, reg.next_num, reg.draining = state_id, next_num, bool(draining)
+    reg.restore(sessions, pools, state_id, next_num, bool(draining))
     return seq
 
 

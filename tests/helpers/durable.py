@@ -70,6 +70,13 @@ def call(srv: Server, op: str, sid: str | None = None, now: float | None = None,
     return unpack(srv.handle_payload(payload, time.monotonic() if now is None else now))
 
 
+def pending(srv: Server, op: str, sid: str | None = None, **args):
+    """One request handled from a peer's frames, its answer not yet encoded: the loop's commit
+    (``Server._commit``) decides what it becomes."""
+    payload = encode_request(next(_ids), op, sid, args)
+    return srv._answer([b"peer", payload], time.monotonic())
+
+
 def dump_keys(r, ns: str) -> dict[bytes, bytes]:
     return {k: r.dump(k) for k in r.scan_iter(f"kvpool:{{{ns}}}:*")}
 
@@ -113,16 +120,16 @@ class CaptureStore:
         if found:
             recover(reg, self.snap, self.blobs, self.seq, "capture", now)
         else:
-            reg.state_id = uuid.uuid4().hex
+            reg.rename(uuid.uuid4().hex)
             self.compact(reg)
-        reg.durable, reg.log = True, []
+        reg.mark_durable()
         return found
 
     def commit(self, reg: Registry, dirty: set[str]) -> None:
-        if reg.log:
+        log = reg.take_log()
+        if log:
             self.seq += 1
-            self.blobs.append(encode_batch(self.seq, reg.log))
-            reg.log = []
+            self.blobs.append(encode_batch(self.seq, log))
 
     def compact(self, reg: Registry) -> None:
         self.snap, self.blobs = encode_state(dump_registry(reg, self.seq)), []

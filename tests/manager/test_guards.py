@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.manager.core.pool import Pool
-from kvpool.manager.entries import PoolEntry
 from kvpool.manager.guards import Bounds, _projected_work, check_step
+from kvpool.manager.state.entries import PoolEntry
 from kvpool.shared.protocol import ManagerError
 from kvpool.shared.step_ops import decode_ops
 

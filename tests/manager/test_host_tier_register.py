@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from helpers.manager import SPEC, call, hello, kv_bytes, make_server, ok
 
-from kvpool.manager.mutations import ShardRegistered, from_wire, to_wire
 from kvpool.manager.registry import Registry
+from kvpool.manager.state.mutations import ShardRegistered, from_wire, to_wire
 from kvpool.manager.store.state_file import dump_registry, load_registry
 from kvpool.shared.protocol import KVSpec
 
@@ -138,7 +138,7 @@ def test_evict_and_reset_per_tier_are_journaled_and_refused_on_a_pool_without_on
     ok(reg(plain, hello(plain)))
     r = call(plain, "evict", hello(plain, role="admin"), pool="p", n=1, tier="host")
     assert r["status"] == "bad_field" and "no host tier" in r["msg"]
-    from kvpool.manager.mutations import BlocksEvicted, CacheReset
+    from kvpool.manager.state.mutations import BlocksEvicted, CacheReset
     assert to_wire(BlocksEvicted("p", 2)) == ["evict", "p", 2]  # the layout before the host tier
     assert from_wire(to_wire(CacheReset("p", "host"))) == CacheReset("p", "host")
 

@@ -81,7 +81,7 @@ def test_a_new_deployment_replaces_a_pool_whose_shards_are_all_gone():
     r.end_session(s0.sid)
     s1 = r.open_session("b", "worker", True, 1, 0.0)
     e = reg_shard(r, s1, rank=0, count=1, inc="new", spec={**SPEC, "block_size": 8})
-    assert e.state == "ready" and e.spec["block_size"] == 8 and e.shard_count == 1
+    assert e.state == "ready" and e.spec.block_size == 8 and e.shard_count == 1
 
 
 def test_rank_out_of_range_and_too_little_memory_are_refused():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from helpers.manager import SPEC, kv_bytes
 
-from kvpool.manager.mutations import (
+from kvpool.manager.registry import Registry
+from kvpool.manager.state.mutations import (
     BlocksEvicted,
     CacheReset,
     DrainingSet,
@@ -17,7 +18,6 @@ from kvpool.manager.mutations import (
     from_wire,
     to_wire,
 )
-from kvpool.manager.registry import Registry
 from kvpool.manager.store.journal import apply
 from kvpool.shared.protocol import KVSpec
 

@@ -358,7 +358,7 @@ def test_a_session_holding_every_shard_leaves_a_pool_that_re_forms():
         entry = r.register(s, "p", rank, 2, f"i{rank}", KVSpec(**SPEC), 16 * 4096)
     assert (entry.state, entry.epoch) == ("ready", 1)
     r.end_session(s.sid)
-    assert (entry.state, entry.epoch, entry.spec["block_size"]) == ("pending", 2, 16)  # still listable
+    assert (entry.state, entry.epoch, entry.spec.block_size) == ("pending", 2, 16)  # still listable
     s2 = r.open_session("both", "worker", True, 1, 1.0)
     for rank in (0, 1):  # the same processes (incarnations) come back
         entry = r.register(s2, "p", rank, 2, f"i{rank}", KVSpec(**SPEC), 16 * 4096)

@@ -9,8 +9,8 @@ from helpers.durable import CaptureStore, call, durable_server, random_step, set
 from helpers.manager import SPEC, kv_bytes, ok
 
 from kvpool.manager.core.snapshot import CorruptState
-from kvpool.manager.mutations import DrainingSet
 from kvpool.manager.registry import Registry
+from kvpool.manager.state.mutations import DrainingSet
 from kvpool.manager.store.journal import decode_batch, encode_batch, encode_lists, recover, replay
 from kvpool.manager.store.state_file import decode_state, dump_registry, encode_state
 from kvpool.shared.protocol import KVSpec

@@ -14,6 +14,7 @@ from helpers.durable import (
     drop_namespace,
     durable_server,
     new_namespace,
+    pending,
     random_step,
     redis_or_skip,
     settle,
@@ -25,7 +26,7 @@ from kvpool.cli.main import cli
 from kvpool.manager.core.snapshot import CorruptState
 from kvpool.manager.store.redis_store import namespace_keys
 from kvpool.manager.store.redis_url import parse_redis_url
-from kvpool.shared.protocol import pack, unpack
+from kvpool.shared.protocol import unpack
 
 EP = "ipc:///tmp/kvpool-store-test.sock"
 
@@ -106,10 +107,11 @@ def test_a_standby_waits_and_an_old_active_is_fenced(ns):
     assert standby.mode == "active" and state_of(standby.registry) == state_of(active.registry)
     assert call(standby, "heartbeat", sid)["status"] == "ok"
     # the old active wakes up: its next commit is refused, it acknowledges nothing and stops
-    reply = call(active, "step", sid, pool="p", epoch=1, ops=[{"op": "alloc", "req": 999, "hashes": [],
-                                                               "prompt_len": 4, "max_new": 4}])
+    answer = pending(active, "step", sid, pool="p", epoch=1, ops=[{"op": "alloc", "req": 999, "hashes": [],
+                                                                   "prompt_len": 4, "max_new": 4}])
+    reply = unpack(answer.encode())
     assert reply["status"] == "ok"  # handled, but not yet sent: the commit decides
-    frames = active._commit([[b"peer", pack(reply)]])
+    frames = active._commit([answer])
     assert active.mode == "fenced" and active.exit_code == 75 and active._stop
     assert unpack(frames[0][1])["status"] == "not_active"
     assert all(999 not in {k[1] for k in e.pool.requests} for e in standby.registry.pools.values())
@@ -203,8 +205,8 @@ def test_an_async_write_failure_stops_acknowledging_and_recovers(ns):
                                                       "prompt_len": 4, "max_new": 4}]))
     assert srv._commit([]) == []  # queued: acknowledged (the documented async loss window)
     writer.flush()
-    reply = pack(call(srv, "heartbeat", sid))
-    frames = srv._commit([[b"peer", reply]])  # the writer's failure surfaces at the next commit
+    reply = pending(srv, "heartbeat", sid)
+    frames = srv._commit([reply])  # the writer's failure surfaces at the next commit
     assert srv.mode == "recovering" and unpack(frames[0][1])["status"] == "store_unavailable"
     assert call(srv, "heartbeat", sid)["status"] == "store_unavailable"
     old = srv.registry.state_id

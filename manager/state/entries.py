@@ -1,7 +1,8 @@
 """The registry's records: a session (one connected client), a shard, a pool entry.
 
-``Registry`` (manager/registry.py) owns every one of them and is the only thing that changes them;
-manager/registry.py's docstring says what each means over its life.
+``Registry`` (manager/registry.py) owns every one of them and is the only thing that changes them,
+through the small methods here (a store builds them when it loads a state); manager/registry.py's
+docstring says what each means over its life.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ class Session:
     last_step_id: int | None = None
     last_step: list | None = None
 
+    def seen(self, now: float) -> None:
+        """A message of this session arrived (expiry counts from here)."""
+        self.last_seen = now
+
+    def remember_step(self, msg_id: int, results: list) -> None:
+        self.last_step_id, self.last_step = msg_id, results
+
 
 @dataclass
 class Shard:
@@ -51,6 +59,15 @@ class Shard:
     def host_num_blocks(self) -> int:
         return self.host_kv_bytes // self.spec.block_bytes
 
+    def rebind(self, sid: str, serve: dict | None) -> None:
+        """The same incarnation registered again (a new session of the same process)."""
+        self.sid, self.serve = sid, serve
+
+    def session_ended(self, cause: str) -> None:
+        """Its session ended: a clean ``deregister`` unbinds it; an expiry keeps the dead sid."""
+        if cause == "deregister":
+            self.sid = None
+
 
 @dataclass
 class PoolEntry:
@@ -61,14 +78,31 @@ class PoolEntry:
     pool: Pool | None = None
 
     @property
-    def spec(self) -> dict:
+    def spec(self) -> KVSpec:
+        """A shard's spec: its COMMON_SPEC fields are what every shard of the pool agrees on (a
+        shard's ``num_kv_heads`` is its own slice of the heads)."""
+        return next(iter(self.shards.values())).spec
+
+    def common_spec(self) -> dict:
         """What every shard of the pool agrees on (COMMON_SPEC), as a wire map."""
-        any_shard = next(iter(self.shards.values()))
-        return {k: getattr(any_shard.spec, k) for k in COMMON_SPEC}
+        spec = self.spec
+        return {k: getattr(spec, k) for k in COMMON_SPEC}
 
     @property
     def state(self) -> str:
         return "ready" if self.pool is not None else "pending"
+
+    def form(self, pool: Pool) -> None:
+        """Every shard registered: the entry serves ``pool`` in the next epoch."""
+        self.epoch += 1
+        self.pool = pool
+
+    def lose_pool(self, next_epoch: bool = False) -> None:
+        """The Pool is gone (a shard left, a replacement, a drop); ``next_epoch``: older epochs
+        are stale from now on."""
+        self.pool = None
+        if next_epoch:
+            self.epoch += 1
 
     @property
     def host_num_blocks(self) -> int:

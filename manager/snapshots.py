@@ -89,7 +89,7 @@ def restore_namespace(reg: Registry, seq: int, redis_url: str, namespace: str, *
     from kvpool.manager.store.redis_url import connect
 
     if not keep_state_id:
-        reg.state_id = uuid.uuid4().hex
+        reg.rename(uuid.uuid4().hex)
     try:
         client = connect(redis_url)
         try:
