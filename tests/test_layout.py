@@ -129,14 +129,20 @@ def test_the_worker_imports_only_the_pool_core_from_the_manager():
     assert bad == [], "the worker may import only kvpool.manager.core from the manager"
 
 
-def private_writes(tree: ast.AST) -> list[str]:
-    """Assignments to another object's ``_private`` attribute (``self``/``cls`` are the owner's
-    own; a classmethod of the owning class may fill the object it builds)."""
+def inside_classmethods(tree: ast.AST) -> set[int]:
+    """ids of every node inside a classmethod: it may fill the object it builds."""
     allowed: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef) and any(
                 isinstance(d, ast.Name) and d.id == "classmethod" for d in node.decorator_list):
             allowed |= {id(sub) for sub in ast.walk(node)}
+    return allowed
+
+
+def private_writes(tree: ast.AST) -> list[str]:
+    """Assignments to another object's ``_private`` attribute (``self``/``cls`` are the owner's
+    own; a classmethod of the owning class may fill the object it builds)."""
+    allowed = inside_classmethods(tree)
     found = []
     for node in ast.walk(tree):
         targets = node.targets if isinstance(node, ast.Assign) else (
@@ -206,11 +212,7 @@ def public_writes(tree: ast.AST) -> list[str]:
     (``self.stats.x += n``: an augmented assignment on an object held in one of the writer's own
     fields, a counters record such as manager/stats.py's, whose one writer is its holder)."""
     own = own_fields(tree)
-    allowed: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and any(
-                isinstance(d, ast.Name) and d.id == "classmethod" for d in node.decorator_list):
-            allowed |= {id(sub) for sub in ast.walk(node)}
+    allowed = inside_classmethods(tree)
     found = []
     for node in ast.walk(tree):
         for target in _assigned(node):
