@@ -16,9 +16,14 @@ from kvpool.frontend.service import FrontDoor, FrontDoorConfig
 
 
 def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, made as uvicorn makes its own. ``IPPROTO_TCP`` is named, not left to
+    the default 0: asyncio sets TCP_NODELAY on an accepted connection only when the socket says
+    it is TCP, and without it a response written in two parts (headers, then body) waits for
+    the client's delayed ACK, 40 ms on every keep-alive request (Nagle's algorithm)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(2048)
     sock.setblocking(False)

@@ -169,6 +169,7 @@ class WorkerConfig:
     enable_chunked_prefill: bool = True
     static_prealloc: bool = False  # baseline: reserve max_model_len slots per request
     overlap: bool = True  # send step N+1's message while step N computes (False: --no-overlap)
+    packed_weights: bool = True  # CPU: projections on oneDNN's packed weight layout (worker/cpu_linear.py)
     tp_size: int = 1  # tensor-parallel shards of the pool (one process each)
     tp_rank: int = 0  # this process's shard; rank 0 runs the scheduler
     # -- the service (`kvpool worker`; docs/operating.md) --

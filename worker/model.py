@@ -170,8 +170,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [R, hidden] -> fp32 logits [R, vocab]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied: the embedding table (dense, the lookup reads it too)
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()  # an nn.Linear, or its packed twin (worker/cpu_linear.py)
 
 
 @torch.no_grad()

@@ -16,6 +16,7 @@ from kvpool.shared.summaries import ServeInfo
 from kvpool.worker.block_manager import BlockManager, RemoteBlockManager
 from kvpool.worker.checkpoint import load_config, load_model
 from kvpool.worker.config import WorkerConfig
+from kvpool.worker.cpu_linear import pack_linears
 from kvpool.worker.endpoint import claim
 from kvpool.worker.engine import Engine
 from kvpool.worker.host_memory import check_kv_request
@@ -120,6 +121,8 @@ def load_rank(cfg: WorkerConfig) -> tuple[LlamaForCausalLM, int]:
     if cfg.max_model_len > model.config.max_position:
         raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
                          f"max_position {model.config.max_position}; lower max_model_len")
+    if cfg.packed_weights:
+        pack_linears(model)  # after profiling and sharding: the packed weights replace the dense ones
     return model, kv_bytes
 
 

@@ -128,3 +128,20 @@ def test_either_key_opens_v1_and_the_openai_client_sees_a_wrong_key_as_an_authen
         bad.models.list()
     metrics = httpx.get(door.url + "/metrics", timeout=MARGIN_S)
     assert metrics.status_code == 200  # scrapers carry no key
+
+
+def test_accepted_connections_send_without_nagle_delay(door) -> None:
+    """Every accepted connection has TCP_NODELAY: without it a keep-alive response written in two
+    parts (headers, body) waits for the client's delayed ACK (40 ms a request on Linux)."""
+    s = connect(door.url)
+    try:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.settimeout(MARGIN_S)
+        assert s.recv(65536).startswith(b"HTTP/1.1 ")
+        conns = list(door.fd.server.server_state.connections)
+        assert conns, "the server tracks no connection"
+        for proto in conns:
+            sock = proto.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        s.close()
