@@ -127,7 +127,7 @@ async def _generate(fd: FrontDoor, request: Request, chat: bool):
     except (APIError, WorkerLost) as e:
         await _end(fd, run, events, endpoint, "error")
         raise _lost(e) if isinstance(e, WorkerLost) else e from None
-    builder = ResponseBuilder(chat, req.model, req.logprobs is not None)
+    builder = ResponseBuilder(chat, req.model, req.logprobs is not None, req.return_token_ids)
     headers = {"x-kvpool-worker": ",".join(r.decision.worker.name for r in run.runs)}  # where it was routed
     if req.stream:
         return StreamingResponse(_stream(fd, run, events, first, builder, endpoint), media_type="text/event-stream",

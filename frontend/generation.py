@@ -34,6 +34,10 @@ class Delta:
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)  # the tokens this delta covers (return_token_ids)
+    # vLLM's stop_reason: the stop string or stop_token_ids entry that ended the choice (None: eos, length)
+    stop_reason: str | int | None = None
+    prompt_token_ids: list[int] | None = None  # on the first delta of each choice
 
 
 @dataclass
@@ -44,6 +48,9 @@ class Choice:
     held: str = ""  # decoded, not released yet (may begin a stop string)
     tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    ids: list[int] = field(default_factory=list)  # tokens received, not yet in a delta
+    started: bool = False  # a delta of it went out (the first one carries the prompt's ids)
 
 
 @dataclass
@@ -123,6 +130,7 @@ class PromptRun:
         text, lps = "", []
         if tok is not None:
             c.tokens += 1
+            c.ids.append(tok)
             self.timing.token()
             text = c.detok.add(tok)
             if self.want_logprobs and msg.logprob is not None:
@@ -130,15 +138,22 @@ class PromptRun:
                 lps.append(TokenLogprob(tok, self._token_text(tok), msg.logprob, top))
         if finished:
             text += c.detok.flush()
-        out, stopped, c.held = cut_at_stop(c.held + text, self.stops, finished)
+        held = c.held + text
+        out, stopped, c.held = cut_at_stop(held, self.stops, finished)
         c.text += out
         if stopped:
             c.finish_reason = "stop"
+            c.stop_reason = min((s for s in self.stops if s in held), key=held.find)  # the first one met
         elif finished:
             c.finish_reason = self._reason(msg.reason)
+            if c.finish_reason == "stop" and tok in self.params.get("stop_token_ids", ()):
+                c.stop_reason = tok  # a stop id, not an eos
         if not out and not lps and c.finish_reason is None:
             return None
-        return Delta(c.index, out, lps, c.finish_reason)
+        delta = Delta(c.index, out, lps, c.finish_reason, c.ids, c.stop_reason,
+                      None if c.started else list(self.prompt))
+        c.ids, c.started = [], True
+        return delta
 
     def _token_text(self, token: int) -> str:
         return f"token_id:{token}" if self.token_ids_in_logprobs else self.tok.decode([token])

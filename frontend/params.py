@@ -2,13 +2,20 @@
 
 Accepted as in OpenAI's API (and vLLM's extensions, marked *): ``model``, ``prompt`` (text, token
 ids, or a list of either: a batch) / ``messages``, ``max_tokens`` (``max_completion_tokens`` for
-chat), ``temperature``, ``top_p``, ``top_k``*, ``min_tokens``*, ``seed``, ``n``, ``stop``,
-``stop_token_ids``*, ``ignore_eos``*, ``logprobs`` (completions: an int 0-5; chat: a bool with
-``top_logprobs`` 0-20), ``presence_penalty``, ``frequency_penalty``, ``stream``,
-``stream_options.include_usage``, ``cache_salt``*, ``return_tokens_as_token_ids``* (logprob tokens
-read ``token_id:N``), ``user`` (ignored). Fields this server cannot
-honour (``logit_bias``, ``best_of`` other than n, ``echo``, ``suffix``, tools) are refused, not
-ignored; unknown fields are ignored as OpenAI's clients send extras.
+chat), ``temperature``, ``top_p``, ``top_k``*, ``min_p``*, ``min_tokens``*, ``seed``, ``n``,
+``stop``, ``stop_token_ids``*, ``ignore_eos``*, ``logprobs`` (completions: an int 0-5; chat: a
+bool with ``top_logprobs`` 0-20), ``presence_penalty``, ``frequency_penalty``,
+``repetition_penalty``*, ``stream``, ``stream_options.include_usage``, ``cache_salt``*,
+``return_tokens_as_token_ids``* (logprob tokens read ``token_id:N``), ``return_token_ids``* (the
+prompt's and each choice's token ids come back). Accepted and without effect here, by meaning:
+``user``, ``request_id``*, ``session_id``*, ``priority``* 0, ``best_of`` equal to n.
+
+Every other field of vLLM 0.33's CompletionRequest and ChatCompletionRequest
+(vllm/entrypoints/openai/completion/protocol.py, chat_completion/protocol.py) is refused with a
+400 naming it when it asks for anything but its default (``VLLM_ONLY``), never ignored: a
+client relying on it would get silently different output. Fields neither API defines are
+ignored, as vLLM ignores them (OpenAI's clients send extras). README.md's parameter table is
+this module's list.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ class GenRequest:
     logprobs: int | None = None  # top alternatives per token (None: no logprobs)
     cache_salt: str | None = None
     token_ids_in_logprobs: bool = False
+    return_token_ids: bool = False
     worker_params: dict = field(default_factory=dict)  # for the worker's SamplingParams
 
 
@@ -116,16 +124,37 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
-REFUSED = {"logit_bias": "logit_bias is not supported", "echo": "echo is not supported",
-           "suffix": "suffix is not supported", "tools": "tool calling is not supported",
-           "functions": "function calling is not supported", "response_format": "response_format is not supported"}
+_UNSET = (None, False, {}, [], "")  # what a client sends for "not asked for"
+# Fields of vLLM 0.33's request models that kvpool does not implement: the values that ask for
+# nothing (besides _UNSET). Any other value is a 400 that names the field.
+VLLM_ONLY: dict[str, tuple] = {
+    "echo": (), "logit_bias": (), "suffix": (), "tools": (), "functions": (), "function_call": ("none",),
+    "tool_choice": ("none",), "parallel_tool_calls": (True,), "response_format": ({"type": "text"},),
+    "structured_outputs": (), "use_beam_search": (), "length_penalty": (1, 1.0), "watermarking": (),
+    "include_stop_str_in_output": (), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (), "truncation_side": (), "allowed_token_ids": (), "prompt_logprobs": (),
+    "logprob_token_ids": (), "bad_words": (), "prompt_embeds": (), "add_special_tokens": (),
+    "return_weight_versions": (), "routed_experts_prompt_start": (0,), "return_token_offsets": (),
+    "return_prompt_text": (), "mm_payload": (), "return_mm_kwargs": (), "kv_transfer_params": (),
+    "ec_transfer_params": (), "vllm_xargs": (), "repetition_detection": (), "thinking_token_budget": (),
+    "stream_interval": (1,), "reasoning_effort": (), "include_reasoning": (True,), "documents": (),
+    "chat_template": (), "chat_template_kwargs": (), "media_io_kwargs": (), "mm_processor_kwargs": (),
+    "add_generation_prompt": (True,), "continue_final_message": (), "priority": (0,),
+}
+NO_EFFECT = ("user", "request_id", "session_id")  # accepted whatever they say: nothing to do here
 
 
-def _refuse_unsupported(body: dict) -> None:
-    for key, why in REFUSED.items():
-        v = body.get(key)
-        if v not in (None, False, {}, [], "") and not (key == "response_format" and v == {"type": "text"}):
-            raise bad_param(key, why)
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    for key, fine in VLLM_ONLY.items():
+        if key not in body:
+            continue
+        v = body[key]
+        if key == "add_special_tokens":  # completions add them (True), chat templates do not (False)
+            fine = (not chat,)
+        if (v in _UNSET and type(v) is not int) or any(v == f and type(v) is type(f) for f in fine):
+            continue
+        raise bad_param(key, f"{key} is not supported by kvpool (README.md lists the parameters it serves); "
+                             f"leave it out or at its default")
 
 
 def parse_request(body: Any, chat: bool) -> GenRequest:
@@ -134,7 +163,7 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_param("model", "model must name a served model (GET /v1/models lists them)")
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, chat)
     n = _int(body, "n", 1, MAX_N, 1)
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
@@ -157,6 +186,8 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
         "min_tokens": _int(body, "min_tokens", 0, 1 << 24, 0),
         "presence_penalty": _num(body, "presence_penalty", -2.0, 2.0, 0.0),
         "frequency_penalty": _num(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        "repetition_penalty": _repetition(body),
+        "min_p": _num(body, "min_p", 0.0, 1.0, 0.0),
         "ignore_eos": _bool(body, "ignore_eos", False),
         "n": n,
     }
@@ -185,4 +216,15 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
                       messages=chat_messages(body) if chat else None, max_tokens=max_tokens, n=n, stop=_stop(body),
                       stream=_bool(body, "stream", False), include_usage=_bool(opts, "include_usage", False),
                       logprobs=logprobs, cache_salt=salt,
-                      token_ids_in_logprobs=_bool(body, "return_tokens_as_token_ids", False), worker_params=wp)
+                      token_ids_in_logprobs=_bool(body, "return_tokens_as_token_ids", False),
+                      return_token_ids=_bool(body, "return_token_ids", False), worker_params=wp)
+
+
+def _repetition(body: dict) -> float:
+    v = body.get("repetition_penalty")
+    if v is None:
+        return 1.0
+    if type(v) not in (int, float) or not 0 < v <= 1e4:
+        raise bad_param("repetition_penalty", f"repetition_penalty must be a number in (0, 10000] (1 is off), "
+                                              f"got {v!r:.40}")
+    return float(v)

@@ -41,8 +41,9 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict:
 class ResponseBuilder:
     """Chunks of one streamed response, or the whole response, in the request's shape."""
 
-    def __init__(self, chat: bool, model: str, want_logprobs: bool) -> None:
-        self.chat, self.model, self.want_logprobs = chat, model, want_logprobs
+    def __init__(self, chat: bool, model: str, want_logprobs: bool, token_ids: bool = False) -> None:
+        """``token_ids``: vLLM's ``return_token_ids`` (the prompt's and each choice's token ids)."""
+        self.chat, self.model, self.want_logprobs, self.token_ids = chat, model, want_logprobs, token_ids
         self.id, self.created = new_id(chat), int(time.time())
         self.offsets: dict[int, int] = {}
 
@@ -64,9 +65,20 @@ class ResponseBuilder:
         self.offsets[d.index] = self.offsets.get(d.index, 0) + len(d.text)
         if self.chat:
             delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-            choice = {"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": d.index, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}
+            choice = {"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason,
+                      "stop_reason": d.stop_reason}
+            if self.token_ids:
+                choice["token_ids"] = d.token_ids
+            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+            if self.token_ids and d.prompt_token_ids is not None:
+                out["prompt_token_ids"] = d.prompt_token_ids
+            return out
+        choice = {"index": d.index, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason,
+                  "stop_reason": d.stop_reason}
+        if self.token_ids:
+            choice["token_ids"] = d.token_ids
+            if d.prompt_token_ids is not None:
+                choice["prompt_token_ids"] = d.prompt_token_ids
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, u: dict) -> dict:
@@ -76,19 +88,34 @@ class ResponseBuilder:
     def whole(self, deltas: list[Delta], n_choices: int, u: dict) -> dict:
         texts = [""] * n_choices
         reasons: list[str | None] = [None] * n_choices
+        stop_reasons: list[str | int | None] = [None] * n_choices
         lps: list[list[TokenLogprob]] = [[] for _ in range(n_choices)]
+        ids: list[list[int]] = [[] for _ in range(n_choices)]
+        prompts: list[list[int] | None] = [None] * n_choices
         for d in deltas:
             texts[d.index] += d.text
             lps[d.index] += d.logprobs
+            ids[d.index] += d.token_ids
             reasons[d.index] = d.finish_reason or reasons[d.index]
+            stop_reasons[d.index] = d.stop_reason if d.stop_reason is not None else stop_reasons[d.index]
+            prompts[d.index] = d.prompt_token_ids if d.prompt_token_ids is not None else prompts[d.index]
         choices = []
         for i in range(n_choices):
             if self.chat:
                 lp = chat_logprobs(lps[i]) if self.want_logprobs else None
-                choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
-                                "logprobs": lp, "finish_reason": reasons[i]})
+                choice = {"index": i, "message": {"role": "assistant", "content": texts[i]},
+                          "logprobs": lp, "finish_reason": reasons[i], "stop_reason": stop_reasons[i]}
             else:
                 lp = completion_logprobs(lps[i], 0) if self.want_logprobs else None
-                choices.append({"index": i, "text": texts[i], "logprobs": lp, "finish_reason": reasons[i]})
+                choice = {"index": i, "text": texts[i], "logprobs": lp, "finish_reason": reasons[i],
+                          "stop_reason": stop_reasons[i]}
+                if self.token_ids:
+                    choice["prompt_token_ids"] = prompts[i]
+            if self.token_ids:
+                choice["token_ids"] = ids[i]
+            choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": choices, "usage": u}
+        out = {**self._head(obj), "choices": choices, "usage": u}
+        if self.chat and self.token_ids:
+            out["prompt_token_ids"] = next((p for p in prompts if p is not None), None)
+        return out

@@ -15,6 +15,12 @@ MAX_N = 64
 MAX_TEMPERATURE = 1e4
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MAX_STOP_IDS = 256
+MAX_REPETITION_PENALTY = 1e4
+# As vLLM 0.33's SamplingParams.__post_init__ (vllm/sampling_params.py): a temperature in
+# (0, MIN_TEMPERATURE) is first raised to MIN_TEMPERATURE, then one below SAMPLING_EPS (so only
+# 0) is greedy. A temperature of 1e-6 therefore samples, at 0.01, as in vLLM.
+SAMPLING_EPS = 1e-5
+MIN_TEMPERATURE = 1e-2
 TEXT_ONLY = ("stop",)  # applied to text by the front door and the offline LLM: not a wire param
 
 
@@ -30,6 +36,8 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off; logits of prompt and output tokens divided (> 0) or multiplied
+    min_p: float = 0.0  # 0: off; drop tokens below min_p times the top token's probability
     stop_token_ids: tuple[int, ...] = ()  # end the sample (finish reason "stop"), EOS aside
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k alternatives
     stop: tuple[str, ...] = ()  # stop strings: applied to text by the front door and the offline LLM
@@ -48,6 +56,8 @@ class SamplingParams:
         temperature = _finite(self.temperature, "temperature")
         if not 0.0 <= temperature <= MAX_TEMPERATURE:
             raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {temperature}")
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            temperature = MIN_TEMPERATURE
         top_p = _finite(self.top_p, "top_p")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
@@ -66,6 +76,14 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{key} must be in [-2, 2], got {value}")
             object.__setattr__(self, key, value)
+        rep = _finite(self.repetition_penalty, "repetition_penalty")
+        if not 0.0 < rep <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 is off), got {rep}")
+        object.__setattr__(self, "repetition_penalty", rep)
+        min_p = _finite(self.min_p, "min_p")
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        object.__setattr__(self, "min_p", min_p)
         if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or absent, got {_short(self.logprobs)}")
         ids = self.stop_token_ids
@@ -93,11 +111,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Greedy as vLLM decides it: a temperature below SAMPLING_EPS (top-k, top-p, min_p unused)."""
+        return self.temperature < SAMPLING_EPS
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Penalties that read the sample's output tokens."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def _short(value: object) -> str:

@@ -298,11 +298,11 @@ class Engine:
     def _key(self, req: Request, index: int) -> SampleKey:
         p = req.params
         output = req.tokens[req.num_prompt:] if p.penalized else ()
+        prompt = req.tokens[:req.num_prompt] if p.repetition_penalty != 1.0 else ()
         banned: tuple[int, ...] = ()
-        if req.num_output < p.min_tokens:
-            eos = self.model.config.eos_token_id
-            banned = p.stop_token_ids + ((eos,) if eos is not None else ())
-        return SampleKey(p, req.seed, index, req.num_output, output, banned)
+        if req.num_output < p.min_tokens:  # every id that would stop it, as vLLM masks them
+            banned = p.stop_token_ids + tuple(self.model.config.eos_token_ids)
+        return SampleKey(p, req.seed, index, req.num_output, output, banned, prompt)
 
     def _child(self, parent: Request, index: int) -> Request:
         child = Request(next(self._rids), parent.client_id, index, parent.tokens[: parent.num_prompt],

@@ -5,10 +5,17 @@ The random draw of a request's k-th output token of sample ``index`` depends onl
 ``(seed, index, k)``, so a request gives the same tokens whatever it was batched with, and after
 preemption and recompute.
 
-Order of processing one row (as OpenAI and vLLM define the parameters): presence and frequency
-penalties on the logits (``logit -= presence * [count > 0] + frequency * count`` over the
-sample's output tokens), ``min_tokens`` bans the stop ids, then temperature, top-k, top-p.
-Log-probabilities are of the model's raw distribution (log_softmax of the unprocessed logits).
+Order of processing one row, as vLLM 0.33's sampler does it (vllm/v1/sample/sampler.py,
+ops/penalties.py, logits_processor/builtin.py): ``min_tokens`` bans every stop id (the model's
+eos ids and the request's stop_token_ids); the repetition penalty over the prompt and output
+tokens (a positive logit divided by it, a negative one multiplied); presence and frequency
+penalties over the output tokens (``logit -= presence * [count > 0] + frequency * count``);
+then, unless greedy, temperature, min_p (tokens below ``min_p`` times the top probability
+dropped), top-k, top-p. Log-probabilities are of the model's raw distribution (log_softmax of the
+unprocessed logits).
+
+Sample ``i`` of an ``n`` request draws as the n=1 request with seed ``seed + i`` would (vLLM
+gives each parallel sample that seed: vllm/v1/engine/parallel_sampling.py).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class SampleKey:
     step: int
     output: Sequence[int] = ()
     banned: tuple[int, ...] = ()
+    prompt: Sequence[int] = ()  # needed by the repetition penalty only
 
 
 @dataclass(frozen=True)
@@ -46,20 +54,29 @@ class Sampled:
 
 
 def _draw_seed(key: SampleKey) -> int:
-    return (key.seed * 1_000_003 + key.index * 7919 + key.step) % _MIX
+    return ((key.seed + key.index) * 1_000_003 + key.step) % _MIX  # sample i: the seed seed + i
+
+
+def _counts(tokens: Sequence[int], vocab: int, like: torch.Tensor) -> torch.Tensor:
+    counts = torch.bincount(torch.tensor(list(tokens), dtype=torch.long), minlength=vocab)
+    return counts[:vocab].to(like.device, like.dtype)
 
 
 def _process(logits: torch.Tensor, key: SampleKey) -> torch.Tensor:
     # logits: [vocab] fp32; returns a new tensor
     p = key.params
     logits = logits.clone()
-    if p.penalized and key.output:
-        counts = torch.bincount(torch.tensor(list(key.output), dtype=torch.long), minlength=logits.numel())
-        counts = counts[: logits.numel()].to(logits.device, logits.dtype)
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    vocab = logits.numel()
     if key.banned:
-        ids = [t for t in key.banned if t < logits.numel()]
+        ids = [t for t in key.banned if t < vocab]
         logits[ids] = float("-inf")
+    if p.repetition_penalty != 1.0 and (key.output or key.prompt):
+        seen = _counts([*key.prompt, *key.output], vocab, logits) > 0
+        scaled = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits = torch.where(seen, scaled, logits)
+    if (p.presence_penalty or p.frequency_penalty) and key.output:
+        counts = _counts(key.output, vocab, logits)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 
 
@@ -72,6 +89,9 @@ def _sample_row(logits: torch.Tensor, key: SampleKey) -> int:
         kth = logits.topk(p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits / p.temperature, dim=-1)
+    if p.min_p > 0.0:  # after temperature, as vLLM's MinPLogitsProcessor
+        probs = probs.masked_fill(probs < probs.max() * p.min_p, 0.0)
+        probs = probs / probs.sum()
     if p.top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
@@ -85,7 +105,7 @@ def _sample_row(logits: torch.Tensor, key: SampleKey) -> int:
 
 def _simple(key: SampleKey) -> bool:
     p = key.params
-    return p.greedy and not key.banned and not (p.penalized and key.output)
+    return p.greedy and not key.banned and not (p.penalized and (key.output or key.prompt))
 
 
 def sample_rows(logits: torch.Tensor, keys: list[SampleKey]) -> list[Sampled]:

@@ -5,7 +5,7 @@ section 12; the clients are kvpool.client's). Client -> worker::
 
     {"op": "generate", "id": str, "prompt": [int...], "cache_salt": str (optional),
      "params": {max_tokens, temperature, top_p, seed, n, ignore_eos, top_k, min_tokens,
-     presence_penalty, frequency_penalty, stop_token_ids, logprobs}}
+     presence_penalty, frequency_penalty, repetition_penalty, min_p, stop_token_ids, logprobs}}
                                                             -> a stream of token messages
     {"op": "abort", "id": str}                              -> the request's final messages
     {"op": "stats", "id": str}                              -> {"id", "stats": {...}}

@@ -297,3 +297,55 @@ def test_vllms_utility_endpoints_ping_version_tokenize_detokenize(stack) -> None
     assert missing.status_code == 404 and missing.json()["error"]["reason"] == "model_not_found"
     bad = httpx.post(stack.url + "/detokenize", json={"model": "tiny", "tokens": [1, -2]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_repetition_penalty_and_min_p_reach_the_worker(stack) -> None:
+    def out(**extra) -> dict:
+        body = {"model": "tiny", "prompt": [40, 41, 42, 40, 41, 42], "max_tokens": 16, "ignore_eos": True,
+                "return_token_ids": True, **extra}
+        return httpx.post(stack.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+
+    greedy = out(temperature=0)
+    hard = out(temperature=0, repetition_penalty=1e3)
+    seen = {40, 41, 42}
+    assert not (set(hard["token_ids"]) & seen) and len(set(hard["token_ids"])) == 16  # nothing seen comes back
+    assert hard["token_ids"] != greedy["token_ids"] or not (set(greedy["token_ids"]) & seen)
+    # min_p = 1 keeps only the most likely token: sampling at any temperature is then greedy
+    assert out(temperature=1.5, min_p=1.0, seed=3)["token_ids"] == greedy["token_ids"]
+
+
+def test_return_token_ids_and_stop_reason_as_vllm_sends_them(stack) -> None:
+    body = {"model": "tiny", "prompt": [9, 10, 11], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    free = httpx.post(stack.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert free["prompt_token_ids"] == [9, 10, 11] and len(free["token_ids"]) == 12
+    assert (free["finish_reason"], free["stop_reason"]) == ("length", None)
+    stop = free["token_ids"][5]
+    got = httpx.post(stack.url + "/v1/completions", json={**body, "stop_token_ids": [stop]}, timeout=60).json()
+    choice = got["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    assert choice["token_ids"] == free["token_ids"][: free["token_ids"].index(stop) + 1]
+    with httpx.stream("POST", stack.url + "/v1/completions", json={**body, "stop_token_ids": [stop], "stream": True},
+                      timeout=60) as r:
+        chunks = [json.loads(e) for e in sse_events(r.read().decode())[:-1]]
+    streamed = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert streamed == choice["token_ids"] and chunks[0]["choices"][0]["prompt_token_ids"] == [9, 10, 11]
+    assert all("stop_reason" in c["choices"][0] for c in chunks) and chunks[-1]["choices"][0]["stop_reason"] == stop
+    chat = httpx.post(stack.url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+        "return_token_ids": True}, timeout=60).json()
+    assert chat["prompt_token_ids"] and len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    plain = httpx.post(stack.url + "/v1/completions", json={**body, "return_token_ids": False}, timeout=60).json()
+    assert "token_ids" not in plain["choices"][0]
+
+
+@pytest.mark.parametrize("field,value", [("use_beam_search", True), ("allowed_token_ids", [5, 6]),
+                                         ("prompt_logprobs", 1), ("bad_words", ["x"]), ("length_penalty", 0.5),
+                                         ("include_stop_str_in_output", True), ("truncate_prompt_tokens", 3)])
+def test_a_vllm_parameter_kvpool_does_not_serve_is_a_400_naming_it(stack, field: str, value: object) -> None:
+    r = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, field: value},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    ok = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2,
+                                                         "user": "u1", "not_a_vllm_field": 1}, timeout=60)
+    assert ok.status_code == 200  # a no-op field and a field neither API defines are accepted

@@ -69,3 +69,27 @@ def test_cut_at_stop_holds_back_what_may_begin_a_stop() -> None:
     assert cut_at_stop("hello wor", ["world"], final=True) == ("hello wor", False, "")
     assert cut_at_stop("abc", [], final=False) == ("abc", False, "")
     assert cut_at_stop("xAyB", ["B", "Ay"], final=False) == ("x", True, "")  # the earliest stop wins
+
+
+def test_vllm_sampling_extras_are_parsed() -> None:
+    r = parse_request({"model": "m", "prompt": "x", "repetition_penalty": 1.2, "min_p": 0.05,
+                       "return_token_ids": True}, chat=False)
+    assert (r.worker_params["repetition_penalty"], r.worker_params["min_p"], r.return_token_ids) == (1.2, 0.05, True)
+    r = parse_request({"model": "m", "prompt": "x"}, chat=False)
+    assert (r.worker_params["repetition_penalty"], r.worker_params["min_p"], r.return_token_ids) == (1.0, 0.0, False)
+    assert bad({"prompt": "x", "repetition_penalty": 0}).param == "repetition_penalty"
+    assert bad({"prompt": "x", "min_p": 1.5}).param == "min_p"
+
+
+def test_every_vllm_field_is_served_or_refused_by_name() -> None:
+    """Defaults of vLLM-only fields pass (clients send them); anything else is a 400 naming it."""
+    from kvpool.frontend.params import VLLM_ONLY
+
+    defaults = {"use_beam_search": False, "length_penalty": 1.0, "skip_special_tokens": True,
+                "spaces_between_special_tokens": True, "include_stop_str_in_output": False, "bad_words": [],
+                "add_special_tokens": True, "priority": 0, "response_format": {"type": "text"}}
+    parse_request({"model": "m", "prompt": "x", **defaults, "user": "u", "request_id": "r"}, chat=False)
+    for key in VLLM_ONLY:
+        assert bad({"prompt": "x", key: "surely not a default"}).param == key
+    assert bad({"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, chat=True).param == \
+        "add_special_tokens"

@@ -100,3 +100,15 @@ def test_both_tokenizers_refuse_a_lone_surrogate_with_a_value_error(tok_dir: str
         with pytest.raises(ValueError, match="surrogate"):
             tok.encode("ok \ud800")
         assert tok.decode(tok.encode("ok \U0001f600")) == "ok \U0001f600"
+
+
+def test_a_stream_ending_inside_a_character_releases_its_bytes_as_replacement_marks() -> None:
+    """README's documented difference from vLLM (whose decode stream drops them): the text is
+    complete up to the character, and the incomplete bytes come out as U+FFFD, never silently."""
+    tok = ByteTokenizer(512)
+    detok = IncrementalDetokenizer(tok, [])
+    ids = tok.encode(" 😀") + tok.encode("😀")[:2]  # a whole emoji, then half of another
+    out = "".join(detok.add(t) for t in ids)
+    assert out == " 😀"
+    tail = detok.flush()
+    assert tail and set(tail) == {"\ufffd"}
