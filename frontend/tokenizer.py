@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from kvpool.frontend.chat_template import BYTE_CHAT_TEMPLATE, render_chat
+from kvpool.shared.model_config import PRESETS
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -153,8 +154,6 @@ Tokenizer = ByteTokenizer | HFTokenizer
 
 def load_tokenizer(model: str) -> Tokenizer:
     """The tokenizer of a preset (built-in bytes) or of a checkpoint directory."""
-    from kvpool.worker.config import PRESETS
-
     if model in PRESETS:
         return ByteTokenizer(PRESETS[model].vocab_size, name=model)
     if os.path.isdir(model):

@@ -298,7 +298,7 @@ MAY_IMPORT = {
     "manager": {"shared", "manager.core", "manager.state", "manager.store"},
     "client": {"shared"},
     "worker": {"shared", "kernels", "manager.core", "client"},
-    "frontend": {"shared", "client", "kvpool.worker", "kvpool.worker.config"},
+    "frontend": {"shared", "client"},
     "llm": {"shared", "worker", "frontend"},  # the worker's engine, the front door's text handling
     "bench": {"shared", "manager.core"},  # workloads and the in-process pool benchmark
     "devcluster": {"shared", "worker", "client", "frontend"},  # above the product: nothing in it imports this
