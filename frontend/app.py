@@ -63,7 +63,7 @@ def create_app(fd: FrontDoor, *, api_keys: tuple[str, ...] = (), body_timeout_s:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -79,9 +79,13 @@ def create_app(fd: FrontDoor, *, api_keys: tuple[str, ...] = (), body_timeout_s:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        n = sum(len(fd.directory.serving(m)) for m in fd.directory.models())
-        lost = {w.name: w.link.lost for w in fd.directory.workers.values() if w.link.lost is not None}
-        body = {"status": "ok" if n else "no workers", "workers": n, **({"unreachable": lost} if lost else {})}
+        d = fd.directory
+        serving = [w for m in d.models() for w in d.serving(m)]
+        held = {w.name: why for w in serving if (why := d.unavailable(w)) is not None}  # drain, lost manager
+        n = len(serving) - len(held)
+        lost = {w.name: w.link.lost for w in d.workers.values() if w.link.lost is not None}
+        body = {"status": "ok" if n else (next(iter(held.values())) if held else "no workers"), "workers": n,
+                **({"unreachable": lost} if lost else {}), **({"unavailable": held} if held else {})}
         return JSONResponse(body, status_code=200 if n else 503)  # unreachable: each known worker's reason
 
     @app.get("/metrics")

@@ -70,6 +70,7 @@ class Directory:
         self.poll_s, self.silence_s = poll_s, silence_s
         self.workers: dict[tuple[int, str], Worker] = {}
         self.reachable = [False] * len(managers)
+        self.draining = [False] * len(managers)  # the manager said so at the last poll (kvpool drain)
         self._task: asyncio.Task | None = None
         self.changes = 0
 
@@ -88,14 +89,15 @@ class Directory:
     async def refresh(self) -> None:
         for i, client in enumerate(self.clients):
             try:
-                rows = await client.workers()
+                reply = await client.call("workers", retry=True)
             except ManagerError as e:
                 if self.reachable[i]:
                     logger.warning("manager %s: %s (keeping its last known workers)", self.endpoints[i], e)
                 self.reachable[i] = False
                 continue
             self.reachable[i] = True
-            await self._apply(i, rows)
+            self.draining[i] = reply.get("draining") is True
+            await self._apply(i, reply["workers"])
 
     async def _apply(self, i: int, wire_rows: list[dict]) -> None:
         seen = set()
@@ -133,6 +135,12 @@ class Directory:
 
     def serving(self, model: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.model == model and w.link.lost is None]
+
+    def unavailable(self, w: Worker) -> str | None:
+        """Why ``w`` cannot take a new request now (its manager is unreachable or draining), or None."""
+        if not self.reachable[w.manager]:
+            return "manager_unreachable"
+        return "draining" if self.draining[w.manager] else None
 
     def models(self) -> dict[str, list[Worker]]:
         out: dict[str, list[Worker]] = {}

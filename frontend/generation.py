@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvpool.frontend.detokenizer import IncrementalDetokenizer
-from kvpool.frontend.errors import APIError
+from kvpool.frontend.errors import UNAVAILABLE, APIError, unavailable
 from kvpool.frontend.router import Decision
 from kvpool.frontend.tokenizer import Tokenizer
-from kvpool.shared.generate import ErrorMessage, TokenMessage
+from kvpool.shared.generate import ErrorMessage, Heartbeat, TokenMessage
 
 
 @dataclass
@@ -111,8 +111,14 @@ class PromptRun:
                 msg = await link.next(rid)
                 if isinstance(msg, ErrorMessage):
                     raise APIError(400, f"the worker refused the request: {msg.error}", None, "worker_refused")
+                if isinstance(msg, Heartbeat):
+                    # queued behind a drain or a lost manager, nothing generated yet: say so now (503)
+                    # instead of holding the client; a request already generating keeps going
+                    if msg.waiting in UNAVAILABLE and self.completion_tokens == 0:
+                        raise unavailable(msg.waiting, f" (worker {self.decision.worker.name})")
+                    continue
                 if not isinstance(msg, TokenMessage):
-                    continue  # a heartbeat
+                    continue
                 delta = self._apply(msg)
                 if delta is not None:
                     yield delta

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvpool.frontend.chat_template import TemplateError
 from kvpool.frontend.directory import Directory, Worker
-from kvpool.frontend.errors import APIError, bad_param
+from kvpool.frontend.errors import RETRY_AFTER_S, APIError, bad_param, unavailable
 from kvpool.frontend.generation import Delta, PromptRun, Timing
 from kvpool.frontend.metrics import FrontDoorMetrics
 from kvpool.frontend.params import GenRequest
@@ -148,8 +148,12 @@ class FrontDoor:
         if not alive:
             why = "; ".join(f"{w.name} at {w.endpoint}: {w.link.lost}" for w in known[model])
             raise APIError(503, f"no worker of {model!r} is reachable right now ({why}); retry shortly", None,
-                           "no_worker")
-        return alive
+                           "no_worker", RETRY_AFTER_S)
+        ready = [w for w in alive if self.directory.unavailable(w) is None]
+        if not ready:  # every one behind a drain or a lost manager: no admission would come
+            reasons = sorted({self.directory.unavailable(w) for w in alive})
+            raise unavailable(reasons[0], f" (workers of {model!r}: {', '.join(w.name for w in alive)})")
+        return ready
 
     def prompt_ids(self, req: GenRequest, tok: Tokenizer) -> list[list[int]]:
         if req.chat:

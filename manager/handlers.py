@@ -215,7 +215,7 @@ class Handlers:
             serve = ServeInfo(lead.serve["endpoint"], lead.serve["model"], lead.serve["max_model_len"])
             out.append(WorkerRow(serve, entry.name, entry.epoch, blocks.num_blocks, entry.spec.block_size,
                                  blocks.num_free, len(entry.pool.requests)).to_wire())
-        return {"workers": out}
+        return {"workers": out, "draining": self.reg.draining}
 
     @op()
     def locate(self, call: Call) -> dict:
