@@ -21,6 +21,8 @@ from kvpool.shared.bind import check_connect
 from kvpool.shared.curve import ClientKeys
 from kvpool.shared.hashing import hash_blocks
 
+INLINE_TOKENIZE_CHARS = 8192  # prompts up to this much text are tokenized on the loop (microseconds)
+
 
 @dataclass(frozen=True)
 class FrontDoorConfig:
@@ -155,6 +157,24 @@ class FrontDoor:
             raise unavailable(reasons[0], f" (workers of {model!r}: {', '.join(w.name for w in alive)})")
         return ready
 
+    async def tokenize(self, req: GenRequest, tok: Tokenizer, max_len: int) -> list[list[int]]:
+        """``prompt_ids``, after refusing by size what cannot fit, and off the event loop when the
+        text is big (tokenizing megabytes takes seconds: other clients and the managers' polls
+        must not wait behind it)."""
+        texts = [p for p in req.prompts if isinstance(p, str)]
+        if req.chat:
+            texts = [m.get("content", "") for m in req.messages or []]
+        limit = max_len * tok.max_token_bytes  # more bytes than this are more than max_len tokens
+        for text in texts:
+            if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
+                raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, your "
+                                    f"request has more than {max_len} input tokens ({len(text)} characters). "
+                                    "Please reduce the length of the input prompt.", "prompt" if not req.chat
+                               else "messages", "context_length_exceeded")
+        if sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS:
+            return self.prompt_ids(req, tok)
+        return await asyncio.to_thread(self.prompt_ids, req, tok)
+
     def prompt_ids(self, req: GenRequest, tok: Tokenizer) -> list[list[int]]:
         if req.chat:
             try:
@@ -221,7 +241,7 @@ class FrontDoor:
         workers = self.workers(req.model)
         tok = self.tokenizer(req.model)
         max_len = min(w.max_model_len for w in workers)
-        all_ids = self.prompt_ids(req, tok)
+        all_ids = await self.tokenize(req, tok, max_len)
         budgets = [self._budget(req, ids, max_len) for ids in all_ids]
         timing = Timing()
         run = Run(req, [], sum(len(i) for i in all_ids), timing)

@@ -54,6 +54,11 @@ class ByteTokenizer:
         self.special = SpecialTokens("<s>", "</s>", 2, 1, True)
         self.chat_template = BYTE_CHAT_TEMPLATE
 
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token can stand for (a byte each)."""
+        return 1
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         check_unicode(text)
         ids = [2] if add_special_tokens else []
@@ -109,6 +114,10 @@ class HFTokenizer:
         self.name = os.path.basename(os.path.normpath(path))
         self.tok = Tokenizer.from_file(file)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        # a bound on the text one token stands for: its vocabulary string's UTF-8 bytes (a
+        # byte-level BPE writes a byte as one 1-2 byte character, so this is at most 2x loose)
+        self.max_token_bytes = max((len(t.encode("utf-8")) for t in self.tok.get_vocab(with_added_tokens=True)),
+                                   default=1)
         config = self._read_json(os.path.join(path, "tokenizer_config.json"))
         self.specials = {k: t for k in SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
         template = _pick_template(config.get("chat_template"))
