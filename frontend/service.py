@@ -164,7 +164,7 @@ class FrontDoor:
         texts = [p for p in req.prompts if isinstance(p, str)]
         if req.chat:
             texts = [m.get("content", "") for m in req.messages or []]
-        limit = max_len * tok.max_token_bytes  # more bytes than this are more than max_len tokens
+        limit = max_len * tok.max_token_bytes if texts else 0  # more bytes than this: more than max_len tokens
         for text in texts:
             if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
                 raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, your "
