@@ -36,7 +36,8 @@ def _tokenizer_pairs(ctx: click.Context, param: click.Parameter, values: tuple[s
               help="MODEL=PATH: the tokenizer for a model whose name is not a local checkpoint path.")
 @click.option("--poll-interval", type=float, default=None, help="Seconds between worker-list refreshes [0.5].")
 @click.option("--worker-silence", type=float, default=None,
-              help="Seconds a worker may stay silent with requests open before they fail [30].")
+              help="Seconds a worker, or one request on it, may stay silent before its requests fail [30]; "
+                   "workers send a heartbeat every second.")
 @click.option("--log-level", default=None, help="uvicorn's log level [warning].")
 @click.option("--curve-server-key", envvar="KVPOOL_CURVE_SERVER_KEY", default=None,
               help="The managers' public key (NAME.key or Z85 text) when they run CURVE; env KVPOOL_CURVE_SERVER_KEY.")

@@ -31,7 +31,7 @@ import zmq.asyncio
 
 from kvpool.client.generate_core import GenerateCore, WorkerLost
 from kvpool.shared.curve import ClientKeys
-from kvpool.shared.generate import Reply, parse_reply
+from kvpool.shared.generate import Pong, Reply, parse_reply
 
 logger = logging.getLogger(__name__)
 PING_S = 1.0
@@ -77,6 +77,8 @@ class WorkerLink:
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
         self._core = GenerateCore("fd")
         self.queues: dict[str, asyncio.Queue[Reply | Lost]] = {}
+        self._pings = 0  # pings sent; a request remembers how many were sent before it
+        self._submitted: dict[str, int] = {}
         self.last_heard = time.monotonic()
         self.lost: str | None = None
         if refused is None:
@@ -95,6 +97,7 @@ class WorkerLink:
             raise WorkerLost(f"the worker at {self.endpoint} is gone: {self.lost}")
         rid, payload = self._core.generate(prompt, params, cache_salt)
         self.queues[rid] = asyncio.Queue()
+        self._submitted[rid] = self._pings
         if self.running == 1:
             self.last_heard = time.monotonic()  # the silence clock starts with the first open request
         self._send(payload)
@@ -109,9 +112,11 @@ class WorkerLink:
 
     def done(self, rid: str) -> None:
         self.queues.pop(rid, None)
+        self._submitted.pop(rid, None)
 
     def abort(self, rid: str) -> None:
         """Stops ``rid`` on the worker (its blocks are freed at once); its messages are dropped."""
+        self._submitted.pop(rid, None)
         if self.queues.pop(rid, None) is not None and self.lost is None:
             self._send(self._core.control("abort", rid)[1])
 
@@ -139,9 +144,29 @@ class WorkerLink:
             except (ValueError, msgpack.UnpackException):
                 continue
             reply = parse_reply(msg)
+            if isinstance(reply, Pong):
+                self._reconcile(reply)
+                continue
             q = self.queues.get(reply.client_id) if reply is not None else None
             if q is not None:
                 q.put_nowait(reply)
+
+    def _reconcile(self, pong: Pong) -> None:
+        """Requests open here but not at the worker, though sent before this ping (one pipe keeps
+        order): their remaining messages will never come. They fail now, so no client waits and
+        no router counts them as load."""
+        if pong.open is None or not pong.client_id.startswith("ping-"):
+            return
+        try:
+            ping = int(pong.client_id.removeprefix("ping-"))
+        except ValueError:
+            return
+        known = set(pong.open)
+        for rid, at in list(self._submitted.items()):
+            if at < ping and rid not in known and rid in self.queues:  # (a request that just ended reads its
+                self._submitted.pop(rid)                               # last message first, never this)
+                self.queues[rid].put_nowait(Lost(f"the worker at {self.endpoint} no longer knows this request "
+                                                 "(its messages were lost)"))
 
     async def _watch(self) -> None:
         while True:
@@ -163,7 +188,8 @@ class WorkerLink:
             if time.monotonic() - self.last_heard > self.silence_s:
                 self.fail(f"silent for {self.silence_s:.0f}s")
             else:
-                self._send(self._core.control("ping", "ping")[1])
+                self._pings += 1
+                self._send(self._core.control("ping", f"ping-{self._pings}")[1])
 
     async def close(self) -> None:
         for t in self._tasks:

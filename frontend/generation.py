@@ -9,12 +9,13 @@ request is aborted on the worker so its blocks are freed at once.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvpool.frontend.detokenizer import IncrementalDetokenizer
-from kvpool.frontend.errors import UNAVAILABLE, APIError, unavailable
+from kvpool.frontend.errors import RETRY_AFTER_S, UNAVAILABLE, APIError, unavailable
 from kvpool.frontend.router import Decision
 from kvpool.frontend.tokenizer import Tokenizer
 from kvpool.shared.generate import ErrorMessage, Heartbeat, TokenMessage
@@ -82,12 +83,16 @@ def cut_at_stop(pending: str, stops: list[str], final: bool) -> tuple[str, bool,
 class PromptRun:
     def __init__(self, tokenizer: Tokenizer, prompt: list[int], decision: Decision, *, n: int, first_index: int,
                  stops: list[str], params: dict, cache_salt: str | None, timing: Timing,
-                 token_ids_in_logprobs: bool = False) -> None:
+                 token_ids_in_logprobs: bool = False, silence_s: float = 30.0) -> None:
+        """``silence_s``: the longest wait for a message of this request (the worker sends a
+        heartbeat every second): past it the request fails, is aborted on the worker and its load
+        forgotten, whatever happened to its messages."""
         self.tok, self.prompt, self.decision = tokenizer, prompt, decision
         self.stops, self.params, self.cache_salt, self.timing = stops, params, cache_salt, timing
         self.choices = [Choice(first_index + i, IncrementalDetokenizer(tokenizer, prompt)) for i in range(n)]
         self.want_logprobs = params.get("logprobs") is not None
         self.token_ids_in_logprobs = token_ids_in_logprobs
+        self.silence_s = silence_s
 
     @property
     def completion_tokens(self) -> int:
@@ -108,7 +113,13 @@ class PromptRun:
         rid = link.submit(self.prompt, self.params, self.cache_salt)
         try:
             while any(c.finish_reason is None for c in self.choices):
-                msg = await link.next(rid)
+                try:  # asyncio.timeout, not wait_for: wait_for may swallow a cancellation (client gone)
+                    async with asyncio.timeout(self.silence_s):
+                        msg = await link.next(rid)
+                except TimeoutError:
+                    raise APIError(503, f"worker {self.decision.worker.name} sent nothing for this request in "
+                                        f"{self.silence_s:g} s: it was aborted; retry it", None, "silent",
+                                   RETRY_AFTER_S) from None
                 if isinstance(msg, ErrorMessage):
                     raise APIError(400, f"the worker refused the request: {msg.error}", None, "worker_refused")
                 if isinstance(msg, Heartbeat):

@@ -30,7 +30,7 @@ class FrontDoorConfig:
     policy: str = "kv-aware"
     overlap_weight: float = 2.0
     poll_s: float = 0.5
-    silence_s: float = 30.0  # a worker silent this long with requests open is taken for lost
+    silence_s: float = 30.0  # a worker, or one request, silent this long is taken for lost (heartbeats come each second)
     tokenizers: tuple[tuple[str, str], ...] = ()  # (model, tokenizer path) overrides
     # CURVE client keys (shared/curve.py) for the manager sockets (None: the KVPOOL_CURVE_*
     # environment, as every ManagerClient) and for the workers' generate sockets
@@ -251,7 +251,7 @@ class FrontDoor:
                 params = {**req.worker_params, "max_tokens": budget}
                 pr = PromptRun(tok, ids, d, n=req.n, first_index=k * req.n, stops=req.stop, params=params,
                                cache_salt=req.cache_salt, timing=timing,
-                               token_ids_in_logprobs=req.token_ids_in_logprobs)
+                               token_ids_in_logprobs=req.token_ids_in_logprobs, silence_s=self.cfg.silence_s)
                 run.runs.append(pr)
                 self.live.setdefault(d.worker.key, set()).add(pr)  # counted at once: the next request sees it
                 if chain and self.cfg.count_routed:

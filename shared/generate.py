@@ -200,13 +200,19 @@ class StatsReply:
 class Pong:
     client_id: str
     pool: str
+    open: tuple[str, ...] | None = None  # the ids of the asking client's open requests (None: not told)
 
     def to_wire(self) -> dict:
-        return {"id": self.client_id, "pong": self.pool}
+        out = {"id": self.client_id, "pong": self.pool}
+        if self.open is not None:
+            out["open"] = list(self.open)
+        return out
 
     @classmethod
     def from_wire(cls, msg: dict) -> Pong:
-        return cls(msg.get("id"), msg["pong"])
+        opened = msg.get("open")
+        ok = type(opened) is list and all(type(c) is str for c in opened)
+        return cls(msg.get("id"), msg["pong"], tuple(opened) if ok else None)
 
 
 Reply = TokenMessage | ErrorMessage | Heartbeat | StatsReply | Pong

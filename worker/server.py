@@ -24,6 +24,11 @@ refuses new allocations; "manager_unreachable"; None: queued or computing). Send
 the worker notices a client that went away (ZeroMQ's ROUTER_MANDATORY: its connection is gone):
 its requests are aborted and their blocks freed at once.
 
+Flow control (PROTOCOL.md section 12): nothing to a connected client is dropped. What its pipe
+does not take waits in its backlog, sent in order first thing each iteration; a client too far
+behind (MAX_BACKLOG, BACKLOG_TIMEOUT_S) has its requests failed with an error message each. A
+ping's answer lists the client's open requests, so a client can fail any the worker forgot.
+
 The loop is single-threaded: drain the socket, run one engine step, send its tokens, heartbeat
 the manager. While the manager refuses admissions (draining) the loop backs off, up to
 ``MAX_BACKOFF_S`` between steps, instead of resending at once. SIGTERM/SIGINT: abort every
@@ -39,6 +44,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections import deque
 
 import zmq
 
@@ -56,6 +62,13 @@ IDLE_POLL_MS = 100
 MAX_BATCH = 256  # messages read per iteration: a flood cannot stop the engine from stepping
 DROP_LOG_EVERY_S = 5.0
 MAX_OPEN_REQUESTS = 4096  # client requests queued or running; more are refused until some finish
+# Flow control: a message ZeroMQ will not take now (the client's pipe is full: it reads slower than
+# we send) waits in that client's backlog, in order, and goes out as the client reads; nothing is
+# dropped. A backlog above MAX_BACKLOG messages, or older than BACKLOG_TIMEOUT_S, fails that
+# client's requests instead (aborted here, one error message each queued for it).
+SNDHWM = 10_000
+MAX_BACKLOG = 200_000
+BACKLOG_TIMEOUT_S = 60.0
 HEARTBEAT_S = 1.0  # an open request hears from the worker at least this often
 MAX_BACKOFF_S = 1.0  # the longest pause between steps while the manager refuses admissions
 STALL_BACKOFF = RetryPolicy(first_pause_s=0.05, max_pause_s=MAX_BACKOFF_S)  # no deadline: until admitted
@@ -75,6 +88,7 @@ class WorkerServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a client that is gone raises
+        self._sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self.curve = CurveServer(self._ctx, *curve) if curve else None
         if self.curve is not None:
             self.curve.apply(self._sock)
@@ -88,7 +102,10 @@ class WorkerServer:
         self._inode: int | None = None
         self._next_file_check = 0.0
         self._reload = False  # SIGHUP: re-read the allowed CURVE keys at the next iteration
-        self.replies_dropped = 0  # replies to clients that do not read (their queue was full)
+        self._backlog: dict[bytes, deque[bytes]] = {}  # client -> messages its pipe would not take yet
+        self._backlog_since: dict[bytes, float] = {}
+        self.replies_queued = 0  # messages that waited in a backlog (none is ever dropped)
+        self.clients_failed = 0  # clients whose requests were failed for not reading
         self._next_drop_log = 0.0
 
     def request_stop(self, *_: object) -> None:
@@ -113,6 +130,8 @@ class WorkerServer:
             self.shutdown()
 
     def run_once(self) -> None:
+        if self._backlog:
+            self._flush_backlogs()
         busy = self.engine.has_work()
         wait_ms = IDLE_POLL_MS if not busy else int(self._backoff.current_s * 1000)
         if self._sock.poll(wait_ms, zmq.POLLIN):
@@ -203,8 +222,9 @@ class WorkerServer:
                 self._abort(ident, cid)
             elif op == "stats":
                 self._reply(ident, wire.StatsReply(cid, {"pool": self.pool, **self.engine.stats()}).to_wire())
-            else:
-                self._reply(ident, wire.Pong(cid, self.pool).to_wire())
+            else:  # ping: with the ids of this client's open requests, which it reconciles with its own
+                opened = tuple(c for owner, c in self._clients.values() if owner == ident)
+                self._reply(ident, wire.Pong(cid, self.pool, opened).to_wire())
         except ValueError as e:
             self._reply(ident, wire.ErrorMessage(cid, str(e)).to_wire())
         except Exception:  # a bug, not the client's fault: it must not stop the worker either
@@ -248,21 +268,74 @@ class WorkerServer:
         self._last_sent.pop(eid, None)
 
     def _reply(self, ident: bytes, body: dict) -> bool:
-        """Sends one message; False when the client is gone (its requests are then aborted)."""
+        """Sends one message, or queues it behind what the client has not read yet; False when the
+        client is gone (its requests are then aborted)."""
+        payload = wire.pack(body)
+        queue = self._backlog.get(ident)
+        if queue is not None:
+            self._queue(ident, queue, payload)
+            return True
         try:
-            self._sock.send_multipart([ident, wire.pack(body)], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, payload], zmq.NOBLOCK)
         except zmq.Again:
-            self.replies_dropped += 1
-            now = time.monotonic()
-            if now >= self._next_drop_log:  # a flooding client must not flood the log too
-                self._next_drop_log = now + DROP_LOG_EVERY_S
-                logger.warning("client %r is not reading; %d replies dropped so far", ident, self.replies_dropped)
+            self._backlog[ident] = deque()
+            self._backlog_since[ident] = time.monotonic()
+            self._queue(ident, self._backlog[ident], payload)
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
             self._client_gone(ident)
             return False
         return True
+
+    def _queue(self, ident: bytes, queue: deque[bytes], payload: bytes) -> None:
+        queue.append(payload)
+        self.replies_queued += 1
+        now = time.monotonic()
+        if now >= self._next_drop_log:  # a slow client must not flood the log
+            self._next_drop_log = now + DROP_LOG_EVERY_S
+            logger.warning("client %r reads slower than the worker sends: %d messages wait for it", ident, len(queue))
+        if len(queue) > MAX_BACKLOG:
+            self._fail_client(ident, f"it left more than {MAX_BACKLOG} messages unread")
+
+    def _flush_backlogs(self) -> None:
+        """Sends what each backlog's client takes now (in order); fails a client stuck too long."""
+        now = time.monotonic()
+        for ident in list(self._backlog):
+            queue = self._backlog[ident]
+            try:
+                while queue:
+                    self._sock.send_multipart([ident, queue[0]], zmq.NOBLOCK)
+                    queue.popleft()
+            except zmq.Again:
+                if now - self._backlog_since[ident] > BACKLOG_TIMEOUT_S:
+                    self._fail_client(ident, f"it read nothing for {BACKLOG_TIMEOUT_S:.0f} s")
+                continue
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH:
+                    raise
+                self._drop_backlog(ident)
+                self._client_gone(ident)
+                continue
+            self._drop_backlog(ident)
+
+    def _drop_backlog(self, ident: bytes) -> None:
+        self._backlog.pop(ident, None)
+        self._backlog_since.pop(ident, None)
+
+    def _fail_client(self, ident: bytes, why: str) -> None:
+        """The client does not read: its requests are aborted (their blocks freed) and its backlog
+        replaced by one error message per request, which it gets if it ever reads again."""
+        self.clients_failed += 1
+        mine = [(eid, cid) for eid, (owner, cid) in self._clients.items() if owner == ident]
+        logger.warning("client %r: %s; failing its %d requests", ident, why, len(mine))
+        queue = self._backlog.setdefault(ident, deque())
+        queue.clear()
+        self._backlog_since[ident] = time.monotonic()
+        for eid, cid in mine:
+            self._forget(eid)
+            self.engine.abort(eid)
+            queue.append(wire.pack(wire.ErrorMessage(cid, f"the worker failed this request: the client {why}").to_wire()))
 
     def _client_gone(self, ident: bytes) -> None:
         """The client's connection is closed: nobody will read its requests' tokens."""

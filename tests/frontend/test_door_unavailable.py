@@ -6,6 +6,7 @@ far above what a loaded machine needs."""
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 
@@ -101,3 +102,27 @@ def test_a_manager_that_is_gone_answers_503_with_retry_after(stack, how: str) ->
         stack.cluster.kill("manager0")
     r = wait_for_503(stack, "manager_unreachable")
     assert int(r.headers["Retry-After"]) > 0
+
+
+def running_on_workers(stack) -> int:
+    text = httpx.get(stack.url + "/metrics", timeout=10).text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith("kvpool_frontdoor_worker_running{"))
+
+
+def test_a_silent_request_fails_is_aborted_and_leaves_no_phantom_load() -> None:
+    """A worker that stops answering (SIGSTOP: alive, connected, silent) fails the requests sent
+    to it after --worker-silence, and the front door counts no load for them afterwards."""
+    s = Stack(workers=1, silence_s=3.0)
+    proc = s.cluster.named["w0"]
+    try:
+        assert completion(s).status_code == 200
+        proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        r = completion(s)
+        assert r.status_code == 503 and time.monotonic() - t0 < BOUND_S
+        assert r.json()["error"]["reason"] in ("silent", "worker_lost"), r.json()
+        assert running_on_workers(s) == 0
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        s.close()

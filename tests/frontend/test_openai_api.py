@@ -156,9 +156,10 @@ def test_a_hundred_concurrent_streams(stack) -> None:
             return await asyncio.gather(*(one(c, i) for i in range(100)))
 
     results = asyncio.run(main())
-    assert all(status == 200 for status, _ in results)
-    assert all(ev[-1] == "[DONE]" and json.loads(ev[-2])["choices"][0]["finish_reason"] == "length"
-               for _, ev in results)
+    assert all(status == 200 for status, _ in results), [status for status, _ in results]
+    unfinished = [ev[-3:] for _, ev in results
+                  if ev[-1] != "[DONE]" or json.loads(ev[-2])["choices"][0]["finish_reason"] != "length"]
+    assert not unfinished, unfinished
     per_worker = stack.fd.frontdoor.router.per_worker
     assert per_worker["w0"] > 10 and per_worker["w1"] > 10  # load spread over both
 
