@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.core.pool import Pool
@@ -51,10 +51,11 @@ def check_tier(args: dict, pool: Pool) -> str:
     return tier
 
 
-def pool_summary(entry: PoolEntry) -> PoolSummary:
+def pool_summary(entry: PoolEntry, sessions: Container[str]) -> PoolSummary:
+    """``registered`` counts the shards with a live session (one that left may stay for its spec)."""
     pool = entry.pool
     host = pool.host if pool is not None else None
-    return PoolSummary(entry.name, entry.state, entry.epoch, len(entry.shards), entry.shard_count,
+    return PoolSummary(entry.name, entry.state, entry.epoch, entry.live_shards(sessions), entry.shard_count,
                        pool.blocks.num_blocks if pool else 0, entry.spec.block_size,
                        host.num_blocks if host is not None else None, host.policy if host is not None else None)
 
@@ -169,7 +170,7 @@ class Handlers:
         check_register(self.reg, self.bounds, sess, name, rank, incarnation, available // spec.block_bytes, replace)
         entry = self.reg.register(sess, name, rank, count, incarnation, spec, available, serve, host_kv_bytes,
                                   host_kv_policy)
-        return {**pool_summary(entry).to_wire(), "max_model_len": max_model_len(self.bounds, entry)}
+        return {**pool_summary(entry, self.reg.sessions).to_wire(), "max_model_len": max_model_len(self.bounds, entry)}
 
     @op()
     def step(self, call: Call) -> dict:
@@ -259,7 +260,7 @@ class Handlers:
         out = []
         live = self.reg.sessions
         for entry in self.reg.pools.values():
-            info = pool_summary(entry).to_wire()
+            info = pool_summary(entry, self.reg.sessions).to_wire()
             pool = entry.pool
             info.update(pool_health(entry, live).as_dict())
             info.update(

@@ -46,7 +46,7 @@ from kvpool.manager.state.mutations import (
     ShardRegistered,
     StepRan,
 )
-from kvpool.shared.protocol import KVSpec, ManagerError, short_repr
+from kvpool.shared.protocol import KVSpec, ManagerError, bad_field, short_repr
 from kvpool.shared.step_ops import decode_ops, encode_results
 
 logger = logging.getLogger(__name__)
@@ -175,6 +175,13 @@ class Registry:
             yield
         finally:
             self.max_sessions = max_sessions
+
+    def start_clocks(self, now: float) -> None:
+        """Every session's expiry counts from ``now``: a loaded state starts serving, and each
+        client has a full session timeout from then, however long the load took (PROTOCOL.md
+        section 11)."""
+        for sess in self.sessions.values():
+            sess.seen(now)
 
     def adopt(self, other: Registry) -> None:
         """Takes over the state a store loaded into ``other``; this object (which the loop,
@@ -322,16 +329,26 @@ class Registry:
                     "another spec or size; a restarted shard must register with a new incarnation",
                 )
             old.rebind(sess.sid, rec.serve)
+            if entry.pool is None:  # it may be the last shard the pool waited for
+                self._form_if_whole(entry, rec.max_blocks)
             return entry
         entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid, rec.serve,
                                    rec.host_kv_bytes, rec.host_kv_policy)
-        if len(entry.shards) == entry.shard_count:
-            new_epoch(entry, rec.max_blocks, self.kv_events)
+        self._form_if_whole(entry, rec.max_blocks)  # a new incarnation of a formed pool: a new epoch
         self.dirty.add(name)
         return entry
 
+    def _form_if_whole(self, entry: PoolEntry, max_blocks: int) -> None:
+        """The pool forms (in a new epoch) once every rank is registered by a live session: a shard
+        that left (deregistered, expired) and stays only to keep the pool's spec does not count."""
+        if entry.live_shards(self.sessions) == entry.shard_count:
+            new_epoch(entry, max_blocks, self.kv_events)
+            self.dirty.add(entry.name)
+
     def get_pool(self, name: object) -> PoolEntry:
-        entry = self.pools.get(name) if type(name) is str else None  # type: ignore[arg-type]
+        if type(name) is not str:
+            raise bad_field("pool", "a pool name (a string)", name)
+        entry = self.pools.get(name)
         if entry is None:
             raise ManagerError("unknown_pool", f"no pool named {short_repr(name, 80)}; known: {sorted(self.pools)[:20]}")
         return entry
@@ -344,7 +361,8 @@ class Registry:
             )
         if entry.pool is None:
             raise ManagerError(
-                "pool_not_ready", f"pool {entry.name!r}: {len(entry.shards)} of {entry.shard_count} shards registered"
+                "pool_not_ready",
+                f"pool {entry.name!r}: {entry.live_shards(self.sessions)} of {entry.shard_count} shards registered"
             )
         if epoch is not None and epoch != entry.epoch:
             raise ManagerError(

@@ -92,6 +92,10 @@ class PoolEntry:
     def state(self) -> str:
         return "ready" if self.pool is not None else "pending"
 
+    def live_shards(self, sessions: Container[str]) -> int:
+        """Registered shards whose session is alive (one that left may stay, unbound, for its spec)."""
+        return sum(s.sid is not None and s.sid in sessions for s in self.shards.values())
+
     def form(self, pool: Pool) -> None:
         """Every shard registered: the entry serves ``pool`` in the next epoch."""
         self.epoch += 1

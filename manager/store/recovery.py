@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from kvpool.manager.store.base import Fenced, StateStore, StoreUnavailable
@@ -91,6 +92,7 @@ class Recovery:
         except Fenced as e:
             self._fence(str(e))
             return False
+        fresh.start_clocks(time.monotonic())  # a load of millions of blocks takes seconds
         self.registry.adopt(fresh)
         self.mode, self.went_back, self.served = "active", None, True
         logger.warning("manager %s active: state %s, %d sessions, %d pools, %d requests", self.registry.incarnation,

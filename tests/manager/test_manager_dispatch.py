@@ -96,12 +96,21 @@ def test_step_errors_change_nothing():
         ({"pool": "p", "epoch": 1, "ops": [alloc(i) for i in range(5)]}, "too_many_sub_ops"),
         ({"pool": "p", "epoch": 1, "ops": {"op": "alloc"}}, "bad_field"),
         ({"pool": "p", "epoch": True, "ops": []}, "bad_field"),
-        ({"pool": ["p"], "epoch": 1, "ops": []}, "unknown_pool"),
+        ({"pool": ["p"], "epoch": 1, "ops": []}, "bad_field"),  # a wrong type is a bad field, not a name
     ]:
         assert call(srv, "step", sid, **args)["status"] == code, args
     assert call(srv, "step", sid, pool="p", epoch=2, ops=[])["body"] == {"epoch": 1}
     after = ok(call(srv, "stats", sid))["pools"]["p"]
     assert after == before
+
+
+def test_a_pool_of_the_wrong_type_is_a_bad_field_for_every_op_that_names_one():
+    srv, sid = ready_server()
+    for op, args in [("step", {"epoch": 1, "ops": []}), ("requests", {}), ("evict", {"n": 1}),
+                     ("lookup", {"hashes": []})]:
+        for bad in (7, ["p"], None, {"p": 1}, b"p"):
+            reply = call(srv, op, sid, pool=bad, **args)
+            assert reply["status"] == "bad_field" and "'pool'" in reply["msg"], (op, bad, reply)
 
 
 def test_a_pool_is_not_ready_until_all_shards_register_and_epoch_moves_on_restart():

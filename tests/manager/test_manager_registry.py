@@ -206,3 +206,42 @@ def test_check_catches_a_ready_multi_shard_pool_with_a_dead_shard():
     r.end_session(s0.sid)  # p drops back to pending; q, a single-shard pool, keeps its state
     assert (entry.state, single.state, single.shards[0].sid) == ("pending", "ready", None)
     r.check_invariants()
+
+
+@pytest.mark.parametrize("leave", ["deregister", "expired"])
+def test_a_pool_does_not_form_with_the_shard_that_stayed_only_for_its_spec(leave: str):
+    """Rank 0 of two registers and leaves (deregisters, or its session expires); rank 1 arrives:
+    the pool waits (one live shard of two), and forms when rank 0 registers again."""
+    r = make_registry()
+    s0 = r.open_session("w0", "worker", False, 1, 0.0)
+    reg_shard(r, s0, rank=0, count=2, inc="a0")
+    if leave == "deregister":
+        r.end_session(s0.sid)
+    else:
+        assert [s.sid for s, _ in r.expire(100.0)] == [s0.sid]
+    s1 = r.open_session("w1", "worker", False, 1, 100.0)
+    entry = reg_shard(r, s1, rank=1, count=2, inc="a1")
+    assert entry.state == "pending" and entry.live_shards(r.sessions) == 1
+    with pytest.raises(ManagerError, match="1 of 2 shards registered"):
+        r.ready_pool("p")
+    r.check_invariants()
+    s0b = r.open_session("w0b", "worker", False, 1, 100.0)
+    entry = reg_shard(r, s0b, rank=0, count=2, inc="a0-restarted")
+    assert entry.state == "ready" and entry.live_shards(r.sessions) == 2
+    r.check_invariants()
+
+
+def test_a_rank_registering_again_with_its_incarnation_completes_a_waiting_pool():
+    """The twin with the same incarnation: the unbound shard is re-bound, and that registration
+    is the one the pool waited for."""
+    r = make_registry()
+    s0 = r.open_session("w0", "worker", False, 1, 0.0)
+    reg_shard(r, s0, rank=0, count=2, inc="a0")
+    r.end_session(s0.sid)
+    s1 = r.open_session("w1", "worker", False, 1, 0.0)
+    assert reg_shard(r, s1, rank=1, count=2, inc="a1").state == "pending"
+    s0b = r.open_session("w0b", "worker", False, 1, 0.0)
+    entry = reg_shard(r, s0b, rank=0, count=2, inc="a0")  # the same process, a new session
+    assert entry.state == "ready" and entry.shards[0].sid == s0b.sid
+    assert reg_shard(r, s0b, rank=0, count=2, inc="a0").epoch == entry.epoch  # twice: idempotent
+    r.check_invariants()

@@ -272,3 +272,25 @@ def test_a_pool_recovered_without_a_subscriber_socket_builds_no_events(ns):
     ok(call(back, "evict", sid, pool="p", n=1))
     assert back._commit([]) == []
     assert pool.take_events() == [] and back.stats.events == back.stats.event_batches == 0
+
+
+@pytest.mark.redis
+def test_a_slow_recovery_gives_every_session_a_full_timeout_from_when_serving_starts(ns, monkeypatch):
+    from kvpool.manager.store.redis_store import RedisStore
+
+    _, name = ns
+    srv = server(name)
+    sid = workload(srv, 10)
+    srv.close()
+    real_load = RedisStore.load
+
+    def slow_load(self, registry, now):  # as a load of millions of blocks takes seconds
+        out = real_load(self, registry, now)
+        time.sleep(1.5)
+        return out
+
+    monkeypatch.setattr(RedisStore, "load", slow_load)
+    back = server(name, session_timeout_s=1.0)
+    assert back.mode == "active" and sid in back.registry.sessions
+    assert back.registry.expire(time.monotonic()) == []  # the load's 1.5 s did not count
+    assert ok(call(back, "stats", sid))  # the session serves
