@@ -31,6 +31,10 @@ class ManagerConfig:
     max_pools: int = 256
     max_blocks: int = 1 << 22  # per pool; a shard reporting more KV memory is clamped to this
     max_batch: int = 4096  # messages handled per loop iteration (bounds reply latency under flood)
+    # an iteration stops reading once its messages took this long to handle (0: only max_batch
+    # bounds it): ZeroMQ reads the clients in turn, so a client behind a flood waits for about
+    # one such slice and its commit, not for max_batch flooded messages
+    max_batch_ms: float = 5.0
     max_step_blocks: int = 1 << 16  # blocks one step may hand out or share (bounds a message's work)
     max_session_blocks: int = 1 << 23  # blocks of the shards one session may register, all pools
     max_total_blocks: int = 1 << 26  # blocks of every pool together (the manager's memory is per block)
@@ -90,6 +94,8 @@ class ManagerConfig:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         if self.max_model_len > MAX_MODEL_LEN:
             raise ValueError(f"max_model_len must be at most {MAX_MODEL_LEN}, got {self.max_model_len}")
+        if type(self.max_batch_ms) not in (int, float) or not 0 <= self.max_batch_ms <= 10_000:
+            raise ValueError(f"max_batch_ms must be a number in [0, 10000] milliseconds (0: off), got {self.max_batch_ms!r}")
         if type(self.busy_poll_us) is not int or not 0 <= self.busy_poll_us <= 100_000:
             raise ValueError(f"busy_poll_us must be an int in [0, 100000] microseconds (0: off), got {self.busy_poll_us!r}")
         self._check_ops()

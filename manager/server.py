@@ -1,8 +1,9 @@
 """The manager daemon: one single-threaded loop over a ROUTER socket owns every pool.
 
 Each iteration: wait for a message (or the next expiry check; after a busy iteration the wait
-first spins a bounded, adaptive window: manager/busy_poll.py), read every ready message (up to
-``max_batch``), handle them in arrival order, expire silent sessions, commit the iteration's
+first spins a bounded, adaptive window: manager/busy_poll.py), read and handle the ready
+messages in arrival order (up to ``max_batch``, or until they took ``max_batch_ms``: ZeroMQ
+takes the clients in turn, so a flood gets its share and the others theirs), expire silent sessions, commit the iteration's
 mutations to the store, hand the pools' KV events to the publisher, then send the replies.
 Without persistence and KV events there is nothing to commit or publish first, and each reply
 leaves as soon as its message is handled.
@@ -194,21 +195,25 @@ class Server:
         held: list[tuple] = []  # timings of the messages whose replies wait for the commit
         if self.busy_poll.wait(lambda: self.hooks.ready_now(sock)) or self.hooks.wait(sock, timeout_ms):
             t0, c0 = time.perf_counter(), time.thread_time()
-            max_batch = self.cfg.max_batch
+            max_batch, clock = self.cfg.max_batch, time.perf_counter
+            slice_ends = t0 + self.cfg.max_batch_ms / 1000 if self.cfg.max_batch_ms else float("inf")
+            now = time.monotonic()
+            # nothing to commit or publish first: each reply goes out as its message is handled
+            keep = None if self._reply_at_once() else held
+            answers: list[Answer | None] = []
             while True:  # asks the socket whether more are queued, not a recv that raises when none is
                 try:
-                    batch.append(sock.recv_multipart(_NOBLOCK))
+                    frames = sock.recv_multipart(_NOBLOCK)
                 except zmq.Again:  # rare: the wait said one was ready
                     break
-                if len(batch) >= max_batch or not sock.getsockopt(_EVENTS) & _POLLIN:
+                batch.append(frames)
+                answer = self._handle_timed(frames, now, t0, keep)
+                if answer is not None:
+                    answers.append(answer)
+                # the slice: ZeroMQ hands out the clients' messages in turn, so a flood leaves
+                # the others a message each per round and the iteration ends within max_batch_ms
+                if len(batch) >= max_batch or clock() >= slice_ends or not sock.getsockopt(_EVENTS) & _POLLIN:
                     break
-            now = time.monotonic()
-            if self._reply_at_once():
-                for frames in batch:  # nothing to commit or publish first: each reply goes out at once
-                    self._handle_timed(frames, now, t0, None)
-                answers: list[Answer | None] = []
-            else:
-                answers = [self._handle_timed(frames, now, t0, held) for frames in batch]
         else:
             now, answers = time.monotonic(), []
         if self.mode == "active":

@@ -4,6 +4,7 @@ rows the loop keeps for each message on a real socket, and the stats op that han
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import zmq
@@ -145,3 +146,35 @@ def test_quantiles_are_those_of_the_sorted_values_per_op_and_per_iteration():
     for key, col in (("", 0), ("cpu_", 1)):
         xs = [r[col] for r in stats.recent]
         assert [it[f"{key}{q}"] for q in ("p50", "p90", "p99", "max")] == picks(xs, (1, 2), (9, 10), (99, 100))
+
+
+@pytest.mark.parametrize("slice_ms, per_iteration", [(1e-6, 1), (0.0, 40)], ids=["sliced", "unsliced"])
+def test_an_iteration_stops_reading_once_its_slice_is_spent(sock_dir, slice_ms, per_iteration):
+    """max_batch_ms: the loop leaves what is still queued for the next iteration, so a client
+    behind a flood is not held for the whole flood's commit; 0 reads up to max_batch."""
+    srv = Server(ManagerConfig(endpoint=f"ipc://{sock_dir}/m.sock", max_batch_ms=slice_ms))
+    srv.bind()
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(srv.cfg.endpoint)
+    try:
+        for i in range(40):
+            dealer.send(encode_request(i + 1, "hello", None, {}))
+        wait_until(lambda: srv.sock.poll(0), what="the first message")
+        time.sleep(0.2)  # all 40 queued at the manager
+        assert srv.run_once(100) == per_iteration
+        handled = per_iteration
+        while handled < 40:
+            handled += srv.run_once(100)
+        replies = [unpack(dealer.recv()) for _ in range(40)]
+        assert [r["id"] for r in replies] == list(range(1, 41)) and all(r["status"] == "ok" for r in replies)
+    finally:
+        dealer.close(linger=0)
+        srv.close()
+        ctx.term()
+
+
+def test_max_batch_ms_is_checked():
+    for bad in (-1, 10_001, "5", None):
+        with pytest.raises(ValueError, match="max_batch_ms"):
+            ManagerConfig(endpoint="ipc:///tmp/x.sock", max_batch_ms=bad)
