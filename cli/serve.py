@@ -69,18 +69,24 @@ def worker_service_options(f):
 @click.option("--manager", "-m", "manager_ep", envvar="KVPOOL_MANAGER", default=default_endpoint,
               show_default=True, help="Manager endpoint(s), comma-separated; env KVPOOL_MANAGER.")
 @click.option("--pool", "-p", default="pool-0", show_default=True, help="Pool name (one per replica).")
+@click.argument("model_arg", required=False, metavar="[MODEL]")
 @click.option("--model", default="tiny", show_default=True,
               help="A Hugging Face checkpoint directory, or a preset (tiny, small, llama-3-8b, llama-3.2-1b, "
                    "qwen2-0.5b): a preset is only the architecture's shape, with seeded random weights, not "
-                   "the trained model.")
+                   "the trained model. Also taken as the first argument, as `vllm serve MODEL`.")
+@click.option("--served-model-name", default=None,
+              help="The model id clients ask for [the --model value], as vLLM's flag.")
 @click.option("--endpoint", default=None, help="Generate endpoint to bind [ipc://.../worker-POOL.sock].")
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True)
 @click.option("--block-size", default=16, show_default=True)
-@click.option("--max-model-len", default=1024, show_default=True)
+@click.option("--max-model-len", default=None, type=int,
+              help="Tokens per request, prompt and output [the model's own max_position_embeddings, as vLLM]; "
+                   "a longer value is refused before the model loads.")
 @click.option("--max-num-batched-tokens", default=512, show_default=True)
 @click.option("--max-num-seqs", default=64, show_default=True)
-@click.option("--memory-utilization", default=0.9, show_default=True)
+@click.option("--memory-utilization", "--gpu-memory-utilization", "memory_utilization", default=0.9,
+              show_default=True, help="Share of the device memory for the model and its KV (vLLM's name too).")
 @click.option("--kv-cache-memory", default=None, callback=_bytes, help="KV bytes (e.g. 64MiB); skips profiling.")
 @click.option("--cpu-memory-budget", default="2GiB", show_default=True, callback=_bytes,
               help="Host memory treated as the device on CPU.")
@@ -90,11 +96,13 @@ def worker_service_options(f):
               show_default=True, help="When blocks reach the host tier: demote at eviction, or write "
               "through when a block becomes full (docs/operating.md).")
 @click.option("--no-prefix-caching", is_flag=True, help="Send no block hashes (no prefix reuse).")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", "enable_prefix_caching", default=None,
+              help="vLLM's names: prefix caching on (the default) or off.")
 @click.option("--no-overlap", is_flag=True, help="Wait for the manager before each forward pass "
               "(default: send step N+1 while step N computes).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=0, help="torch CPU threads (0: the usable cores less one, at least 1).")
-@click.option("--tp-size", default=1, show_default=True,
+@click.option("--tp-size", "--tensor-parallel-size", "-tp", "tp_size", default=1, show_default=True,
               help="Tensor-parallel ranks of this pool; without --tp-rank, start them all here.")
 @click.option("--tp-rank", default=None, type=int, help="This process's rank (0 runs the scheduler).")
 @click.option("--tp-master", envvar="KVPOOL_TP_MASTER", default=_default_tp_master, show_default=True,
@@ -106,9 +114,9 @@ def worker_service_options(f):
                    "without it a live worker's pool is refused.")
 @worker_service_options
 @click.pass_context
-def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: str, model: str,
+def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: str, model_arg: str | None, model: str,
            endpoint: str | None, dtype: str, device: str,
-           block_size: int, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
+           block_size: int, max_model_len: int | None, max_num_batched_tokens: int, max_num_seqs: int,
            memory_utilization: float, kv_cache_memory: int | None, cpu_memory_budget: int,
            host_kv_memory: int, host_kv_policy: str, no_prefix_caching: bool, no_overlap: bool, seed: int,
            threads: int, tp_size: int,
@@ -118,7 +126,7 @@ def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: s
     With --tp-size N the pool is one model over N ranks (one process, one GPU each), each holding
     its slice of the KV heads; rank 0 serves requests, every rank registers as a shard.
     """
-    cfg, source = _worker_config(ctx, config_path, no_prefix_caching, no_overlap)
+    cfg, source = _worker_config(ctx, config_path, no_prefix_caching, no_overlap, model_arg)
     export_curve_env(ctx)  # every ManagerClient of this process and of its tensor-parallel ranks
     if cfg.tp_size > 1 and tp_rank is None:
         from kvpool.worker.launch import launch
@@ -138,11 +146,16 @@ def worker(ctx: click.Context, config_path: str | None, manager_ep: str, pool: s
                 replace)
 
 
-def _worker_config(ctx: click.Context, config_path: str | None, no_prefix_caching: bool, no_overlap: bool):
+def _worker_config(ctx: click.Context, config_path: str | None, no_prefix_caching: bool, no_overlap: bool,
+                   model_arg: str | None = None):
     """Defaults < config file < KVPOOL_WORKER_* < options given (cli/layered.py)."""
     from kvpool.cli.layered import explicit_flags, load_service
 
     flags, labels = explicit_flags(ctx, "worker", {"manager_ep": "manager"})
+    if model_arg is not None:
+        if "model" in flags and flags["model"] != model_arg:
+            raise click.UsageError(f"the model is given twice: {model_arg!r} and --model {flags['model']!r}")
+        flags["model"], labels["model"] = model_arg, "argument"
     if no_prefix_caching:
         flags["enable_prefix_caching"], labels["enable_prefix_caching"] = False, "flag"
     if no_overlap:

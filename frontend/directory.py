@@ -46,6 +46,7 @@ class Worker:
     free_blocks: int
     epoch: int
     link: WorkerLink
+    tokenizer: str | None = None  # the tokenizer's path when ``model`` is a served name
 
     @property
     def key(self) -> tuple[int, str]:
@@ -112,7 +113,8 @@ class Directory:
                 await self._drop(old, "re-registered")
             link = WorkerLink(row.serve.endpoint, self.ctx, self.silence_s, self.worker_keys, self._refusal(row))
             self.workers[key] = Worker(i, row.pool, row.serve.model, row.serve.endpoint, row.serve.max_model_len,
-                                       row.block_size, row.num_blocks, row.free_blocks, row.epoch, link)
+                                       row.block_size, row.num_blocks, row.free_blocks, row.epoch, link,
+                                       row.serve.tokenizer)
             self.changes += 1
             logger.info("worker %s serves %s at %s", row.pool, row.serve.model, row.serve.endpoint)
         for key in [k for k in self.workers if k[0] == i and k not in seen]:

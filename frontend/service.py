@@ -135,11 +135,19 @@ class FrontDoor:
         tok = self._tokenizers.get(model)
         if tok is None:
             try:
-                tok = self._tokenizers[model] = load_tokenizer(self._overrides.get(model, model))
+                tok = self._tokenizers[model] = load_tokenizer(self._overrides.get(model) or self._tokenizer_path(model))
             except ValueError as e:
                 raise APIError(503, f"no tokenizer for model {model!r}: {e}; pass --tokenizer "
                                     f"{model}=PATH to kvpool serve", None, "no_tokenizer") from None
         return tok
+
+    def _tokenizer_path(self, model: str) -> str:
+        """What the workers serving ``model`` name as its tokenizer (a served name's checkpoint),
+        else the model name itself (a preset or a checkpoint path)."""
+        for w in self.directory.models().get(model, []):
+            if w.tokenizer:
+                return w.tokenizer
+        return model
 
     def workers(self, model: str) -> list[Worker]:
         known = self.directory.models()

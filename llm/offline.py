@@ -40,7 +40,7 @@ class LLM:
     """A model, its tokenizer and an engine with its KV cache, in this process."""
 
     def __init__(self, model: str = "tiny", *, tokenizer: str | None = None, dtype: str = "auto",
-                 device: str = "auto", seed: int = 0, block_size: int = 16, max_model_len: int = 1024,
+                 device: str = "auto", seed: int = 0, block_size: int = 16, max_model_len: int | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 64,
                  enable_prefix_caching: bool = True, **engine_options: object) -> None:
         from kvpool.worker.block_manager import LocalBlockManager
@@ -55,7 +55,7 @@ class LLM:
         self._next = 0
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {role, content}) or several, through the chat template."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         texts = [self.tokenizer.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]
@@ -63,7 +63,7 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Texts (tokenized with the model's tokenizer, bos added) or token-id lists, to completion."""
         if isinstance(prompts, str):
             prompts = [prompts]

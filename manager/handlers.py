@@ -213,7 +213,8 @@ class Handlers:
             if entry.pool is None or lead is None or lead.serve is None or lead.sid not in self.reg.sessions:
                 continue
             blocks = entry.pool.blocks
-            serve = ServeInfo(lead.serve["endpoint"], lead.serve["model"], lead.serve["max_model_len"])
+            serve = ServeInfo(lead.serve["endpoint"], lead.serve["model"], lead.serve["max_model_len"],
+                              lead.serve.get("tokenizer"))
             out.append(WorkerRow(serve, entry.name, entry.epoch, blocks.num_blocks, entry.spec.block_size,
                                  blocks.num_free, len(entry.pool.requests)).to_wire())
         return {"workers": out, "draining": self.reg.draining}

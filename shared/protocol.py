@@ -274,7 +274,13 @@ def check_serve(v: Any) -> dict:
         raise bad_field("serve.model", "a model name of 1-512 characters", model)
     if type(max_len) is not int or not 1 < max_len <= 1 << 24:
         raise bad_field("serve.max_model_len", "an int in [2, 2^24]", max_len)
-    return {"endpoint": endpoint, "model": model, "max_model_len": max_len}
+    out = {"endpoint": endpoint, "model": model, "max_model_len": max_len}
+    tokenizer = v.get("tokenizer")
+    if tokenizer is not None:
+        if type(tokenizer) is not str or not 0 < len(tokenizer) <= 4096:
+            raise bad_field("serve.tokenizer", "a tokenizer path of 1-4096 characters", tokenizer)
+        out["tokenizer"] = tokenizer
+    return out
 
 
 def get_map(args: dict, key: str) -> dict:

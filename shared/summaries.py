@@ -22,11 +22,15 @@ from kvpool.shared.protocol import check_serve
 @dataclass(frozen=True)
 class ServeInfo:
     endpoint: str  # ipc:// or tcp://
-    model: str
+    model: str  # the id clients ask for
     max_model_len: int
+    tokenizer: str | None = None  # where the tokenizer is, when ``model`` is not that path (a served name)
 
     def to_wire(self) -> dict:
-        return {"endpoint": self.endpoint, "model": self.model, "max_model_len": self.max_model_len}
+        out = {"endpoint": self.endpoint, "model": self.model, "max_model_len": self.max_model_len}
+        if self.tokenizer is not None:
+            out["tokenizer"] = self.tokenizer
+        return out
 
     @classmethod
     def from_wire(cls, v: Any) -> ServeInfo:
@@ -76,5 +80,5 @@ class WorkerRow:
 
     @classmethod
     def from_wire(cls, d: dict) -> WorkerRow:
-        return cls(ServeInfo(d["endpoint"], d["model"], d["max_model_len"]), d["pool"], d["epoch"],
+        return cls(ServeInfo(d["endpoint"], d["model"], d["max_model_len"], d.get("tokenizer")), d["pool"], d["epoch"],
                    d["num_blocks"], d["block_size"], d["free_blocks"], d.get("requests", 0))

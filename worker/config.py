@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import dataclasses
 from dataclasses import dataclass, field
 
 from kvpool.shared.bind import check_bind, check_curve_files
@@ -57,6 +58,17 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * scale)
 
 
+def with_model_len(cfg: WorkerConfig, model: ModelConfig) -> WorkerConfig:
+    """``cfg`` with its max_model_len settled against ``model`` before any weight loads: unset is
+    the model's own length (vLLM's default); a longer one is refused at once, as vLLM does."""
+    if cfg.max_model_len is None:
+        return dataclasses.replace(cfg, max_model_len=model.max_position)
+    if cfg.max_model_len > model.max_position:
+        raise ValueError(f"max_model_len {cfg.max_model_len} is longer than model {cfg.model!r} takes "
+                         f"(its max_position_embeddings: {model.max_position}); lower --max-model-len")
+    return cfg
+
+
 def check_tp(cfg: ModelConfig, tp_size: int) -> None:
     """Refuses a tp_size that does not split the model's heads and MLP into whole shares."""
     if tp_size < 1:
@@ -75,12 +87,13 @@ def check_tp(cfg: ModelConfig, tp_size: int) -> None:
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str = "tiny"  # a preset name or a Hugging Face-format checkpoint directory
+    served_model_name: str | None = None  # the model id clients ask for (None: ``model`` itself), as vLLM's flag
     pool: str = "pool-0"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
     seed: int = 0
     block_size: int = 16
-    max_model_len: int = 1024
+    max_model_len: int | None = None  # tokens per request; None: the model's own (max_position_embeddings), as vLLM
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     memory_utilization: float = 0.9
@@ -119,12 +132,15 @@ class WorkerConfig:
             raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {self.dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_model_len is not None and (type(self.max_model_len) is not int or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an int >= 2 (or unset: the model's own), got {self.max_model_len!r}")
+        if self.served_model_name is not None and not 0 < len(self.served_model_name) <= 512:
+            raise ValueError(f"served_model_name must be 1-512 characters, got {self.served_model_name!r}")
         if self.max_num_batched_tokens < 1 or not 1 <= self.max_num_seqs <= 256:
             # a step message carries at most ~3 sub-ops per sequence; the manager takes 1024
             raise ValueError("need max_num_batched_tokens >= 1 and max_num_seqs in [1, 256]")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(
                 f"without chunked prefill a whole prompt must fit one step: raise "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) to max_model_len "

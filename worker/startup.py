@@ -15,7 +15,7 @@ import torch
 from kvpool.shared.summaries import ServeInfo
 from kvpool.worker.block_manager import BlockManager, RemoteBlockManager
 from kvpool.worker.checkpoint import load_config, load_model
-from kvpool.worker.config import WorkerConfig
+from kvpool.worker.config import WorkerConfig, with_model_len
 from kvpool.worker.cpu_linear import pack_linears
 from kvpool.worker.endpoint import claim
 from kvpool.worker.engine import Engine
@@ -135,6 +135,7 @@ def build_engine(cfg: WorkerConfig, block_manager: BlockManager) -> Engine:
     """The engine of a single worker, or of tensor-parallel rank 0 (which registers every shard)."""
     if cfg.tp_rank != 0:
         raise ValueError(f"tensor-parallel rank {cfg.tp_rank} follows rank 0: use build_follower")
+    cfg = with_model_len(cfg, load_config(cfg.model))
     model, kv_bytes = load_rank(cfg)
     sched = Scheduler(cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
                       enable_prefix_caching=cfg.enable_prefix_caching,
@@ -149,6 +150,7 @@ def build_follower(cfg: WorkerConfig, block_manager: BlockManager) -> TPFollower
     """Tensor-parallel rank ``cfg.tp_rank > 0``: registers when rank 0 says so (``run``)."""
     if cfg.tp_rank == 0:
         raise ValueError("rank 0 runs the scheduler: use build_engine")
+    cfg = with_model_len(cfg, load_config(cfg.model))
     model, kv_bytes = load_rank(cfg)
     return TPFollower(model, block_manager, Channel(rank_device(cfg)), block_size=cfg.block_size,
                       available_kv_bytes=kv_bytes, max_model_len=cfg.max_model_len,
@@ -163,13 +165,18 @@ def serve_rank(cfg: WorkerConfig, manager_eps: list[str], endpoint: str, tp_mast
     refused or is gone), TPPeerLost (another rank is gone). ``replace``: take the pool over from
     a live worker (`kvpool worker --replace`)."""
     try:
+        shape = load_config(cfg.model)
+        cfg = with_model_len(cfg, shape)  # a max_model_len the model cannot take is refused before it loads
         if cfg.tp_size > 1:  # refuse a bad split before any rank waits for the others
-            check_tp(load_config(cfg.model), cfg.tp_size)
+            check_tp(shape, cfg.tp_size)
             init_group(cfg.tp_rank, cfg.tp_size, tp_master, rank_device(cfg), tp_timeout)
         if cfg.tp_rank == 0:  # before the model loads: a refusal comes at once
             # a stale socket: the previous worker here died; its session may not have expired yet
             replace = claim(endpoint, cfg.pool, replace) == "stale" or replace
-        serve = ServeInfo(endpoint, cfg.model, cfg.max_model_len).to_wire()
+        # the id clients ask for (vLLM's --served-model-name); the checkpoint names the tokenizer
+        named = cfg.served_model_name is not None and cfg.served_model_name != cfg.model
+        serve = ServeInfo(endpoint, cfg.served_model_name or cfg.model, cfg.max_model_len,
+                          tokenizer=cfg.model if named else None).to_wire()
         bm = RemoteBlockManager(manager_eps, cfg.pool, shard_rank=cfg.tp_rank, shard_count=cfg.tp_size,
                                 serve=serve if cfg.tp_rank == 0 else None,  # front doors find rank 0 by it
                                 replace=replace, receiver_thread=cfg.overlap)

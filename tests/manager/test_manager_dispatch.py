@@ -427,3 +427,17 @@ def test_an_extend_with_a_base_runs_only_on_the_tokens_it_was_built_on():
     res = ok(call(srv, "step", sid, pool="p", epoch=1, ops=good))["results"]
     assert [r.get("code") for r in res] == [None, None, "unknown_request"] and res[0]["blocks"] == [5]
     ok(call(srv, "check", sid))
+
+
+def test_a_served_name_carries_its_tokenizer_path_to_the_workers_rows():
+    srv = make_server()
+    sid = hello(srv)
+    serve = {"endpoint": "ipc:///tmp/w.sock", "model": "my-model", "max_model_len": 512}
+    for bad in (5, "", "x" * 4097, ["/ckpt"]):
+        reply = call(srv, "register", sid, pool="p", shard_rank=0, shard_count=1, incarnation="i", spec=SPEC,
+                     available_kv_bytes=kv_bytes(32), serve={**serve, "tokenizer": bad})
+        assert reply["status"] == "bad_field" and "serve.tokenizer" in reply["msg"], bad
+    ok(call(srv, "register", sid, pool="p", shard_rank=0, shard_count=1, incarnation="i", spec=SPEC,
+            available_kv_bytes=kv_bytes(32), serve={**serve, "tokenizer": "/ckpt"}))
+    (row,) = ok(call(srv, "workers", sid))["workers"]
+    assert (row["model"], row["tokenizer"]) == ("my-model", "/ckpt")

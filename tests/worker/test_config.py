@@ -17,7 +17,7 @@ def test_parse_bytes():
 @pytest.mark.parametrize("kw, msg", [
     (dict(block_size=12), "power of two"),
     (dict(memory_utilization=1.5), "memory_utilization"),
-    (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "raise max_num_batched_tokens"),
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=1024), "raise max_num_batched_tokens"),
     (dict(dtype="int8"), "dtype"),
     (dict(kv_cache_memory=0), "kv_cache_memory"),
 ])
@@ -67,3 +67,16 @@ def test_resolve_threads_takes_an_explicit_count_as_is():
         resolve_threads(-1)
     with pytest.raises(ValueError, match="threads must be an int >= 0"):
         WorkerConfig(threads=-2)
+
+
+def test_max_model_len_defaults_to_the_models_own_and_a_longer_one_is_refused_before_loading():
+    from kvpool.worker.checkpoint import load_config
+    from kvpool.worker.config import with_model_len
+
+    tiny = load_config("tiny")
+    assert with_model_len(WorkerConfig(model="tiny"), tiny).max_model_len == tiny.max_position  # as vLLM
+    assert with_model_len(WorkerConfig(model="tiny", max_model_len=300), tiny).max_model_len == 300
+    with pytest.raises(ValueError, match="max_position_embeddings: 2048"):
+        with_model_len(WorkerConfig(model="tiny", max_model_len=4096), tiny)
+    with pytest.raises(ValueError, match="raise max_num_batched_tokens"):  # checked again once settled
+        with_model_len(WorkerConfig(model="tiny", enable_chunked_prefill=False, max_num_batched_tokens=64), tiny)
