@@ -7,9 +7,9 @@ model: their output is not language).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-import dataclasses
 from dataclasses import dataclass, field
 
 from kvpool.shared.bind import check_bind, check_curve_files
