@@ -81,6 +81,11 @@ def manager_ops_options(f: Callable) -> Callable:
         click.option("--metrics-host", default=None, help="Address of the metrics endpoint [127.0.0.1]."),
         click.option("--events-endpoint", default=None, help="KV events PUB socket, e.g. tcp://*:5557 [off]."),
         click.option("--events-replay-endpoint", default=None, help="KV events replay socket, e.g. tcp://*:5558."),
+        click.option("--vllm-events-endpoint", default=None,
+                     help="Where attached vLLM servers publish their KV events (kvpool attach): the manager "
+                          "binds it, their kv-events-config \"endpoint\" names it, e.g. tcp://127.0.0.1:5570 [off]."),
+        click.option("--max-batch-ms", type=float, default=None,
+                     help="An iteration stops reading after its messages took this long (0: only max_batch) [5]."),
         click.option("--events-format", default=None,
                      help="KV-event wire format, as the named vLLM release sends it: vllm-0.33 or vllm-0.11 "
                           "[vllm-0.33]."),

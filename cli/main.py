@@ -30,6 +30,12 @@ cli.add_command(admin.drain)
 cli.add_command(admin.shutdown)
 cli.add_command(admin.drop_pool)
 
+from kvpool.cli import external  # noqa: E402  (attach, detach, externals: vLLM servers)
+
+cli.add_command(external.attach)
+cli.add_command(external.detach)
+cli.add_command(external.externals)
+
 from kvpool.cli import serve  # noqa: E402  (worker, generate, demo)
 
 cli.add_command(serve.worker)

@@ -48,6 +48,9 @@ class ManagerConfig:
     metrics_host: str = "127.0.0.1"  # address the metrics endpoint binds (0.0.0.0: every interface)
     events_endpoint: str | None = None  # KV events PUB socket (vLLM wire format), e.g. tcp://*:5557
     events_replay_endpoint: str | None = None  # replay ROUTER for missed event batches
+    # the SUB socket attached vLLM servers publish their KV events to (kvpool attach): vLLM's
+    # publisher connects to a plain tcp://HOST:PORT, so the manager binds it; e.g. tcp://127.0.0.1:5570
+    vllm_events_endpoint: str | None = None
     events_buffer: int = 10_000  # event batches kept for replay
     events_format: str = "vllm-0.33"  # vllm-0.33 (tagged maps) or vllm-0.11 (arrays): manager/events.py
     curve_secret_key_file: str | None = None  # the manager's NAME.key_secret: CURVE on the control socket
@@ -129,7 +132,7 @@ class ManagerConfig:
     def _check_ops(self) -> None:
         if type(self.metrics_port) is not int or not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a TCP port in 1..65535, or 0 for no metrics; got {self.metrics_port!r}")
-        for name in ("events_endpoint", "events_replay_endpoint"):
+        for name in ("events_endpoint", "events_replay_endpoint", "vllm_events_endpoint"):
             ep = getattr(self, name)
             if ep is not None and not ep.startswith(("ipc://", "tcp://")):
                 raise ValueError(f"{name} must be ipc://PATH or tcp://HOST:PORT, got {ep!r}")
@@ -143,7 +146,7 @@ class ManagerConfig:
         self.log_level = check_level(self.log_level)
         curve = bool(key)
         check_bind(self.endpoint, curve=curve, insecure=self.insecure, what="endpoint")
-        for name in ("events_endpoint", "events_replay_endpoint"):  # no CURVE on the event sockets
+        for name in ("events_endpoint", "events_replay_endpoint", "vllm_events_endpoint"):  # no CURVE on these
             if getattr(self, name):
                 check_bind(getattr(self, name), curve=False, insecure=self.insecure, what=name)
 

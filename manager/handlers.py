@@ -14,6 +14,7 @@ from collections.abc import Callable, Container
 
 from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.core.pool import Pool
+from kvpool.manager.external.ops import ExternalOps
 from kvpool.manager.guards import Bounds, check_owner, check_register, check_step, max_model_len
 from kvpool.manager.health import pool_health
 from kvpool.manager.ops import Call, op
@@ -67,7 +68,7 @@ def _flag(args: dict, key: str) -> bool:
     return value
 
 
-class Handlers:
+class Handlers(ExternalOps):
     def __init__(
         self,
         registry: Registry,
@@ -223,7 +224,10 @@ class Handlers:
     def locate(self, call: Call) -> dict:
         args = call.args
         hashes = get_hashes(args)
-        return {"pools": {name: e.pool.lookup(hashes) for name, e in self.reg.pools.items() if e.pool is not None}}
+        out = {"pools": {name: e.pool.lookup(hashes) for name, e in self.reg.pools.items() if e.pool is not None}}
+        if self.external is not None:  # attached vLLM servers whose index is exact (not stale)
+            out["external"] = self.external_hits(hashes)
+        return out
 
     @op()
     def stats(self, call: Call) -> dict:

