@@ -101,7 +101,9 @@ def create_app(fd: FrontDoor, *, api_keys: tuple[str, ...] = (), body_timeout_s:
         return {"object": "list", "data": [
             {"id": m, "object": "model", "created": now, "owned_by": "kvpool",
              "max_model_len": min(w.max_model_len for w in ws), "workers": len(ws)}
-            for m, ws in sorted(fd.directory.models().items())]}
+            for m, ws in sorted(fd.directory.models().items())] + [
+            {"id": m, "object": "model", "created": now, "owned_by": "vllm", "servers": len(es)}
+            for m, es in sorted(fd.directory.external_models().items()) if m not in fd.directory.models()]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -117,7 +119,12 @@ def create_app(fd: FrontDoor, *, api_keys: tuple[str, ...] = (), body_timeout_s:
 async def _generate(fd: FrontDoor, request: Request, chat: bool):
     endpoint = "chat" if chat else "completions"
     try:
-        req = parse_request(await read_json(request, request.app.state.body_timeout_s), chat)
+        raw = await read_json(request, request.app.state.body_timeout_s)
+        if type(raw) is dict and fd.proxy.serves(raw.get("model")):  # attached vLLM servers serve it
+            reply = await fd.proxy.forward(raw, chat)
+            fd.metrics.finished(endpoint, str(reply.status_code))
+            return reply
+        req = parse_request(raw, chat)
         run = await fd.start_run(req)
     except ClientDisconnect:  # the client left before its whole body arrived: nothing started
         fd.metrics.finished(endpoint, "disconnected")

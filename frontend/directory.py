@@ -57,6 +57,23 @@ class Worker:
         return self.pool if self.manager == 0 else f"{self.pool}@{self.manager}"
 
 
+@dataclass
+class External:
+    """An external server (a `vllm serve` attached to a manager: manager/external/)."""
+
+    manager: int
+    name: str
+    model: str
+    url: str
+    block_size: int
+    stale: str | None  # the manager's mirror of its cache is not exact: no prefix credit
+    failed_at: float = 0.0  # monotonic time it last failed a request here (taken out a while)
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.manager, self.name)
+
+
 class Directory:
     def __init__(self, managers: list[str], *, poll_s: float = 0.5, silence_s: float = 30.0,
                  timeout_s: float = 2.0, manager_keys: ClientKeys | None = None,
@@ -70,6 +87,7 @@ class Directory:
                                            failover_s=timeout_s, curve=manager_keys) for ep in managers]
         self.poll_s, self.silence_s = poll_s, silence_s
         self.workers: dict[tuple[int, str], Worker] = {}
+        self.externals: dict[tuple[int, str], External] = {}
         self.reachable = [False] * len(managers)
         self.draining = [False] * len(managers)  # the manager said so at the last poll (kvpool drain)
         self._task: asyncio.Task | None = None
@@ -99,6 +117,44 @@ class Directory:
             self.reachable[i] = True
             self.draining[i] = reply.get("draining") is True
             await self._apply(i, reply["workers"])
+            await self._apply_externals(i, client)
+
+    async def _apply_externals(self, i: int, client: AsyncManagerClient) -> None:
+        try:
+            rows = (await client.call("externals", retry=True))["externals"]
+        except ManagerError as e:
+            if e.code != "unknown_op":  # (a manager from before external pools: none)
+                logger.warning("manager %s: externals: %s", self.endpoints[i], e)
+            return
+        seen = set()
+        for r in rows:
+            key = (i, r["name"])
+            seen.add(key)
+            old = self.externals.get(key)
+            if old is not None and (old.url, old.model) == (r["url"], r["model"]):
+                old.stale = r["stale"]
+                continue
+            self.externals[key] = External(i, r["name"], r["model"], r["url"], r["block_size"], r["stale"])
+            self.changes += 1
+            logger.info("external server %s serves %s at %s", r["name"], r["model"], r["url"])
+        for key in [k for k in self.externals if k[0] == i and k not in seen]:
+            logger.info("external server %s detached", self.externals.pop(key).name)
+
+    def external_models(self) -> dict[str, list[External]]:
+        out: dict[str, list[External]] = {}
+        for e in self.externals.values():
+            out.setdefault(e.model, []).append(e)
+        return out
+
+    async def locate_external(self, manager: int, hashes: list[bytes]) -> dict[str, int]:
+        """{attached server: leading cached blocks} at one manager ({} when it cannot say)."""
+        if not hashes:
+            return {}
+        try:
+            return (await self.clients[manager].call("locate", hashes=hashes)).get("external", {})
+        except ManagerError as e:
+            logger.warning("locate at %s failed: %s", self.endpoints[manager], e)
+            return {}
 
     async def _apply(self, i: int, wire_rows: list[dict]) -> None:
         seen = set()

@@ -17,6 +17,7 @@ from kvpool.frontend.metrics import FrontDoorMetrics
 from kvpool.frontend.params import GenRequest
 from kvpool.frontend.router import Candidate, Decision, KVRouter
 from kvpool.frontend.tokenizer import Tokenizer, load_tokenizer
+from kvpool.frontend.vllm_proxy import VLLMProxy
 from kvpool.shared.bind import check_connect
 from kvpool.shared.curve import ClientKeys
 from kvpool.shared.hashing import hash_blocks
@@ -124,11 +125,13 @@ class FrontDoor:
         # the block hashes of those runs' prompts, counted, per worker: what it will soon cache
         self.routed: dict[tuple[int, str], Counter[bytes]] = {}
         self._chains: dict[PromptRun, list[bytes]] = {}  # each such run's chain
+        self.proxy = VLLMProxy(self.directory, self.router, cfg.silence_s)  # models of attached vLLM servers
 
     async def start(self) -> None:
         await self.directory.start()
 
     async def close(self) -> None:
+        await self.proxy.close()
         await self.directory.close()
 
     def tokenizer(self, model: str) -> Tokenizer:

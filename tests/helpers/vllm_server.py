@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))  # the scripts are not a package: as running one does
 
-from vs_vllm_servers import Server, _free_port, build_checkpoint  # noqa: E402
+from vs_vllm_servers import Server, _free_port, build_checkpoint, wait_all_ready  # noqa: E402, F401
 
 VENV = os.environ.get("KVPOOL_VLLM_VENV", "/work/vllm-venv")
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 import time
 
@@ -45,29 +46,46 @@ def fleet(tmp_path_factory):
     with open(tmp / "manager.log", "wb") as log:
         manager = subprocess.Popen(CLI + ["manager", "-m", endpoint], env=env, stdout=log, stderr=subprocess.STDOUT)
     server = vs.start(ckpt, tmp, events=events, replay_port=replay_port, topic="v0", num_blocks=NUM_BLOCKS)
+    other_replay = free_port()
+    other = vs.start(ckpt, tmp, events=events, replay_port=other_replay, topic="v1", num_blocks=NUM_BLOCKS)
     admin = ManagerClient(endpoint, role="admin", timeout_s=10.0)
+    door = None
     try:
-        server.wait_ready(600)
+        vs.wait_all_ready([server, other], 600)
         admin.call("attach", name="v0", url=server.base_url, model=vs.MODEL, block_size=BS, topic="v0",
                    replay=f"tcp://127.0.0.1:{replay_port}")
+        admin.call("attach", name="v1", url=other.base_url, model=vs.MODEL, block_size=BS, topic="v1",
+                   replay=f"tcp://127.0.0.1:{other_replay}")
+        door = subprocess.Popen(CLI + ["serve", "-m", endpoint, "--port", "0"], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        url = re.search(r"(http://\S+)/v1", door.stdout.readline()).group(1)
+        Fleet.door_url, Fleet.other = url, other
         yield server, admin, replay_port
     finally:
+        if door is not None:
+            door.kill()
         admin.close()
         server.stop()
+        other.stop()
         manager.terminate()
         manager.wait(30)
 
 
-def row(admin) -> dict:
-    (r,) = admin.call("externals")["externals"]
+class Fleet:
+    door_url = ""
+    other = None
+
+
+def row(admin, name: str = "v0") -> dict:
+    (r,) = [r for r in admin.call("externals")["externals"] if r["name"] == name]
     return r
 
 
-def settle(admin) -> dict:
+def settle(admin, name: str = "v0") -> dict:
     """Until the mirror has taken every batch published so far (none for half a second)."""
     last, since = None, time.monotonic()
     while True:
-        r = row(admin)
+        r = row(admin, name)
         seen = (r.get("next_seq"), r.get("replaying"))
         if seen != last:
             last, since = seen, time.monotonic()
@@ -76,9 +94,9 @@ def settle(admin) -> dict:
         time.sleep(0.05)
 
 
-def hits(admin, url: str, prompt: str, salt: str | None = None) -> int:
+def hits(admin, url: str, prompt: str, salt: str | None = None, name: str = "v0") -> int:
     hashes = hash_blocks(vs.tokenize(url, prompt), BS, cache_salt=salt)
-    return admin.call("locate", hashes=hashes).get("external", {}).get("v0", 0)
+    return admin.call("locate", hashes=hashes).get("external", {}).get(name, 0)
 
 
 def claimed_tokens(n_blocks: int, prompt_len: int) -> int:
@@ -174,3 +192,55 @@ def test_bad_attachments_are_refused_by_name(fleet):
     with pytest.raises(ManagerError) as ei:
         admin.call("detach", name="nope")
     assert ei.value.code == "unknown_pool"
+
+
+def test_the_front_door_routes_each_request_to_the_server_holding_its_prefix(fleet):
+    import httpx
+
+    server, admin, _ = fleet
+    door, servers = Fleet.door_url, {"v0": server.base_url, "v1": Fleet.other.base_url}
+    vs.wait_for(lambda: len(httpx.get(door + "/v1/models").json()["data"]) == 1, "the door to learn the servers")
+    assert httpx.get(door + "/v1/models").json()["data"][0]["id"] == vs.MODEL
+    for k, (name, url) in enumerate(sorted(servers.items()) * 2):
+        p = text(400 + k)
+        vs.post(url, "/v1/completions", {"model": vs.MODEL, "prompt": p, "max_tokens": 1})  # cached there only
+        settle(admin, name)
+        assert hits(admin, url, p, name=name) > 0
+        r = httpx.post(door + "/v1/completions", json={"model": vs.MODEL, "prompt": p, "max_tokens": 2}, timeout=120)
+        assert r.status_code == 200 and r.headers["x-kvpool-worker"] == name, (name, r.headers, r.text[:200])
+        body = r.json()  # vLLM's own answer, passed through
+        assert body["object"] == "text_completion" and body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    with httpx.stream("POST", door + "/v1/completions", timeout=120, json={
+            "model": vs.MODEL, "prompt": text(500), "max_tokens": 3, "stream": True}) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]" and len(lines) >= 4
+    chat = httpx.post(door + "/v1/chat/completions", timeout=120, json={
+        "model": vs.MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    direct = httpx.post(server.base_url + "/v1/chat/completions", timeout=120, json={
+        "model": vs.MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert chat.status_code == direct.status_code  # (this checkpoint has no chat template: vLLM's answer)
+    bad = httpx.post(door + "/v1/completions", json={"model": vs.MODEL, "prompt": "x", "max_tokens": -1}, timeout=60)
+    assert bad.status_code == 400  # vLLM's own refusal, as it wrote it
+
+
+def test_a_server_killed_mid_stream_ends_the_clients_stream_with_an_error_event(fleet):
+    import httpx
+
+    server, admin, _ = fleet
+    door, victim = Fleet.door_url, Fleet.other
+    p = text(600)
+    vs.post(victim.base_url, "/v1/completions", {"model": vs.MODEL, "prompt": p, "max_tokens": 1})
+    settle(admin, "v1")
+    events, started = [], time.monotonic()
+    with httpx.stream("POST", door + "/v1/completions", timeout=120, json={
+            "model": vs.MODEL, "prompt": p, "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+        assert r.headers["x-kvpool-worker"] == "v1"
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                if len(events) == 3:
+                    victim.stop()  # the whole server, mid-stream
+    assert events[-1] == "data: [DONE]" and '"error"' in events[-2], events[-3:]
+    assert time.monotonic() - started < 90
+    r = httpx.post(door + "/v1/completions", json={"model": vs.MODEL, "prompt": p, "max_tokens": 2}, timeout=120)
+    assert r.status_code == 200 and r.headers["x-kvpool-worker"] == "v0"  # the dead one is taken out

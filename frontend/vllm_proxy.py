@@ -1,0 +1,173 @@
+"""OpenAI requests for a model that attached vLLM servers serve: routed by prefix, then proxied.
+
+The managers mirror each attached server's cache (manager/external/); the front door learns the
+servers from their ``externals`` op (frontend/directory.py). For a request of such a model:
+
+1. its prompt tokens come from a server's own ``/tokenize`` (its tokenizer and chat template:
+   the tokens it will compute, so the hashes match what its events report);
+2. kvpool's hash chain of the full blocks is located at the managers (``locate``'s
+   ``external``: the leading blocks each server holds; a stale mirror claims none);
+3. the router's cost (frontend/router.py) picks the server, with the load this front door has
+   sent it and not yet seen finish;
+4. the request is sent there with its body unchanged, and the reply comes back as vLLM wrote it
+   (status, JSON or the SSE stream).
+
+A server that refuses the connection is taken out for ``TAKE_OUT_S`` and the request goes to the
+next one; one that stops mid-stream (nothing for ``silence_s``, or the connection breaks) ends
+the client's stream with an error event and ``[DONE]``, never a hang. A request for a model that
+kvpool workers serve never comes here: mixed fleets are not routed together yet.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from kvpool.frontend.directory import Directory, External
+from kvpool.frontend.errors import RETRY_AFTER_S, APIError
+from kvpool.frontend.router import Candidate, KVRouter
+from kvpool.shared.hashing import hash_blocks
+
+logger = logging.getLogger(__name__)
+TAKE_OUT_S = 10.0  # a server that refused a connection gets no request for this long (unless all did)
+
+
+class VLLMProxy:
+    def __init__(self, directory: Directory, router: KVRouter, silence_s: float = 30.0) -> None:
+        self.directory, self.router = directory, router
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=silence_s, write=30.0, pool=30.0))
+        self.outstanding: Counter[tuple[int, str]] = Counter()  # blocks of work sent, not yet finished
+        self.running: Counter[tuple[int, str]] = Counter()
+
+    def serves(self, model: object) -> bool:
+        return (isinstance(model, str) and model in self.directory.external_models()
+                and model not in self.directory.models())
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def forward(self, body: dict, chat: bool) -> Response:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        servers = self.directory.external_models()[body["model"]]
+        tried: set[tuple[int, str]] = set()
+        while True:
+            now = time.monotonic()
+            fresh = [s for s in servers if s.key not in tried and now - s.failed_at > TAKE_OUT_S]
+            pool = fresh or [s for s in servers if s.key not in tried]
+            if not pool:
+                raise APIError(503, f"no server of {body['model']!r} answered: "
+                                    f"{', '.join(s.url for s in servers)}; retry shortly", None, "no_worker",
+                               RETRY_AFTER_S)
+            try:
+                server, work = await self._choose(pool, body, chat)
+            except httpx.TransportError as e:  # its /tokenize did not answer: take it out, try another
+                bad = pool[0]
+                self._failed(bad, e)
+                tried.add(bad.key)
+                continue
+            try:
+                return await self._send(server, path, body, work)
+            except httpx.ConnectError as e:  # nothing reached it: the next server takes the request
+                self._failed(server, e)
+                tried.add(server.key)
+
+    def _failed(self, s: External, e: Exception) -> None:
+        logger.warning("external server %s (%s) failed: %s; taken out for %.0f s", s.name, s.url, e, TAKE_OUT_S)
+        s.failed_at = time.monotonic()
+
+    async def _tokenize(self, s: External, body: dict, chat: bool) -> list[int]:
+        if chat:
+            ask = {"model": body["model"], "messages": body.get("messages"),
+                   "add_generation_prompt": body.get("add_generation_prompt", True)}
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+                return prompt  # token ids already
+            if isinstance(prompt, list) and prompt:
+                prompt = prompt[0]  # a batch: routed by its first prompt
+            if not isinstance(prompt, str):
+                return []  # the server will say what is wrong with it
+            ask = {"model": body["model"], "prompt": prompt}
+        r = await self.http.post(s.url + "/tokenize", json=ask)
+        if r.status_code != 200:
+            return []  # a bad request: the server answers it, routed by load alone
+        return r.json().get("tokens") or []
+
+    async def _choose(self, servers: list[External], body: dict, chat: bool) -> tuple[External, float]:
+        ids = await self._tokenize(servers[0], body, chat)
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        hits: dict[tuple[int, str], int] = {}
+        chains: dict[int, list[bytes]] = {}
+        if self.router.needs_locate and ids:
+            for m in sorted({s.manager for s in servers}):
+                group = [s for s in servers if s.manager == m]
+                for bs in {s.block_size for s in group}:
+                    full = (len(ids) - 1) // bs
+                    if full <= 0:
+                        continue
+                    chain = chains.setdefault(bs, hash_blocks(ids[: full * bs], bs, cache_salt=salt))
+                    located = await self.directory.locate_external(m, chain)
+                    for s in group:
+                        if s.block_size == bs:
+                            hits[s.key] = located.get(s.name, 0)
+        bs = servers[0].block_size
+        full = max(0, (len(ids) - 1) // bs)
+        cands = [Candidate(s, hits.get(s.key, 0), self.running[s.key], self.outstanding[s.key]) for s in servers]
+        d = self.router.choose(cands, full)
+        server = d.worker
+        assert isinstance(server, External)
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        work = max(0, full - d.hit_blocks) + (max_tokens / server.block_size if type(max_tokens) is int else 1.0)
+        return server, work
+
+    async def _send(self, s: External, path: str, body: dict, work: float) -> Response:
+        headers = {"x-kvpool-worker": s.name}
+        self.outstanding[s.key] += work
+        self.running[s.key] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.outstanding[s.key] -= work
+                self.running[s.key] -= 1
+
+        try:
+            req = self.http.build_request("POST", s.url + path, json=body)
+            resp = await self.http.send(req, stream=True)
+        except BaseException:
+            release()
+            raise
+        kind = resp.headers.get("content-type", "application/json")
+        if not kind.startswith("text/event-stream"):  # a whole answer (or vLLM's error)
+            try:
+                content = await resp.aread()
+            except httpx.TransportError as e:
+                raise APIError(502, f"the server {s.name} broke off its answer: {e}", None, "worker_lost") from None
+            finally:
+                await resp.aclose()
+                release()
+            return Response(content, status_code=resp.status_code, media_type=kind, headers=headers)
+        return StreamingResponse(self._relay(s, resp, release), status_code=resp.status_code, media_type=kind,
+                                 headers=headers)
+
+    async def _relay(self, s: External, resp: httpx.Response, release) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except httpx.TransportError as e:  # the server died or went silent mid-stream
+            logger.warning("external server %s broke off a stream: %r", s.name, e)
+            s.failed_at = time.monotonic()
+            err = APIError(503, f"the server {s.name} stopped answering mid-stream ({type(e).__name__}); "
+                                "retry the request", None, "worker_lost", RETRY_AFTER_S)
+            yield b"\n\ndata: " + json.dumps(err.body()).encode() + b"\n\ndata: [DONE]\n\n"
+        finally:
+            await resp.aclose()
+            release()
