@@ -16,6 +16,7 @@ systemd's protocol (shared/notify.py) is a no-op outside systemd.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import zmq
 
@@ -34,8 +35,10 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: the busy-poll
 
 
 class LoopHooks:
-    def __init__(self, cfg: ManagerConfig, registry: Registry, stats: ServerStats) -> None:
+    def __init__(self, cfg: ManagerConfig, registry: Registry, stats: ServerStats,
+                 externals: Callable[[], list[dict]] = list) -> None:
         self.cfg, self.reg, self.stats = cfg, registry, stats
+        self.externals = externals  # the attached servers' rows, for the metrics
         self.notifier = Notifier()
         self.curve: CurveServer | None = None
         self.metrics: ManagerMetrics | None = None
@@ -69,7 +72,8 @@ class LoopHooks:
                 self._poller.register(self.events.replay_socket, zmq.POLLIN)
         if cfg.metrics_port:
             try:
-                self.metrics = ManagerMetrics(self.reg, self.stats, cfg.metrics_host, cfg.metrics_port)
+                self.metrics = ManagerMetrics(self.reg, self.stats, cfg.metrics_host, cfg.metrics_port,
+                                              externals=self.externals)
             except OSError as e:
                 raise RuntimeError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {e}; "
                                    "change metrics_port (0: off)") from None

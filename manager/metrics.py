@@ -9,6 +9,7 @@ when a pool gets a new epoch (a new block space); Prometheus' ``rate()`` handles
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from kvpool.manager.registry import Registry
 from kvpool.manager.stats import LATENCY_BOUNDS, LatencyHistogram, ServerStats
@@ -56,6 +57,16 @@ MANAGER_COUNTERS = (
     ("kvpool_event_batches_total", "event_batches", "KV-event batches published"),
     ("kvpool_events_total", "events", "KV events published"),
 )
+EXTERNAL_COUNTERS = (  # attached vLLM servers' mirrors (manager/external/mirror.py)
+    ("kvpool_external_event_batches_total", "applied", "KV-event batches applied to the mirror"),
+    ("kvpool_external_stored_blocks_total", "stored", "Blocks indexed from BlockStored"),
+    ("kvpool_external_removed_blocks_total", "removed", "Blocks dropped by BlockRemoved"),
+    ("kvpool_external_gaps_total", "gaps", "Sequence gaps seen in the event stream"),
+    ("kvpool_external_replays_total", "replays", "Replays asked of the server"),
+    ("kvpool_external_lost_batches_total", "lost", "Batches neither published nor replayed"),
+    ("kvpool_external_restarts_total", "restarts", "Publisher restarts seen (its sequence went back)"),
+    ("kvpool_external_orphan_blocks_total", "orphans", "Stored blocks not indexable (parent unknown, unhashed keys)"),
+)
 HISTOGRAMS = (
     ("kvpool_step_latency_seconds", "step_latency", "Time to execute one step message's sub-ops"),
     ("kvpool_iteration_latency_seconds", "iteration_latency", "Busy loop iterations, receive to last reply"),
@@ -67,8 +78,9 @@ def _histogram(h: LatencyHistogram) -> Histogram:
     return Histogram.of(LATENCY_BOUNDS, h.counts, h.sum, h.total)
 
 
-def render(reg: Registry, stats: ServerStats, uptime_s: float) -> str:
-    """The exposition text of the manager's state now (called on the loop's thread)."""
+def render(reg: Registry, stats: ServerStats, uptime_s: float, externals: list[dict] | None = None) -> str:
+    """The exposition text of the manager's state now (called on the loop's thread);
+    ``externals``: the attached servers' rows (the ``externals`` op's)."""
     parts = [
         family("kvpool_manager_info", "gauge", "Constant 1; the labels identify the manager process",
                [({"incarnation": reg.incarnation}, 1)]),
@@ -99,14 +111,25 @@ def render(reg: Registry, stats: ServerStats, uptime_s: float) -> str:
                         [({"code": code}, n) for code, n in sorted(stats.errors.items())]))
     for metric, attr, help_text in HISTOGRAMS:
         parts.append(histogram_family(metric, help_text, [({}, _histogram(getattr(stats, attr)))]))
+    if externals:
+        parts.append(family("kvpool_external_stale", "gauge", "1 while the mirror is not exact (no prefix claims)",
+                            [({"pool": r["name"]}, int(r["stale"] is not None)) for r in externals]))
+        parts.append(family("kvpool_external_blocks", "gauge", "Blocks the mirror holds, per medium",
+                            [({"pool": r["name"], "medium": m}, n) for r in externals
+                             for m, n in sorted(r["blocks"].items())]))
+        for metric, key, help_text in EXTERNAL_COUNTERS:
+            parts.append(family(metric, "counter", help_text,
+                                [({"pool": r["name"]}, r.get(key, 0)) for r in externals]))
     return "".join(parts)
 
 
 class ManagerMetrics:
     """The loop's side of the metrics endpoint: renders at most every ``interval_s``."""
 
-    def __init__(self, reg: Registry, stats: ServerStats, host: str, port: int, interval_s: float = 0.5) -> None:
+    def __init__(self, reg: Registry, stats: ServerStats, host: str, port: int, interval_s: float = 0.5,
+                 externals: Callable[[], list[dict]] = list) -> None:
         self.reg, self.stats, self.interval_s = reg, stats, interval_s
+        self.externals = externals
         self.server = MetricsServer(host, port)
         self.port = self.server.port
         self.started = time.monotonic()
@@ -116,7 +139,7 @@ class ManagerMetrics:
         if now < self._next:
             return False
         self._next = now + self.interval_s
-        self.server.update(render(self.reg, self.stats, now - self.started))
+        self.server.update(render(self.reg, self.stats, now - self.started, self.externals()))
         return True
 
     def close(self) -> None:

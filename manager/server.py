@@ -91,7 +91,7 @@ class Server:
         self._next_gc = 0.0
         self.ctx: zmq.Context | None = None
         self.sock: zmq.Socket | None = None
-        self.hooks = LoopHooks(cfg, self.registry, self.stats)
+        self.hooks = LoopHooks(cfg, self.registry, self.stats, externals=self.handlers.external_rows)
 
     def new_registry(self, incarnation: str) -> Registry:
         cfg = self.cfg

@@ -36,6 +36,9 @@ class ExternalOps:
             self.external.close()
             self.external = None
 
+    def external_rows(self) -> list[dict]:
+        return self.external.rows() if self.external is not None else []
+
     def external_hits(self, hashes: list[bytes]) -> dict[str, int]:
         return self.external.locate(hashes) if self.external is not None else {}
 

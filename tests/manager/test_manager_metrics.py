@@ -117,3 +117,20 @@ def test_bad_messages_show_up_as_error_counters(metered):
     m = scrape(port)
     assert value(m, "kvpool_errors_total", code="bad_message") == 1
     assert value(m, "kvpool_messages_total") >= 2
+
+
+def test_attached_servers_get_their_mirrors_figures():
+    from kvpool.manager.external.mirror import Mirror
+    from kvpool.manager.metrics import render
+    from kvpool.manager.registry import Registry
+    from kvpool.manager.stats import ServerStats
+
+    m = Mirror("v0", 4)
+    m.live(0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+                "block_size": 4, "medium": "GPU", "lora_name": None}])
+    m.live(2, [])  # a gap: a replay asked
+    text = render(Registry("x", session_timeout_s=10.0), ServerStats(), 1.0,
+                  [{"name": "v0", **m.summary()}, {"name": "v1", **Mirror("v1", 4).summary()}])
+    assert 'kvpool_external_blocks{medium="GPU",pool="v0"} 1' in text
+    assert 'kvpool_external_gaps_total{pool="v0"} 1' in text and 'kvpool_external_replays_total{pool="v0"} 1' in text
+    assert 'kvpool_external_stale{pool="v0"} 0' in text and 'kvpool_external_stale{pool="v1"} 1' in text
