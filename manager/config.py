@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 from kvpool.manager.events import check_format
 from kvpool.shared.bind import check_bind, check_curve_files, read_secret_file
 from kvpool.shared.logs import check_level
-from kvpool.shared.protocol import MAX_MESSAGE_BYTES, MAX_MODEL_LEN, MAX_SUB_OPS, default_endpoint
+from kvpool.shared.protocol import (
+    MAX_MESSAGE_BYTES,
+    MAX_MODEL_LEN,
+    MAX_SUB_OPS,
+    ManagerError,
+    default_endpoint,
+)
 
 _IPC_PATH_MAX = 107  # sun_path is 108 bytes on Linux, NUL included
 _TCP = re.compile(r"tcp://.+:(\*|[1-9]\d{0,3}|[1-5]\d{4}|6[0-4]\d{3}|65[0-4]\d{2}|655[0-2]\d|6553[0-5])\Z")
@@ -51,6 +57,9 @@ class ManagerConfig:
     # the SUB socket attached vLLM servers publish their KV events to (kvpool attach): vLLM's
     # publisher connects to a plain tcp://HOST:PORT, so the manager binds it; e.g. tcp://127.0.0.1:5570
     vllm_events_endpoint: str | None = None
+    # vLLM servers attached at start, as `kvpool attach` would: [[manager.attach]] tables with
+    # name, url, model, block_size, topic and optional replay, events
+    attach: list = field(default_factory=list)
     events_buffer: int = 10_000  # event batches kept for replay
     events_format: str = "vllm-0.33"  # vllm-0.33 (tagged maps) or vllm-0.11 (arrays): manager/events.py
     curve_secret_key_file: str | None = None  # the manager's NAME.key_secret: CURVE on the control socket
@@ -139,6 +148,18 @@ class ManagerConfig:
         if self.events_replay_endpoint and not self.events_endpoint:
             raise ValueError("events_replay_endpoint needs events_endpoint: set both, or neither")
         check_format(self.events_format)
+        from kvpool.manager.external.ops import (
+            attachment,  # (imports the ops table: not at module load)
+        )
+
+        for i, entry in enumerate(self.attach):
+            if type(entry) is not dict:
+                raise ValueError(f"attach[{i}] must be a table (name, url, model, block_size, topic, replay), "
+                                 f"got {entry!r:.80}")
+            try:
+                attachment(entry)
+            except ManagerError as e:
+                raise ValueError(f"attach[{i}]: {e.message}") from None
         key = self.curve_secret_key_file
         check_curve_files(key, self.curve_allowed_keys_dir, needs_both=(
             "CURVE needs both curve_secret_key_file (the manager's NAME.key_secret) and "

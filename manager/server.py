@@ -26,6 +26,7 @@ from kvpool.manager.busy_poll import BusyPoll
 from kvpool.manager.check_job import CheckJobs
 from kvpool.manager.config import ManagerConfig
 from kvpool.manager.dispatch import Dispatcher
+from kvpool.manager.external.ops import attachment
 from kvpool.manager.guards import Bounds
 from kvpool.manager.handlers import Handlers
 from kvpool.manager.loop_hooks import LoopHooks
@@ -167,6 +168,8 @@ class Server:
             except zmq.ZMQError as e:
                 raise RuntimeError(f"cannot bind vllm_events_endpoint {cfg.vllm_events_endpoint}: {e}") from None
             logger.info("vLLM KV events of attached servers on %s", feed.bound)
+        for entry in cfg.attach:  # checked by the config
+            self.handlers.attach_spec(attachment(entry))
         logger.info("manager %s listening on %s", self.incarnation, cfg.endpoint)
 
     def run(self) -> None:

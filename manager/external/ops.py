@@ -44,23 +44,17 @@ class ExternalOps:
 
     @op(admin=True)
     def attach(self, call: Call) -> dict:
-        args = call.args
-        name = get_str(args, "name", 64, pattern=POOL_NAME)
-        if name in self.reg.pools:
-            raise ManagerError("name_taken", f"{name!r} is the name of a kvpool pool: give the server another")
-        try:
-            spec = Attachment(name, get_str(args, "model", 512), check_url(args.get("url")),
-                              get_int(args, "block_size", 1, 1 << 16), get_str(args, "topic", 256),
-                              check_endpoint("events", args.get("events")),
-                              check_endpoint("replay", args.get("replay")))
-        except ValueError as e:
-            raise ManagerError("bad_field", str(e)) from None
+        spec = attachment(call.args)
+        if spec.name in self.reg.pools:
+            raise ManagerError("name_taken", f"{spec.name!r} is the name of a kvpool pool: give the server another")
+        self.attach_spec(spec)
+        return {"attached": spec.to_wire(), "events_endpoint": self.external_feed().bound}
+
+    def attach_spec(self, spec: Attachment) -> None:
         try:
             self.external_feed().attach(spec)
         except ValueError as e:
             raise ManagerError("name_taken", str(e)) from None
-        feed = self.external_feed()
-        return {"attached": spec.to_wire(), "events_endpoint": feed.bound}
 
     @op(admin=True)
     def detach(self, call: Call) -> dict:
@@ -74,3 +68,14 @@ class ExternalOps:
         feed = self.external
         return {"events_endpoint": feed.bound if feed is not None else None,
                 "externals": feed.rows() if feed is not None else []}
+
+
+def attachment(args: dict) -> Attachment:
+    """The ``attach`` op's arguments (or one ``attach`` entry of the manager's config), checked."""
+    name = get_str(args, "name", 64, pattern=POOL_NAME)
+    try:
+        return Attachment(name, get_str(args, "model", 512), check_url(args.get("url")),
+                          get_int(args, "block_size", 1, 1 << 16), get_str(args, "topic", 256),
+                          check_endpoint("events", args.get("events")), check_endpoint("replay", args.get("replay")))
+    except ValueError as e:
+        raise ManagerError("bad_field", str(e)) from None

@@ -97,3 +97,24 @@ def test_a_replay_that_never_reaches_sequence_zero_leaves_it_stale():
     assert m.live(9, []) == 0
     m.replay_done()  # nothing came back (no buffer, or the replay timed out)
     assert m.stale is not None and m.next_seq == 10 and m.lookup(H) == 0
+
+
+def test_servers_in_the_config_are_attached_at_start_and_bad_entries_refused(sock_dir):
+    import pytest
+
+    from kvpool.manager.config import ManagerConfig
+    from kvpool.manager.server import Server
+
+    entry = {"name": "v0", "url": "http://127.0.0.1:8000", "model": "m", "block_size": 32, "topic": "v0",
+             "replay": "tcp://127.0.0.1:5571"}
+    for bad, msg in [({**entry, "block_size": "x"}, "block_size"), ({**entry, "url": "ftp://x"}, "url"), ("v0", "table")]:
+        with pytest.raises(ValueError, match=msg):
+            ManagerConfig(endpoint=f"ipc://{sock_dir}/m.sock", attach=[bad])
+    srv = Server(ManagerConfig(endpoint=f"ipc://{sock_dir}/m.sock", attach=[entry]))
+    srv.bind()
+    try:
+        (row,) = srv.handlers.external_rows()
+        assert (row["name"], row["url"], row["stale"]) == ("v0", "http://127.0.0.1:8000", "not subscribed yet") or \
+            row["stale"] == "no events received yet"
+    finally:
+        srv.close()
