@@ -73,6 +73,10 @@ class External:
     def key(self) -> tuple[int, str]:
         return (self.manager, self.name)
 
+    def take_out(self, now: float) -> None:
+        """It failed a request: no new one for a while (frontend/vllm_proxy.py TAKE_OUT_S)."""
+        self.failed_at = now
+
 
 class Directory:
     def __init__(self, managers: list[str], *, poll_s: float = 0.5, silence_s: float = 30.0,

@@ -79,7 +79,7 @@ class VLLMProxy:
 
     def _failed(self, s: External, e: Exception) -> None:
         logger.warning("external server %s (%s) failed: %s; taken out for %.0f s", s.name, s.url, e, TAKE_OUT_S)
-        s.failed_at = time.monotonic()
+        s.take_out(time.monotonic())
 
     async def _tokenize(self, s: External, body: dict, chat: bool) -> list[int]:
         if chat:
@@ -164,7 +164,7 @@ class VLLMProxy:
                 yield chunk
         except httpx.TransportError as e:  # the server died or went silent mid-stream
             logger.warning("external server %s broke off a stream: %r", s.name, e)
-            s.failed_at = time.monotonic()
+            s.take_out(time.monotonic())
             err = APIError(503, f"the server {s.name} stopped answering mid-stream ({type(e).__name__}); "
                                 "retry the request", None, "worker_lost", RETRY_AFTER_S)
             yield b"\n\ndata: " + json.dumps(err.body()).encode() + b"\n\ndata: [DONE]\n\n"
