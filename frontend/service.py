@@ -125,7 +125,8 @@ class FrontDoor:
         # the block hashes of those runs' prompts, counted, per worker: what it will soon cache
         self.routed: dict[tuple[int, str], Counter[bytes]] = {}
         self._chains: dict[PromptRun, list[bytes]] = {}  # each such run's chain
-        self.proxy = VLLMProxy(self.directory, self.router, cfg.silence_s)  # models of attached vLLM servers
+        self.proxy = VLLMProxy(self.directory, self.router, cfg.silence_s,  # models of attached vLLM servers
+                               lambda model: self.tokenizer(model) if model in self._overrides else None)
 
     async def start(self) -> None:
         await self.directory.start()

@@ -4,7 +4,8 @@ The managers mirror each attached server's cache (manager/external/); the front 
 servers from their ``externals`` op (frontend/directory.py). For a request of such a model:
 
 1. its prompt tokens come from a server's own ``/tokenize`` (its tokenizer and chat template:
-   the tokens it will compute, so the hashes match what its events report);
+   the tokens it will compute, so the hashes match what its events report), or for a completion
+   from the servers' tokenizer in this process when `kvpool serve --tokenizer MODEL=PATH` names it;
 2. kvpool's hash chain of the full blocks is located at the managers (``locate``'s
    ``external``: the leading blocks each server holds; a stale mirror claims none);
 3. the router's cost (frontend/router.py) picks the server, with the load this front door has
@@ -24,7 +25,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from fastapi.responses import Response, StreamingResponse
@@ -32,6 +33,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvpool.frontend.directory import Directory, External
 from kvpool.frontend.errors import RETRY_AFTER_S, APIError
 from kvpool.frontend.router import Candidate, KVRouter
+from kvpool.frontend.tokenizer import Tokenizer
 from kvpool.shared.hashing import hash_blocks
 
 logger = logging.getLogger(__name__)
@@ -39,8 +41,11 @@ TAKE_OUT_S = 10.0  # a server that refused a connection gets no request for this
 
 
 class VLLMProxy:
-    def __init__(self, directory: Directory, router: KVRouter, silence_s: float = 30.0) -> None:
-        self.directory, self.router = directory, router
+    def __init__(self, directory: Directory, router: KVRouter, silence_s: float = 30.0,
+                 local_tokenizer: Callable[[str], Tokenizer | None] = lambda model: None) -> None:
+        """``local_tokenizer``: the tokenizer of a model this process may use itself (`kvpool serve
+        --tokenizer MODEL=PATH`, the servers' checkpoint), saving a completion its /tokenize call."""
+        self.directory, self.router, self.local_tokenizer = directory, router, local_tokenizer
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=silence_s, write=30.0, pool=30.0))
         self.outstanding: Counter[tuple[int, str]] = Counter()  # blocks of work sent, not yet finished
         self.running: Counter[tuple[int, str]] = Counter()
@@ -93,6 +98,12 @@ class VLLMProxy:
                 prompt = prompt[0]  # a batch: routed by its first prompt
             if not isinstance(prompt, str):
                 return []  # the server will say what is wrong with it
+            tok = self.local_tokenizer(body["model"])
+            if tok is not None and body.get("add_special_tokens", True) is True:
+                try:
+                    return tok.encode(prompt, add_special_tokens=True)  # as vLLM's completions encode it
+                except ValueError:
+                    return []  # (a lone surrogate: the server answers it)
             ask = {"model": body["model"], "prompt": prompt}
         r = await self.http.post(s.url + "/tokenize", json=ask)
         if r.status_code != 200:
@@ -100,7 +111,8 @@ class VLLMProxy:
         return r.json().get("tokens") or []
 
     async def _choose(self, servers: list[External], body: dict, chat: bool) -> tuple[External, float]:
-        ids = await self._tokenize(servers[0], body, chat)
+        # only the kv-aware policy looks at caches: the others need no tokens
+        ids = await self._tokenize(servers[0], body, chat) if self.router.needs_locate else []
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         hits: dict[tuple[int, str], int] = {}
         chains: dict[int, list[bytes]] = {}

@@ -49,7 +49,7 @@ def fleet(tmp_path_factory):
     other_replay = free_port()
     other = vs.start(ckpt, tmp, events=events, replay_port=other_replay, topic="v1", num_blocks=NUM_BLOCKS)
     admin = ManagerClient(endpoint, role="admin", timeout_s=10.0)
-    door = None
+    door = local = None
     try:
         vs.wait_all_ready([server, other], 600)
         admin.call("attach", name="v0", url=server.base_url, model=vs.MODEL, block_size=BS, topic="v0",
@@ -59,11 +59,16 @@ def fleet(tmp_path_factory):
         door = subprocess.Popen(CLI + ["serve", "-m", endpoint, "--port", "0"], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         url = re.search(r"(http://\S+)/v1", door.stdout.readline()).group(1)
+        # a second door tokenizes completions itself, with the servers' checkpoint
+        local = subprocess.Popen(CLI + ["serve", "-m", endpoint, "--port", "0", "--tokenizer", f"{vs.MODEL}={ckpt}"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        Fleet.local_url = re.search(r"(http://\S+)/v1", local.stdout.readline()).group(1)
         Fleet.door_url, Fleet.other = url, other
         yield server, admin, replay_port
     finally:
-        if door is not None:
-            door.kill()
+        for d in (door, local):
+            if d is not None:
+                d.kill()
         admin.close()
         server.stop()
         other.stop()
@@ -73,6 +78,7 @@ def fleet(tmp_path_factory):
 
 class Fleet:
     door_url = ""
+    local_url = ""
     other = None
 
 
@@ -201,12 +207,14 @@ def test_the_front_door_routes_each_request_to_the_server_holding_its_prefix(fle
     door, servers = Fleet.door_url, {"v0": server.base_url, "v1": Fleet.other.base_url}
     vs.wait_for(lambda: len(httpx.get(door + "/v1/models").json()["data"]) == 1, "the door to learn the servers")
     assert httpx.get(door + "/v1/models").json()["data"][0]["id"] == vs.MODEL
+    vs.wait_for(lambda: httpx.get(Fleet.local_url + "/v1/models").json()["data"], "the second door")
     for k, (name, url) in enumerate(sorted(servers.items()) * 2):
         p = text(400 + k)
         vs.post(url, "/v1/completions", {"model": vs.MODEL, "prompt": p, "max_tokens": 1})  # cached there only
         settle(admin, name)
         assert hits(admin, url, p, name=name) > 0
-        r = httpx.post(door + "/v1/completions", json={"model": vs.MODEL, "prompt": p, "max_tokens": 2}, timeout=120)
+        via = door if k < 2 else Fleet.local_url  # tokens from the server's /tokenize, then the door's own
+        r = httpx.post(via + "/v1/completions", json={"model": vs.MODEL, "prompt": p, "max_tokens": 2}, timeout=120)
         assert r.status_code == 200 and r.headers["x-kvpool-worker"] == name, (name, r.headers, r.text[:200])
         body = r.json()  # vLLM's own answer, passed through
         assert body["object"] == "text_completion" and body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
