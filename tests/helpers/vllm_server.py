@@ -41,11 +41,12 @@ def checkpoint(cache: Path) -> Path:
     return build_checkpoint(cache / "vllm-ckpt")
 
 
-def start(ckpt: Path, log_dir: Path, *, events: str, replay_port: int, topic: str, num_blocks: int) -> Server:
+def start(ckpt: Path, log_dir: Path, *, events: str, replay_port: int, topic: str, num_blocks: int,
+          port: int | None = None) -> Server:
     """`vllm serve` (eager, float32, prefix caching, ``num_blocks`` KV blocks of 32 tokens)
     publishing its KV events to ``events`` (a manager's vllm_events_endpoint) on ``topic``, its
     replay ROUTER on 127.0.0.1:``replay_port``, /reset_prefix_cache on (dev mode)."""
-    s = Server("vllm", _free_port())
+    s = Server("vllm", port or _free_port())
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
                  "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": topic}
     cmd = [str(vllm_or_skip()), "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(s.port),
@@ -53,7 +54,7 @@ def start(ckpt: Path, log_dir: Path, *, events: str, replay_port: int, topic: st
            "--max-model-len", "1024", "--served-model-name", MODEL, "--enforce-eager",
            "--num-gpu-blocks-override", str(num_blocks), "--enable-prompt-tokens-details",
            "--kv-events-config", json.dumps(kv_events)]
-    s.spawn(cmd, log_dir / f"vllm-{topic}.log", {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"})
+    s.spawn(cmd, log_dir / f"vllm-{topic}-{s.port}-{time.monotonic_ns()}.log", {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"})
     return s
 
 

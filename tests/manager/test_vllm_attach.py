@@ -44,9 +44,11 @@ def fleet(tmp_path_factory):
     endpoint = f"ipc://{tmp}/m.sock"
     env = {**os.environ, "KVPOOL_MANAGER_VLLM_EVENTS_ENDPOINT": events}
     with open(tmp / "manager.log", "wb") as log:
-        manager = subprocess.Popen(CLI + ["manager", "-m", endpoint], env=env, stdout=log, stderr=subprocess.STDOUT)
+        manager = subprocess.Popen(CLI + ["manager", "-m", endpoint, "--session-timeout", "600"], env=env, stdout=log,
+                                   stderr=subprocess.STDOUT)  # (the admin session idles through a restart)
     server = vs.start(ckpt, tmp, events=events, replay_port=replay_port, topic="v0", num_blocks=NUM_BLOCKS)
-    other_replay = free_port()
+    other_replay = Fleet.other_replay = free_port()
+    Fleet.ckpt, Fleet.tmp, Fleet.events = ckpt, tmp, events
     other = vs.start(ckpt, tmp, events=events, replay_port=other_replay, topic="v1", num_blocks=NUM_BLOCKS)
     admin = ManagerClient(endpoint, role="admin", timeout_s=10.0)
     door = local = None
@@ -72,6 +74,8 @@ def fleet(tmp_path_factory):
         admin.close()
         server.stop()
         other.stop()
+        if Fleet.restarted is not None:
+            Fleet.restarted.stop()
         manager.terminate()
         manager.wait(30)
 
@@ -79,6 +83,7 @@ def fleet(tmp_path_factory):
 class Fleet:
     door_url = ""
     local_url = ""
+    restarted = None  # the killed server, started again (the last test)
     other = None
 
 
@@ -252,3 +257,31 @@ def test_a_server_killed_mid_stream_ends_the_clients_stream_with_an_error_event(
     assert time.monotonic() - started < 90
     r = httpx.post(door + "/v1/completions", json={"model": vs.MODEL, "prompt": p, "max_tokens": 2}, timeout=120)
     assert r.status_code == 200 and r.headers["x-kvpool-worker"] == "v0"  # the dead one is taken out
+
+
+def test_a_restarted_server_empties_its_mirror_and_serves_from_a_clean_one(fleet):
+    """After the kill above: the same server (same port, topic, replay endpoint) starts again
+    with an empty cache; its sequence starts over, which the mirror takes for a restart."""
+    import httpx
+
+    server, admin, _ = fleet
+    dead = Fleet.other
+    before = row(admin, "v1")
+    assert before["blocks"].get("GPU", 0) > 0  # what the killed server held, still mirrored
+    s = Fleet.restarted = vs.start(Fleet.ckpt, Fleet.tmp, events=Fleet.events, replay_port=Fleet.other_replay,
+                                   topic="v1", num_blocks=NUM_BLOCKS, port=dead.port)
+    s.wait_ready(600)
+    p = text(700)
+    vs.post(s.base_url, "/v1/completions", {"model": vs.MODEL, "prompt": p, "max_tokens": 1})
+    r = vs.wait_for(lambda: (lambda r: r if r["restarts"] > before["restarts"] else None)(row(admin, "v1")),
+                    "the restart to be seen")
+    r = settle(admin, "v1")
+    assert r["stale"] is None and r["blocks"]["GPU"] == len(vs.tokenize(s.base_url, p)) // BS  # only the new prompt
+    n = hits(admin, s.base_url, p, name="v1")
+    assert n > 0 and vs.cached_tokens(s.base_url, p) == claimed_tokens(n, len(vs.tokenize(s.base_url, p)))
+    assert hits(admin, s.base_url, text(600), name="v1") == 0  # the old server's prefix is gone with it
+    # the door sends the new prompt back to it once its take-out is over
+    time.sleep(10.5)
+    r = httpx.post(Fleet.door_url + "/v1/completions", json={"model": vs.MODEL, "prompt": p, "max_tokens": 2},
+                   timeout=120)
+    assert r.status_code == 200 and r.headers["x-kvpool-worker"] == "v1"
