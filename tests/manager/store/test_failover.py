@@ -156,7 +156,9 @@ def test_a_standby_whose_lease_poll_times_out_stands_by_and_is_not_fenced(namesp
     no lost lease. It once took itself for a fenced old active and exited 75 while the active
     one (killed mid-load) was only waiting for its lease to lapse."""
     redis_or_skip()
-    cfg = {"redis_url": REDIS_URL, "namespace": namespace, "lease_ms": 1000, "redis_timeout_s": 0.5}
+    # nothing renews the active's lease here (no loop runs): it must outlast this test's steps
+    # on a loaded machine, where a 1 s lease lapsed between building the two servers
+    cfg = {"redis_url": REDIS_URL, "namespace": namespace, "lease_ms": 30_000, "redis_timeout_s": 0.5}
     active = durable_server("ipc:///tmp/kvpool-failover-active.sock", **cfg)
     standby = durable_server("ipc:///tmp/kvpool-failover-standby.sock", **cfg)
     try:
