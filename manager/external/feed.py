@@ -157,11 +157,11 @@ class ExternalFeed:
                     self._read_live()
                 for s in list(self._servers.values()):
                     if s.replay_sock is not None and s.replay_sock in ready:
-                        self._read_replay(s, poller)
+                        self._read_replay(s)
                     if s.mirror.replaying is not None and time.monotonic() > s.replay_deadline:
                         logger.warning("external pool %s: the replay did not end in %.0f s", s.spec.name,
                                        REPLAY_TIMEOUT_S)
-                        self._end_replay(s, poller)
+                        self._end_replay(s)
         except Exception:  # the feed must not die silently: its pools go stale and say why
             logger.exception("the external-pool feed stopped")
             with self._lock:
@@ -263,7 +263,7 @@ class ExternalFeed:
         s.replay_deadline = time.monotonic() + REPLAY_TIMEOUT_S
         logger.info("external pool %s: replay asked from batch %d", s.spec.name, start)
 
-    def _read_replay(self, s: _Server, poller: zmq.Poller) -> None:
+    def _read_replay(self, s: _Server) -> None:
         assert s.replay_sock is not None
         while True:
             try:
@@ -275,7 +275,7 @@ class ExternalFeed:
             if len(frames) != 3 or len(frames[1]) != 8:
                 continue
             if frames[1] == END:
-                self._end_replay(s, poller)
+                self._end_replay(s)
                 continue
             if s.mirror.replaying is None:
                 continue  # a late answer to a replay given up on
@@ -287,13 +287,10 @@ class ExternalFeed:
                 else:
                     self._guard(s, s.mirror.replayed, seq, events)
 
-    def _end_replay(self, s: _Server, poller: zmq.Poller) -> None:
+    def _end_replay(self, s: _Server) -> None:
         with self._lock:
-            if s.mirror.replaying is None:
-                return
-            start = self._guard(s, s.mirror.replay_done)
-        if start is not None:
-            self._ask_replay(s, start)
+            if s.mirror.replaying is not None:
+                self._guard(s, s.mirror.replay_done)
 
 
 __all__ = ["DEVICE", "Attachment", "ExternalFeed", "check_endpoint", "check_url"]

@@ -95,9 +95,9 @@ class Mirror:
             self._apply(seq, events)
         # seq < next_seq: a batch already applied
 
-    def replay_done(self) -> int | None:
+    def replay_done(self) -> None:
         """The replay ended (its end marker, or the feed gave up on it): the held live batches
-        follow. Returns a sequence number to replay from when they show another gap."""
+        follow, in order; a gap among them was neither published to us nor replayed: stale."""
         held, self.held, self.replaying = self.held, [], None
         if self.next_seq is None and held:  # nothing replayed, not even sequence 0
             first = held[0][0]
@@ -111,7 +111,6 @@ class Mirror:
                 self.stats.lost += seq - self.next_seq
                 self._make_stale(f"batches {self.next_seq}..{seq - 1} were lost (neither published nor replayed)")
             self._apply(seq, events)
-        return None
 
     def fail(self, why: str) -> None:
         """The feed cannot follow the server any more (its thread stopped): claim nothing."""
