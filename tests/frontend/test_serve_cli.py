@@ -21,6 +21,22 @@ def test_bad_options_say_what_to_write() -> None:
     assert out.returncode != 0 and "kv-aware" in out.stderr
 
 
+def start_door(manager: str) -> tuple[subprocess.Popen, str]:
+    """`kvpool serve` on a free port, once its /health says a worker serves."""
+    proc = subprocess.Popen(CLI + ["serve", "-m", manager, "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        url = re.search(r"(http://\S+)/v1", proc.stdout.readline()).group(1)
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the worker never showed up at the front door"
+            time.sleep(0.1)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url
+
+
 @pytest.mark.slow
 def test_kvpool_serve_answers_http_and_stops_on_sigterm() -> None:
     cluster = DevCluster(prefix="kvpool-fd-")
@@ -28,13 +44,7 @@ def test_kvpool_serve_answers_http_and_stops_on_sigterm() -> None:
     try:
         manager = cluster.manager()
         cluster.worker(manager, "p0")
-        proc = subprocess.Popen(CLI + ["serve", "-m", manager, "--port", "0"], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        url = re.search(r"(http://\S+)/v1", proc.stdout.readline()).group(1)
-        deadline = time.monotonic() + 60
-        while httpx.get(url + "/health").status_code != 200:
-            assert time.monotonic() < deadline, "the worker never showed up at the front door"
-            time.sleep(0.1)
+        proc, url = start_door(manager)
         r = httpx.post(url + "/v1/chat/completions", json={
             "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
@@ -64,13 +74,7 @@ def test_vllms_worker_flags_a_served_name_and_the_models_own_length() -> None:
         ep = cluster.worker(manager, "p0", extra=("--served-model-name", "my-tiny", "--gpu-memory-utilization", "0.8",
                                                   "-tp", "1", "--enable-prefix-caching"))
         cluster.wait_ready(cluster.workers[-1], ep, 120)
-        proc = subprocess.Popen(CLI + ["serve", "-m", manager, "--port", "0"], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        url = re.search(r"(http://\S+)/v1", proc.stdout.readline()).group(1)
-        deadline = time.monotonic() + 60
-        while httpx.get(url + "/health").status_code != 200:
-            assert time.monotonic() < deadline, "the worker never showed up at the front door"
-            time.sleep(0.1)
+        proc, url = start_door(manager)
         assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["my-tiny"]
         r = httpx.post(url + "/v1/completions", json={"model": "my-tiny", "prompt": "Hi", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4  # the preset's tokenizer
