@@ -7,7 +7,7 @@ import time
 
 import zmq
 
-from kvpool.manager.busy_poll import CHECK_EVERY, MAX_MISSES, BusyPoll
+from kvpool.manager.busy_poll import MAX_MISSES, BusyPoll
 from kvpool.shared.protocol import encode_request, unpack
 
 
@@ -58,8 +58,10 @@ def test_empty_windows_suspend_spinning_until_messages_come_close_again():
 
 
 def test_the_server_answers_through_the_busy_poll(live_server):
-    """Back-to-back requests on a real socket: every one answered, each a busy iteration that
-    opens a window (hits or empty windows are counted; which depends on the machine's load)."""
+    """Back-to-back requests on a real socket: every one answered, through a loop that spins.
+    How many windows open depends on the machine: empty ones suspend spinning and a contended
+    CPU backs it off (both rules are tested above on a simulated clock), so all this asserts of
+    the count is that the first busy iteration opened a window and the next wait used it."""
     live = live_server(busy_poll_us=50_000)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -70,9 +72,7 @@ def test_the_server_answers_through_the_busy_poll(live_server):
             assert sock.poll(10_000)
             assert unpack(sock.recv())["id"] == i
         poll = live.server.stats.snapshot()["busy_poll"]
-        # every busy iteration opened a window, up to the first CPU-contention check (a loaded
-        # machine may stop the spinning there)
-        assert poll["window_us"] == 50_000 and poll["hits"] + poll["misses"] >= CHECK_EVERY - 1
+        assert poll["window_us"] == 50_000 and poll["hits"] + poll["misses"] >= 1, poll
     finally:
         sock.close(linger=0)
         ctx.term()
