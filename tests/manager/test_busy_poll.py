@@ -35,7 +35,7 @@ def test_no_window_before_a_busy_iteration_and_none_when_off():
 
 
 def test_a_message_within_the_window_is_caught_spinning():
-    bp = BusyPoll(1.0)
+    bp = BusyPoll(30.0)  # long: open when polled on however loaded a machine
     now = time.perf_counter()
     bp.busy(now, now)
     assert bp.wait(after(3)) and bp.hits == 1 and bp.misses == 0
@@ -49,10 +49,12 @@ def test_empty_windows_suspend_spinning_until_messages_come_close_again():
         bp.busy(now - 0.5, now)  # each message came long after the previous iteration
         assert not bp.wait(never)
     assert bp.misses == MAX_MISSES and not bp.spinning
-    now = time.perf_counter()
-    bp.busy(now, now)
+    # from here on the iterations end a minute ahead of the clock, so the window opened below is
+    # still open when polled however long a loaded machine keeps this thread off a CPU
+    ahead = time.perf_counter() + 60.0
+    bp.busy(ahead, ahead)
     assert not bp.wait(after(1))  # suspended: no window, the loop sleeps in poll
-    later = now + 0.0005  # this message came within a window of the last iteration's end
+    later = ahead + 0.0005  # this message came within a window of the last iteration's end
     bp.busy(later, later + 0.0001)
     assert bp.spinning and bp.wait(after(1)) and bp.hits == 1
 
@@ -86,7 +88,7 @@ def test_contended_cpus_stop_spinning_for_a_growing_while(monkeypatch):
     waited = [0.0]
     monkeypatch.setattr(busy_poll, "cpu_wait_s", lambda: waited[0])
     bp = BusyPoll(0.001)
-    t = time.perf_counter()  # simulated time runs ahead of the clock: every window is still open when polled
+    t = time.perf_counter() + 600.0  # simulated time runs ahead of the clock: every window is still open when polled
 
     def windows(n: int, wait_share: float) -> None:
         nonlocal t
