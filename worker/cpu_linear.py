@@ -19,6 +19,7 @@ The sums are fp32 in another order than ``F.linear``'s: results differ in the la
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -55,10 +56,24 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
+@functools.cache
+def dtype_packable(dtype: torch.dtype) -> bool:
+    """oneDNN packs ``dtype`` on this CPU: bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT,
+    which not every x86 CPU has, so a tiny weight is packed once to find out."""
+    if dtype not in PACKABLE_DTYPES or not packing_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), _BATCH_HINT)
+    except RuntimeError as e:
+        logger.info("oneDNN does not pack %s on this CPU (%s): dense projections", dtype, e)
+        return False
+    return True
+
+
 def can_pack(model: nn.Module) -> bool:
-    """The model's weights live on the CPU in a dtype oneDNN packs, and the ops exist."""
+    """The model's weights live on the CPU in a dtype oneDNN packs there, and the ops exist."""
     p = next(model.parameters())
-    return p.device.type == "cpu" and p.dtype in PACKABLE_DTYPES and packing_available()
+    return p.device.type == "cpu" and dtype_packable(p.dtype)
 
 
 @torch.no_grad()
