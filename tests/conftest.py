@@ -5,8 +5,19 @@ and process a fixture starts is stopped or killed in its finalizer.
 """
 
 import os
+import sys
+from pathlib import Path
 
-import torch
+# `python -m pytest` puts the working directory, the repository root, first on sys.path. Its
+# folders are kvpool's subpackages under their short names (kernels/ is kvpool.kernels), and a
+# bare `kernels` there shadows Hugging Face's `kernels` distribution, which transformers 5.25
+# requires and imports with its activations: every test that builds a transformers config then
+# failed with "cannot import name 'CUDAProperties' from 'kernels'". kvpool is imported as the
+# installed `kvpool` package, so the root has no business on the path.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+
+import torch  # noqa: E402
 
 # Triton reads TRITON_INTERPRET when a kernel module is imported, so it is set here, before any
 # test module can import one. Only without CUDA: on a GPU the kernels must really compile.
