@@ -84,6 +84,7 @@ class Handlers(ExternalOps):
         admin_needs_key: bool = False,
     ) -> None:
         self.reg, self.counters = registry, stats
+        self.configured: set[str] = set()  # external pools attached from the config (manager/external/ops.py)
         self.max_sub_ops, self.max_message_bytes = max_sub_ops, max_message_bytes
         self.admin_key = admin_key
         self.request_stop = request_stop
@@ -226,7 +227,7 @@ class Handlers(ExternalOps):
         hashes = get_hashes(args)
         out = {"pools": {name: e.pool.lookup(hashes) for name, e in self.reg.pools.items() if e.pool is not None}}
         if self.external is not None:  # attached vLLM servers whose index is exact (not stale)
-            out["external"] = self.external_hits(hashes)
+            out.update(self.external_hits(hashes))
         return out
 
     @op()
@@ -280,7 +281,8 @@ class Handlers(ExternalOps):
                         for s in sorted(entry.shards.values(), key=lambda s: s.rank)],
             )
             out.append(info)
-        return {"pools": out}
+        externals = self.external_rows()  # attached vLLM servers: their mirrors' health and load
+        return {"pools": out, **({"externals": externals} if externals else {})}
 
     @op(admin=True)
     def sessions(self, call: Call) -> dict:

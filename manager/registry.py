@@ -34,11 +34,14 @@ from kvpool.manager.core.kv_events import AllBlocksCleared, KVEvent
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
 from kvpool.manager.pool_forming import compatible, new_epoch, remove_shards, shard_blocks
+from kvpool.manager.state.attachment import Attachment
 from kvpool.manager.state.entries import GLOBAL, PoolEntry, Session, Shard, check_pools
 from kvpool.manager.state.mutations import (
     BlocksEvicted,
     CacheReset,
     DrainingSet,
+    ExternalAttached,
+    ExternalDetached,
     Mutation,
     PoolDropped,
     SessionEnded,
@@ -79,6 +82,7 @@ class Registry:
         self.sessions: dict[str, Session] = {}
         self.pools: dict[str, PoolEntry] = {}
         self.draining = False
+        self.attachments: dict[str, Attachment] = {}  # vLLM servers attached with the attach op
         self.dirty: set[str] = set()  # pool names (and GLOBAL) changed this iteration
         # KV events of pools dropped this iteration (a shard left): (pool, epoch, events)
         self.orphan_events: list[tuple[str, int, list[KVEvent]]] = []
@@ -157,14 +161,15 @@ class Registry:
 
     def start_over(self, state_id: str) -> None:
         """An empty state under a new id, instead of one that went back in time (the store)."""
-        self.sessions, self.pools, self.draining = {}, {}, False
+        self.sessions, self.pools, self.draining, self.attachments = {}, {}, False, {}
         self.state_id = state_id
 
     def restore(self, sessions: list[Session], pools: list[PoolEntry], state_id: str, next_num: int,
-                draining: bool) -> None:
+                draining: bool, attachments: list[Attachment] = ()) -> None:
         """Fills this empty registry with a decoded state (manager/store/state_file.py)."""
         self.sessions = {s.sid: s for s in sessions}
         self.pools = {e.name: e for e in pools}
+        self.attachments = {a.name: a for a in attachments}
         self.state_id, self.next_num, self.draining = state_id, next_num, bool(draining)
 
     @contextmanager
@@ -195,6 +200,7 @@ class Registry:
                     if entry.pool is not None and entry.pool.blocks.events_enabled
                     and (name not in other.pools or other.pools[name].pool is None)]
         self.sessions, self.pools, self.draining = other.sessions, other.pools, other.draining
+        self.attachments = other.attachments
         self.next_num, self.state_id, self.durable = other.next_num, other.state_id, other.durable
         self.seq = other.seq
         self.log, self.dirty = other.log, set()
@@ -427,6 +433,21 @@ class Registry:
         self.draining = bool(rec.enable)
         self.dirty.add(GLOBAL)
 
+    def attach(self, spec: Attachment) -> None:
+        """Remembers an attachment made with the attach op (journaled: it survives the manager)."""
+        self._apply(ExternalAttached(spec), Registry._attach, 0.0)
+
+    def _attach(self, rec: ExternalAttached, now: float) -> None:
+        self.attachments[rec.spec.name] = rec.spec
+        self.dirty.add(GLOBAL)
+
+    def detach(self, name: str) -> bool:
+        return self._apply(ExternalDetached(name), Registry._detach, 0.0)
+
+    def _detach(self, rec: ExternalDetached, now: float) -> bool:
+        self.dirty.add(GLOBAL)
+        return self.attachments.pop(rec.name, None) is not None
+
     def total_requests(self) -> int:
         return sum(len(e.pool.requests) for e in self.pools.values() if e.pool is not None)
 
@@ -446,6 +467,8 @@ _TABLE: dict[type, tuple[Callable[[Registry, Any, float], object], str]] = {
     BlocksEvicted: (Registry._evict, AFTER),
     DrainingSet: (Registry._set_draining, AFTER),
     PoolDropped: (Registry._drop, AFTER),
+    ExternalAttached: (Registry._attach, AFTER),
+    ExternalDetached: (Registry._detach, IF_CHANGED),
 }
 _RUN = {kind: run for kind, (run, _) in _TABLE.items()}
 _WHEN = {kind: when for kind, (_, when) in _TABLE.items()}

@@ -19,12 +19,15 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]   ["drop", pool] (PoolDropped)
     (reset and evict + tier "host" for the host tier)
+    ["attach", {name, model, url, block_size, topic, events, replay}]   ExternalAttached (the attach op)
+    ["detach", name]                                        ExternalDetached
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from kvpool.manager.state.attachment import Attachment
 from kvpool.shared.protocol import KVSpec, ManagerError
 
 
@@ -94,8 +97,21 @@ class PoolDropped:
     pool: str
 
 
+@dataclass(frozen=True)
+class ExternalAttached:
+    """A vLLM server attached with the attach op (manager/external/): a restarted or failed-over
+    manager attaches it again. (Those of the config are attached from it at each start.)"""
+
+    spec: Attachment  # on the wire: its map
+
+
+@dataclass(frozen=True)
+class ExternalDetached:
+    name: str
+
+
 Mutation = (SessionOpened | SessionEnded | ShardRegistered | StepRan | CacheReset | BlocksEvicted | DrainingSet
-            | PoolDropped)
+            | PoolDropped | ExternalAttached | ExternalDetached)
 
 KINDS: dict[str, type] = {
     "open": SessionOpened,
@@ -106,6 +122,8 @@ KINDS: dict[str, type] = {
     "evict": BlocksEvicted,
     "drain": DrainingSet,
     "drop": PoolDropped,
+    "attach": ExternalAttached,
+    "detach": ExternalDetached,
 }
 _LAYOUT = {cls: (kind, tuple(f.name for f in fields(cls) if f.compare)) for kind, cls in KINDS.items()}
 
@@ -116,6 +134,8 @@ def to_wire(rec: Mutation) -> list:
     wire = [kind, *(getattr(rec, name) for name in names)]
     if type(rec) in (CacheReset, BlocksEvicted) and rec.tier == "device":  # type: ignore[union-attr]
         wire.pop()  # the layout of journals from before the host tier
+    if type(rec) is ExternalAttached:
+        wire[1] = rec.spec.to_wire()
     if type(rec) is ShardRegistered:
         wire[6] = rec.spec.to_wire()
         if rec.host_kv_policy == "demote":  # the layout of journals from before the choice
@@ -139,4 +159,9 @@ def from_wire(raw: object) -> Mutation:
             raw = [*raw[:6], KVSpec.from_wire(raw[6]), *raw[7:]]
         except ManagerError as e:
             raise ValueError(f"register record: {e}") from None
+    if cls is ExternalAttached and len(raw) == 2:
+        try:
+            return ExternalAttached(Attachment.from_wire(raw[1]))
+        except ManagerError as e:
+            raise ValueError(f"attach record: {e}") from None
     return cls(*raw[1:])
