@@ -1,7 +1,9 @@
 """A TCP relay a test can cut: a vLLM server's event publisher connects to it, and it forwards the
 bytes to the manager's event socket. ``cut`` closes the listener and every connection (the
 publisher's reconnects are refused: its events stop while its HTTP answers); ``restore``
-listens again on the same port."""
+listens again on the same port. ``blackhole`` swallows what the publisher sends from then on
+(``discarded`` counts the bytes): ZeroMQ took those messages for sent, so after a ``cut`` and a
+``restore`` they are lost for good, a real gap in the stream."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ class Relay:
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
+        self._blackhole = threading.Event()
+        self.discarded = 0
         self.port = self._listen(0)
 
     @property
@@ -43,13 +47,15 @@ class Relay:
                 continue
             with self._lock:
                 self._conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, from_publisher: bool) -> None:
         try:
             while data := src.recv(65536):
+                if from_publisher and self._blackhole.is_set():
+                    self.discarded += len(data)
+                    continue
                 dst.sendall(data)
         except OSError:
             pass
@@ -77,7 +83,11 @@ class Relay:
                 pass
             c.close()
 
+    def blackhole(self) -> None:
+        self._blackhole.set()
+
     def restore(self) -> None:
+        self._blackhole.clear()
         self._listen(self.port)
 
     def close(self) -> None:

@@ -79,7 +79,12 @@ def test_the_live_path_journals_exactly_what_replay_applies():
 
 
 def test_attachments_made_by_op_are_journaled_snapshotted_and_refused_when_malformed():
-    from kvpool.manager.store.state_file import decode_state, dump_registry, encode_state, load_registry
+    from kvpool.manager.store.state_file import (
+        decode_state,
+        dump_registry,
+        encode_state,
+        load_registry,
+    )
 
     live = Registry("a", session_timeout_s=10.0)
     live.log = []
