@@ -3,15 +3,15 @@ sent there and has not seen finish, the server's own load beyond that (its /metr
 the manager: manager/external/probe.py), and the prefixes it routed there that the server's
 events may not show yet (speculative entries).
 
-- ``outstanding``: as for kvpool workers, the uncached prompt blocks and ``max_tokens /
-  block_size`` of every request this door has running there.
+- ``outstanding``: as for kvpool workers, the uncached prompt blocks (until its first token
+  streams back) and ``max_tokens / block_size`` of every request this door has running there.
 - ``foreign``: requests the server reported (running + waiting at its last poll) beyond those
   this door had running there at that moment (other clients, other doors), each counted as
   ``FOREIGN_BLOCKS`` blocks of work. The door's own are counted live, never from the poll, which
   lags a finished request by up to a poll interval.
 - KV room: the server's device blocks in use now are estimated as the poll's
   (``kv_cache_usage_perc * num_gpu_blocks``) less what this door's requests held then, plus what
-  they hold now (their distinct prefix blocks and their own tails). A request that needs more
+  hold now (the distinct prefix blocks of those running, and their own tails). A request that needs more
   new blocks than are free waits in vLLM's queue until running requests finish: the server's
   whole load counts twice for it.
 - speculative entries: the hash chains of requests routed there count as blocks it will hold
@@ -41,9 +41,11 @@ class Sent:
     """One request this door sent to an external server."""
 
     key: tuple[int, str]
-    work: float  # blocks of work: uncached prompt blocks + max_tokens / block_size
+    prefill: float  # blocks of work until its first token: its uncached prompt blocks
+    decode: float  # then: max_tokens / block_size
     tail: float  # KV blocks of its own beyond its shared prefix (the last prompt block, its output)
     chain: list[bytes]  # its prompt's hash chain (its speculative entry)
+    prefilled: bool = False
     released: bool = False
 
 
@@ -52,11 +54,12 @@ class _Account:
     outstanding: float = 0.0
     running: int = 0
     tails: float = 0.0
-    routed: Counter[bytes] = field(default_factory=Counter)  # chains of requests in flight (and in grace)
+    held: Counter[bytes] = field(default_factory=Counter)  # chains of the requests running there
+    routed: Counter[bytes] = field(default_factory=Counter)  # the same, and those in their grace
     history: deque[tuple[float, int, float]] = field(default_factory=deque)  # (t, running, kv) after each change
 
     def kv(self) -> float:
-        return len(self.routed) + self.tails
+        return len(self.held) + self.tails
 
     def remember(self, now: float) -> None:
         self.history.append((now, self.running, self.kv()))
@@ -107,24 +110,33 @@ class ExternalLoad:
                 extra += st.outstanding + extra
         return extra
 
-    def start(self, key: tuple[int, str], work: float, tail: float, chain: list[bytes]) -> Sent:
+    def start(self, key: tuple[int, str], prefill: float, decode: float, tail: float, chain: list[bytes]) -> Sent:
         st = self._of(key)
-        st.outstanding += work
+        st.outstanding += prefill + decode
         st.running += 1
         st.tails += tail
+        st.held.update(chain)
         st.routed.update(chain)
         st.remember(time.monotonic())
-        return Sent(key, work, tail, chain)
+        return Sent(key, prefill, decode, tail, chain)
+
+    def first_token(self, sent: Sent) -> None:
+        """Its first token came back: its prompt is computed, only its decode is left."""
+        if not sent.prefilled and not sent.released:
+            sent.prefilled = True
+            self._of(sent.key).outstanding -= sent.prefill
 
     def finish(self, sent: Sent) -> None:
-        """The request ended: its work and tail at once, its speculative entry after the grace."""
+        """The request ended: its work, tail and held blocks at once, its speculative entry after
+        the grace."""
         if sent.released:
             return
         sent.released = True
         st = self._of(sent.key)
-        st.outstanding -= sent.work
+        st.outstanding -= sent.decode + (0.0 if sent.prefilled else sent.prefill)
         st.running -= 1
         st.tails -= sent.tail
+        _drop(st.held, sent.chain)
         st.remember(time.monotonic())
         try:
             asyncio.get_running_loop().call_later(ROUTED_GRACE_S, self._forget, sent)
@@ -132,12 +144,14 @@ class ExternalLoad:
             self._forget(sent)
 
     def _forget(self, sent: Sent) -> None:
-        st = self._of(sent.key)
-        st.routed.subtract(sent.chain)
-        for h in sent.chain:
-            if st.routed[h] <= 0:
-                del st.routed[h]
-        st.remember(time.monotonic())
+        _drop(self._of(sent.key).routed, sent.chain)
+
+
+def _drop(counts: Counter[bytes], chain: list[bytes]) -> None:
+    counts.subtract(chain)
+    for h in chain:
+        if counts.get(h, 1) <= 0:
+            del counts[h]
 
 
 def leading(chain: list[bytes], held: Counter[bytes]) -> int:

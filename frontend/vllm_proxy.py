@@ -154,10 +154,8 @@ class VLLMProxy:
         s = d.worker
         assert isinstance(s, External)
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        max_tokens = max_tokens_of(body)
-        full = len(chain)
-        work = max(0.0, full - d.expected_blocks) + max_tokens / s.block_size
-        sent = self.load.start(s.key, work, 1 + max_tokens / s.block_size, chain)
+        decode = max_tokens_of(body) / s.block_size
+        sent = self.load.start(s.key, max(0.0, len(chain) - d.expected_blocks), decode, 1 + decode, chain)
         return await self._send(s, path, body, sent)
 
     async def _send(self, s: External, path: str, body: dict, sent: Sent) -> Response:
@@ -182,12 +180,13 @@ class VLLMProxy:
                 await resp.aclose()
                 release()
             return Response(content, status_code=resp.status_code, media_type=kind, headers=headers)
-        return StreamingResponse(self._relay(s, resp, release), status_code=resp.status_code, media_type=kind,
-                                 headers=headers)
+        return StreamingResponse(self._relay(s, resp, sent, release), status_code=resp.status_code,
+                                 media_type=kind, headers=headers)
 
-    async def _relay(self, s: External, resp: httpx.Response, release) -> AsyncIterator[bytes]:
+    async def _relay(self, s: External, resp: httpx.Response, sent: Sent, release) -> AsyncIterator[bytes]:
         try:
             async for chunk in resp.aiter_raw():
+                self.load.first_token(sent)  # (its first event: the prompt is computed)
                 yield chunk
         except httpx.TransportError as e:  # the server died or went silent mid-stream
             logger.warning("external server %s broke off a stream: %r", s.name, e)

@@ -20,7 +20,7 @@ def server(name: str, polled: Polled | None = None) -> External:
 
 def test_a_routed_prompt_counts_for_its_server_while_it_runs_and_a_grace_after():
     load, s = ExternalLoad(), server("a")
-    sent = load.start(s.key, work=13.0, tail=1.25, chain=CHAIN)
+    sent = load.start(s.key, prefill=12.75, decode=0.25, tail=1.25, chain=CHAIN)
     c = load.candidate(s, 0, 0, CHAIN, 12, 1.25)
     assert (c.routed_blocks, c.expected_blocks, c.running, c.outstanding) == (12, 12, 1, 13.0)
     assert load.candidate(server("b"), 0, 0, CHAIN, 12, 1.25).routed_blocks == 0
@@ -29,6 +29,12 @@ def test_a_routed_prompt_counts_for_its_server_while_it_runs_and_a_grace_after()
     assert (c.routed_blocks, c.running, c.outstanding) == (0, 0, 0.0)
     load.finish(sent)  # twice is once
     assert load.running(s.key) == 0
+    sent = load.start(s.key, 12.75, 0.25, 1.25, CHAIN)
+    load.first_token(sent)  # its prompt is computed: only the decode is left
+    load.first_token(sent)
+    assert load.candidate(s, 0, 0, CHAIN, 12, 1.25).outstanding == 0.25
+    load.finish(sent)
+    assert load.candidate(s, 0, 0, CHAIN, 12, 1.25).outstanding == 0.0
 
 
 def test_the_grace_keeps_the_entry_until_it_ends(monkeypatch):
@@ -38,7 +44,7 @@ def test_the_grace_keeps_the_entry_until_it_ends(monkeypatch):
     load, s = ExternalLoad(), server("a")
 
     async def scenario() -> tuple[int, int]:
-        load.finish(load.start(s.key, 13.0, 1.25, CHAIN))
+        load.finish(load.start(s.key, 12.75, 0.25, 1.25, CHAIN))
         during = load.candidate(s, 0, 0, CHAIN, 12, 1.25).routed_blocks
         await asyncio.sleep(0.1)
         return during, load.candidate(s, 0, 0, CHAIN, 12, 1.25).routed_blocks
@@ -48,8 +54,8 @@ def test_the_grace_keeps_the_entry_until_it_ends(monkeypatch):
 
 def test_other_clients_requests_count_and_the_doors_own_are_not_counted_twice():
     load, now = ExternalLoad(), 100.0
-    a = load.start(("0", "a"), 2.0, 1.0, [])  # (keys are any tuple)
-    b = load.start(("0", "a"), 2.0, 1.0, [])
+    a = load.start(("0", "a"), 1.75, 0.25, 1.0, [])  # (keys are any tuple)
+    b = load.start(("0", "a"), 1.75, 0.25, 1.0, [])
     polled = Polled(at=load.servers[("0", "a")].history[-1][0], running=2, waiting=3, kv_usage=0.1, num_blocks=None)
     s = External("0", "a", "m", "http://a", 32, None, polled=polled)  # type: ignore[arg-type]
     now = polled.at + 0.5
@@ -63,7 +69,7 @@ def test_other_clients_requests_count_and_the_doors_own_are_not_counted_twice():
 
 def test_a_request_that_does_not_fit_the_free_kv_blocks_counts_the_load_twice():
     load = ExternalLoad()
-    load.start(("0", "a"), 6.0, 1.0, [])
+    load.start(("0", "a"), 5.75, 0.25, 1.0, [])
     at = load.servers[("0", "a")].history[-1][0]
     full = External("0", "a", "m", "http://a", 32, None,  # type: ignore[arg-type]
                     polled=Polled(at, 1, 0, kv_usage=0.9, num_blocks=40))
