@@ -3,7 +3,8 @@
 Every ``poll_s`` the directory asks each manager's ``workers`` op (PROTOCOL.md section 5) which
 ready pools announced a generate endpoint, opens a ``WorkerLink`` to each new endpoint and fails
 the open requests of a worker that dropped out (its session ended: killed, stopped, expired).
-``locate`` asks a manager how many leading blocks of a hash chain each of its pools holds.
+``locate_all`` asks a manager how many leading blocks of a hash chain each of its pools and
+attached vLLM servers holds.
 
 Manager calls are coroutines on the event loop (``AsyncManagerClient``, one call in flight per
 manager): no thread, and the loop never blocks on a manager.
@@ -194,7 +195,7 @@ class Directory:
         if not hashes:
             return Located()
         try:
-            body = await self.clients[manager].call("locate", hashes=hashes)
+            body = await self.clients[manager].call("locate", retry=True, hashes=hashes)
         except ManagerError as e:
             logger.warning("locate at %s failed: %s", self.endpoints[manager], e)
             return Located()
@@ -249,16 +250,6 @@ class Directory:
         for w in self.workers.values():
             out.setdefault(w.model, []).append(w)
         return out
-
-    async def locate(self, manager: int, hashes: list[bytes]) -> dict[str, int]:
-        """{pool: leading cached blocks} at one manager ({} when it cannot be reached)."""
-        if not hashes:
-            return {}
-        try:
-            return await self.clients[manager].locate(hashes)
-        except ManagerError as e:
-            logger.warning("locate at %s failed: %s", self.endpoints[manager], e)
-            return {}
 
     async def close(self) -> None:
         if self._task is not None:
