@@ -87,8 +87,7 @@ class VLLMProxy:
             try:
                 return await self.send(d, body, chat, chain)
             except httpx.ConnectError as e:  # nothing reached it: the next server takes the request
-                assert isinstance(d.worker, External)
-                self.failed(d.worker, e)
+                self.failed(d.worker, e)  # type: ignore[arg-type]  (send takes only servers)
                 tried.add(d.worker.key)
 
     def failed(self, s: External, e: Exception) -> None:
@@ -152,7 +151,8 @@ class VLLMProxy:
     async def send(self, d: Decision, body: dict, chat: bool, chain: list[bytes]) -> Response:
         """Sends ``body`` to the decided server, counted in its load until the answer ends."""
         s = d.worker
-        assert isinstance(s, External)
+        if not isinstance(s, External):
+            raise TypeError(f"send: {s.name} is a kvpool worker, not an attached server")
         path = "/v1/chat/completions" if chat else "/v1/completions"
         decode = max_tokens_of(body) / s.block_size
         sent = self.load.start(s.key, max(0.0, len(chain) - d.expected_blocks), decode, 1 + decode, chain)
