@@ -84,6 +84,14 @@ def check_tp(cfg: ModelConfig, tp_size: int) -> None:
 
 
 
+def model_identity(model: str, seed: int) -> str:
+    """What names the weights in a node-tier layout (shared/node_tier.py): a preset's shape and
+    seed (its weights are seeded random), or a checkpoint directory's real path."""
+    if model in PRESETS:
+        return f"preset:{model}:seed={seed}"
+    return f"checkpoint:{os.path.realpath(model)}"
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str = "tiny"  # a preset name or a Hugging Face-format checkpoint directory
@@ -102,6 +110,7 @@ class WorkerConfig:
     cpu_memory_budget: int = field(default=2 << 30, metadata=BYTES)  # host memory treated as the CPU "device"
     host_kv_memory: int = field(default=0, metadata=BYTES)  # host memory offered for the pool's host tier (0: none)
     host_kv_policy: str = "demote"  # or "write_through": when blocks are copied to the host tier (docs/operating.md)
+    node_tier: bool = True  # use the manager's node tier of this layout when it has one (single-shard pools)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     static_prealloc: bool = False  # baseline: reserve max_model_len slots per request

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from kvpool.manager.core.block_pool import BlockPool, InvariantBroken
 from kvpool.manager.core.host_tier import Copy, HostTier
 from kvpool.manager.core.kv_events import AllBlocksCleared, BlockStored, KVEvent
+from kvpool.manager.core.node_tier import NodeTier
+from kvpool.manager.core.pool_node import NodeLink
 
 
 class PoolError(ValueError):
@@ -84,8 +86,20 @@ class Pool:
         self.loads: list[Copy] = []  # this sub-op's load orders (host -> device)
         self.writes: list[Copy] = []  # this sub-op's write-through orders (device -> host, after the forward)
         self.fresh: set[int] = set()  # device blocks hashed this step: not computed yet, never saved
+        self.node: NodeLink | None = None  # the node tier behind the host tier (manager/core/pool_node.py)
         if host_blocks >= 2 and enable_caching:
             self.set_host(HostTier(host_blocks, block_size, enable_events, host_policy))
+
+    @property
+    def tiered(self) -> bool:
+        """A tier behind the device blocks: reused ones may be saved, this step's are fresh."""
+        return self.host is not None or self.node is not None
+
+    def set_node(self, tier: NodeTier) -> None:
+        """Puts the node tier of the pool's layout behind the device (and host) blocks."""
+        if self.blocks.enable_caching:
+            self.node = NodeLink(tier, self.block_size)
+            self.blocks.on_reuse = self._demote
 
     def set_host(self, host: HostTier) -> None:
         """Puts ``host`` behind the device blocks: cached blocks reused from now on are demoted
@@ -95,13 +109,19 @@ class Pool:
         self.blocks.on_reuse = self._demote
 
     def _demote(self, block: int, h: bytes) -> None:
+        host, node = self.host, self.node
         if block in self.fresh:  # its K/V is written by this very step's forward: nothing to save
-            if self.host.writing:  # type: ignore[union-attr]
-                self.host.withdraw(block)  # type: ignore[union-attr]  # nor to write through
+            if host is not None and host.writing:
+                host.withdraw(block)  # nor to write through
+            if node is not None and node.posted:
+                node.withdraw(block)
             return
-        copy = self.host.demote(block, h, None)  # type: ignore[union-attr]
-        if copy is not None:
-            self.saves.append(copy)
+        if host is not None:
+            copy = host.demote(block, h, None)
+            if copy is not None:
+                self.saves.append(copy)
+        if node is not None:
+            node.demote(block, h)
 
     def take_copies(self) -> tuple[list[Copy], list[Copy], list[Copy]]:
         """The save, load and write orders of the sub-op just run (manager/core/step.py puts
@@ -116,7 +136,9 @@ class Pool:
         """The step's orders are all out: the host tier's pins end."""
         if self.host is not None:
             self.host.end_step()
-            self.fresh.clear()
+        if self.node is not None:
+            self.node.end_step()
+        self.fresh.clear()
 
     @classmethod
     def restore(cls, blocks: BlockPool, block_size: int, requests: dict[object, RequestBlocks], stats: PoolStats) -> Pool:
@@ -199,8 +221,10 @@ class Pool:
             del hits[limit:]
             nh = limit
         host_hits = self.host.lookup(hashes[nh:limit]) if self.host is not None else []
+        k = nh + len(host_hits)
+        node_hits = self.node.plan(hashes[k:limit]) if self.node is not None and k < limit else []
         stats = self.stats
-        num_cached = (nh + len(host_hits)) * bs
+        num_cached = (k + len(node_hits)) * bs
         num_tokens = num_cached + min(max_new_tokens, num_prompt_tokens - num_cached)
         num_new = -(-(num_tokens + lookahead) // bs) - nh  # _cdiv, inlined
         if num_new > len(bp.free_queue) - (bp.num_reclaimable(hits) if hits else 0):
@@ -215,17 +239,25 @@ class Pool:
             bp.touch(hits)
         if host_hits:
             self.host.pin(host_hits)  # type: ignore[union-attr]  # before any demotion below
+        node = self.node
+        if node_hits:
+            node_hits = node.take(node_hits)  # type: ignore[union-attr]  # held before any demotion below
         # _cache_full, inlined: the blocks after the hits are fresh, the first of them full
         n_full = min(num_tokens // bs, len(hashes))
         new = bp.get_cached_blocks(num_new, hashes[nh:n_full], hashes[nh - 1] if nh else None)
         if host_hits:
             self.loads += self.host.load(host_hits, new[: len(host_hits)])  # type: ignore[union-attr]
+        if node_hits:
+            node.load(node_hits, new[k - nh: k - nh + len(node_hits)])  # type: ignore[union-attr]
         blocks = hits + new
         req = self.requests[req_id] = RequestBlocks(blocks, num_tokens, list(hashes), n_full)
-        if self.host is not None and n_full > nh:
+        if n_full > nh and (self.host is not None or node is not None):
             self.fresh.update(new[: n_full - nh])
-            if self.host.policy == "write_through":
+            if self.host is not None and self.host.policy == "write_through":
                 self._write_through(req, nh, n_full, hashes[nh - 1] if nh else None)
+            loaded = k + len(node_hits)  # the blocks after the loaded ones are computed by this step
+            if node is not None and n_full > loaded:
+                node.write(new[loaded - nh: n_full - nh], hashes[loaded:n_full], hashes[loaded - 1] if loaded else None)
         return num_cached, blocks
 
     def extend(
@@ -357,6 +389,9 @@ class Pool:
             "forks": s.forks,
             "cow_copies": s.cow_copies,
             **(self.host.usage() if self.host is not None else {}),
+            **({"node_hit_tokens": sum(self.node.hit_tokens.values()),
+                "node_host_hit_tokens": self.node.hit_tokens["host"],
+                "node_disk_hit_tokens": self.node.hit_tokens["disk"]} if self.node is not None else {}),
         }
 
     def check_invariants(self) -> None:
@@ -388,10 +423,12 @@ class Pool:
         if n_full > start:
             parent = req.hashes[start - 1] if start else None
             self.blocks.cache_blocks(req.blocks[start:n_full], req.hashes[start:n_full], parent)
-            if self.host is not None:
+            if self.host is not None or self.node is not None:
                 self.fresh.update(req.blocks[start:n_full])
-                if self.host.policy == "write_through":
+                if self.host is not None and self.host.policy == "write_through":
                     self._write_through(req, start, n_full, parent)
+                if self.node is not None:
+                    self.node.write(req.blocks[start:n_full], req.hashes[start:n_full], parent)
             req.num_cached = n_full
 
     def _write_through(self, req: RequestBlocks, start: int, end: int, parent: bytes | None) -> None:

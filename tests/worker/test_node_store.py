@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from kvpool.manager.core.node_orders import Save
+from kvpool.shared.node_orders import Save
 from kvpool.manager.core.node_tier import NodeTier
 from kvpool.shared.protocol import KVSpec
 from kvpool.worker.node_layout import HEADER
