@@ -19,7 +19,10 @@ from kvpool.manager.guards import Bounds, check_owner, check_register, check_ste
 from kvpool.manager.health import pool_health
 from kvpool.manager.ops import Call, op
 from kvpool.manager.registry import PoolEntry, Registry
+from kvpool.manager.state.entries import Session
 from kvpool.manager.stats import ServerStats
+from kvpool.shared.node_orders import reports_from_wire
+from kvpool.shared.node_tier import MAX_MODEL_ID
 from kvpool.shared.protocol import (
     HOST_POLICIES,
     MAX_HASHES,
@@ -166,12 +169,17 @@ class Handlers(ExternalOps):
         replace = args.get("replace", False)
         if type(replace) is not bool:
             raise bad_field("replace", "a bool", replace)
+        node_model = get_str(args, "node_model", MAX_MODEL_ID) if "node_model" in args else None
         # where rank 0 takes generate requests: validated, kept (and journaled) as its wire map
         serve = ServeInfo.from_wire(args["serve"]).to_wire() if "serve" in args else None
         check_register(self.reg, self.bounds, sess, name, rank, incarnation, available // spec.block_bytes, replace)
         entry = self.reg.register(sess, name, rank, count, incarnation, spec, available, serve, host_kv_bytes,
-                                  host_kv_policy)
-        return {**pool_summary(entry, self.reg.sessions).to_wire(), "max_model_len": max_model_len(self.bounds, entry)}
+                                  host_kv_policy, node_model)
+        out = {**pool_summary(entry, self.reg.sessions).to_wire(), "max_model_len": max_model_len(self.bounds, entry)}
+        node = self.reg.node_info(entry) if node_model is not None else None
+        if node is not None:
+            out["node_tier"] = node.to_wire()
+        return out
 
     @op()
     def step(self, call: Call) -> dict:
@@ -189,6 +197,8 @@ class Handlers(ExternalOps):
                 return {"results": sess.last_step}
             raise ManagerError("stale_request", f"step id {call.msg_id} is older than this session's last "
                                f"step {last}: a late duplicate, not run")
+        if "node_done" in args:  # before the sub-ops: what those batches held is free for them
+            self._node_done(sess, entry, args["node_done"])
         decoded = decode_ops(ops)
         check_step(self.bounds, entry, sess.sid, decoded)
         t0 = time.perf_counter()
@@ -196,6 +206,32 @@ class Handlers(ExternalOps):
         self.counters.step_latency.observe(time.perf_counter() - t0)
         self.counters.sub_ops += len(ops)
         return {"results": results}
+
+    @op()
+    def node_done(self, call: Call) -> dict:
+        """Node-tier batches a worker ran, when no step message carries them."""
+        args, sess = call.args, call.sess
+        epoch = get_int(args, "epoch", 1, U63) if "epoch" in args else None
+        entry, _ = self.reg.ready_pool(args.get("pool"), epoch)
+        check_owner(self.reg, sess, entry)
+        return {"finished": self._node_done(sess, entry, args.get("reports"))}
+
+    def _node_done(self, sess: Session, entry: PoolEntry, reports: object) -> int:
+        """Validates every report against its batch first (nothing changes on bad input), then
+        finishes each known batch; returns how many."""
+        batches = entry.pool.node.tier.batches if entry.pool is not None and entry.pool.node is not None else {}
+        checked = []
+        for r in reports_from_wire(reports):
+            batch = batches.get((sess.sid, r.batch))
+            if batch is None:
+                continue  # abandoned (a re-formed pool, a manager restart): nothing to finish
+            for order in r.failed:
+                if order not in batch.orders:
+                    raise bad_field("node_done.failed", f"orders of batch {r.batch}", order.to_wire())
+            checked.append(r)
+        for r in checked:
+            self.reg.node_finish(sess, entry, r.batch, [o.to_wire() for o in r.failed])
+        return len(checked)
 
     @op()
     def lookup(self, call: Call) -> dict:
@@ -246,6 +282,8 @@ class Handlers(ExternalOps):
             **self.events_info,
             **self.counters.snapshot(),
         }
+        if reg.node is not None:
+            manager["node_tiers"] = reg.node.usage()
         pools = {}
         for name, entry in reg.pools.items():
             snap = entry.pool.snapshot_stats() if entry.pool is not None else {}

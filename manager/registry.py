@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 from kvpool.manager.core.kv_events import AllBlocksCleared, KVEvent
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
+from kvpool.manager.node_tiers import NodeTiers
 from kvpool.manager.pool_forming import compatible, new_epoch, remove_shards, shard_blocks
 from kvpool.manager.state.entries import GLOBAL, PoolEntry, Session, Shard, check_pools
 from kvpool.manager.state.mutations import (
@@ -40,12 +41,15 @@ from kvpool.manager.state.mutations import (
     CacheReset,
     DrainingSet,
     Mutation,
+    NodeFinished,
     PoolDropped,
     SessionEnded,
     SessionOpened,
     ShardRegistered,
     StepRan,
 )
+from kvpool.shared.node_orders import order_from_wire
+from kvpool.shared.node_tier import NodeTierInfo, layout_id
 from kvpool.shared.protocol import KVSpec, ManagerError, bad_field, short_repr
 from kvpool.shared.step_ops import decode_ops, encode_results
 
@@ -68,8 +72,10 @@ class Registry:
         max_pools: int = 256,
         max_blocks: int = 1 << 22,
         kv_events: bool = True,
+        node_tiers: NodeTiers | None = None,
     ) -> None:
         self.incarnation = incarnation
+        self.node = node_tiers  # the node tier of each KV layout (manager/node_tiers.py); None: off
         # Whether new pools queue KV events: False when nothing can ever receive them (the manager
         # publishes to no socket), which saves a third of a prefill step's CPU. What a subscriber
         # sees is unchanged: there is none. A pool recovered from a store queues them regardless.
@@ -196,6 +202,7 @@ class Registry:
                     and (name not in other.pools or other.pools[name].pool is None)]
         self.sessions, self.pools, self.draining = other.sessions, other.pools, other.draining
         self.next_num, self.state_id, self.durable = other.next_num, other.state_id, other.durable
+        self.node = other.node  # the tiers the adopted pools use
         self.seq = other.seq
         self.log, self.dirty = other.log, set()
         self.orphan_events = [(name, epoch, [AllBlocksCleared()]) for name, epoch in vanished]
@@ -234,6 +241,8 @@ class Registry:
             raise ValueError(f"a session ends by 'deregister' or 'expired', not {rec.cause!r}")
         self.sessions.pop(sid, None)
         self.dirty.add(GLOBAL)
+        if self.node is not None:
+            self.node.abandon(sid)
         freed = 0
         for entry in self.pools.values():
             lost = [r for r, shard in entry.shards.items() if shard.sid == sid]
@@ -297,11 +306,12 @@ class Registry:
         serve: dict | None = None,
         host_kv_bytes: int = 0,
         host_kv_policy: str = "demote",
+        node_model: str | None = None,
     ) -> PoolEntry:
         """Registers one shard (idempotent for the same incarnation); see the module docstring.
         Who may (ownership, ``replace``) is checked before, in manager/guards.py."""
         rec = ShardRegistered(sess.sid, name, rank, count, incarnation, spec, available, self.max_blocks,
-                              self.max_pools, serve, host_kv_bytes, host_kv_policy)
+                              self.max_pools, serve, host_kv_bytes, host_kv_policy, node_model)
         return self._apply(rec, Registry._register, 0.0)
 
     def _register(self, rec: ShardRegistered, now: float) -> PoolEntry:
@@ -333,16 +343,33 @@ class Registry:
                 self._form_if_whole(entry, rec.max_blocks)
             return entry
         entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid, rec.serve,
-                                   rec.host_kv_bytes, rec.host_kv_policy)
+                                   rec.host_kv_bytes, rec.host_kv_policy, self._node_layout(rec))
         self._form_if_whole(entry, rec.max_blocks)  # a new incarnation of a formed pool: a new epoch
         self.dirty.add(name)
         return entry
+
+    def _node_layout(self, rec: ShardRegistered) -> str | None:
+        """The layout of the node tier a single-shard pool's worker offered to map, created on
+        first use (None: no node tier, or none for it)."""
+        if self.node is None or rec.node_model is None or rec.count != 1:
+            return None
+        layout = layout_id(rec.spec, rec.node_model, rec.rank, rec.count).hex()
+        info = self.node.join(layout, rec.spec.block_size, rec.spec.block_bytes)
+        return layout if info is not None else None
+
+    def node_info(self, entry: PoolEntry) -> NodeTierInfo | None:
+        """Where the node tier of ``entry``'s pool lives (register's reply)."""
+        layout = entry.node_layout
+        return self.node.info.get(layout) if self.node is not None and layout is not None else None
 
     def _form_if_whole(self, entry: PoolEntry, max_blocks: int) -> None:
         """The pool forms (in a new epoch) once every rank is registered by a live session: a shard
         that left (deregistered, expired) and stays only to keep the pool's spec does not count."""
         if entry.live_shards(self.sessions) == entry.shard_count:
             new_epoch(entry, max_blocks, self.kv_events)
+            layout = entry.node_layout
+            if layout is not None and self.node is not None:
+                entry.pool.set_node(self.node.tiers[layout])  # type: ignore[union-attr]
             self.dirty.add(entry.name)
 
     def get_pool(self, name: object) -> PoolEntry:
@@ -382,11 +409,26 @@ class Registry:
     def _step(self, rec: StepRan, now: float) -> list[dict]:
         sess, entry = self.sessions[rec.sid], self.pools[rec.pool]
         ops = rec.decoded if rec.decoded is not None else decode_ops(rec.ops)  # a replay decodes here
-        results = encode_results(run_step(entry.pool, sess.sid, ops, allow_alloc=not self.draining))  # type: ignore[arg-type]
+        results = encode_results(run_step(entry.pool, sess.sid, ops, allow_alloc=not self.draining,  # type: ignore[arg-type]
+                                          batch=rec.msg_id))
         sess.remember_step(rec.msg_id, results)
         if rec.ops:  # journaled only then (IF_CHANGED: one result per sub-op)
             self.dirty.add(entry.name)
         return results
+
+    def node_finish(self, sess: Session, entry: PoolEntry, batch: int, failed: list) -> bool:
+        """A worker ran its step ``batch``'s node-tier orders; ``failed`` (wire maps, checked by
+        the caller against the batch) did not land. False: no such batch (abandoned, or of
+        another manager): nothing changes."""
+        return self._apply(NodeFinished(sess.sid, entry.name, batch, failed), Registry._node_finish, 0.0)
+
+    def _node_finish(self, rec: NodeFinished, now: float) -> bool:
+        pool = self.pools[rec.pool].pool
+        if pool is None or pool.node is None or (rec.sid, rec.batch) not in pool.node.tier.batches:
+            return False
+        pool.node.tier.finish((rec.sid, rec.batch), [order_from_wire(o) for o in rec.failed])
+        self.dirty.add(rec.pool)
+        return True
 
     def drop_pool(self, entry: PoolEntry) -> int:
         """Forgets a pool (admin ``drop_pool``): its requests are freed, subscribers told to
@@ -434,6 +476,8 @@ class Registry:
         """Every pool's invariants against the live sessions (``check_pools``, manager/state/entries.py).
         Raises InvariantBroken (explicit checks, not asserts: they hold under ``python -O``)."""
         check_pools(self.pools.values(), self.sessions)
+        if self.node is not None:
+            self.node.check_invariants()
 
 
 # The dispatch of ``apply``: record type -> (its method, when it is journaled).
@@ -446,6 +490,7 @@ _TABLE: dict[type, tuple[Callable[[Registry, Any, float], object], str]] = {
     BlocksEvicted: (Registry._evict, AFTER),
     DrainingSet: (Registry._set_draining, AFTER),
     PoolDropped: (Registry._drop, AFTER),
+    NodeFinished: (Registry._node_finish, IF_CHANGED),
 }
 _RUN = {kind: run for kind, (run, _) in _TABLE.items()}
 _WHEN = {kind: when for kind, (_, when) in _TABLE.items()}

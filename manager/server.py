@@ -30,6 +30,7 @@ from kvpool.manager.external.ops import attachment
 from kvpool.manager.guards import Bounds
 from kvpool.manager.handlers import Handlers
 from kvpool.manager.loop_hooks import LoopHooks
+from kvpool.manager.node_tiers import NodeTiers
 from kvpool.manager.ops import OPS, Answer
 from kvpool.manager.registry import Registry
 from kvpool.manager.stats import ServerStats
@@ -96,8 +97,10 @@ class Server:
 
     def new_registry(self, incarnation: str) -> Registry:
         cfg = self.cfg
+        settings = cfg.node_tier_settings()
         return Registry(incarnation, session_timeout_s=cfg.session_timeout_s, max_sessions=cfg.max_sessions,
-                        max_pools=cfg.max_pools, max_blocks=cfg.max_blocks, kv_events=self._kv_events)
+                        max_pools=cfg.max_pools, max_blocks=cfg.max_blocks, kv_events=self._kv_events,
+                        node_tiers=NodeTiers(settings) if settings is not None else None)
 
     @property
     def incarnation(self) -> str:

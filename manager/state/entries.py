@@ -54,6 +54,7 @@ class Shard:
     serve: dict | None = None  # where this shard takes generate requests (register's optional field)
     host_kv_bytes: int = 0  # host memory offered for the host tier (0: none)
     host_kv_policy: str = "demote"  # or "write_through" (manager/core/host_tier.py)
+    node_layout: str | None = None  # the node tier (layout id, hex) the shard's pool uses (None: none)
 
     @property
     def host_num_blocks(self) -> int:
@@ -112,6 +113,11 @@ class PoolEntry:
     def host_num_blocks(self) -> int:
         """Blocks of the pool's host tier: the fewest any shard's host memory holds (0: no tier)."""
         return min((s.host_num_blocks for s in self.shards.values()), default=0)
+
+    @property
+    def node_layout(self) -> str | None:
+        """The node tier of a single-shard pool whose worker mapped its layout's stores."""
+        return self.shards[0].node_layout if self.shard_count == 1 and 0 in self.shards else None
 
     @property
     def host_policy(self) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from helpers.worker import BLOCK_BYTES, TINY
-
 from kvpool.manager.core.node_tier import NodeTier
 from kvpool.shared.node_tier import NodeTierInfo, disk_slots, host_file, host_slots, layout_id
 from kvpool.shared.protocol import KVSpec

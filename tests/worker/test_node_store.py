@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from kvpool.shared.node_orders import Save
 from kvpool.manager.core.node_tier import NodeTier
+from kvpool.shared.node_orders import Save
 from kvpool.shared.protocol import KVSpec
 from kvpool.worker.node_layout import HEADER
 from kvpool.worker.node_store import DiskStore, HostStore, NodeStoreError, StoreLayout, disk_slots
