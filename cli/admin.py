@@ -226,12 +226,14 @@ def stats(watch: bool, interval: float, endpoint: str, timeout_s: float, admin_k
 # -- actions -------------------------------------------------------------------------------
 
 
-_TIER = click.option("--tier", type=click.Choice(["device", "host"]), default="device", show_default=True,
-                     help="Which tier of the pool: the device blocks or the host tier (--host-kv-memory).")
+_TIER = click.option("--tier", type=click.Choice(["device", "host", "node-host", "node-disk"]), default="device",
+                     show_default=True,
+                     help="Which tier of the pool: the device blocks, the host tier (--host-kv-memory), or a level "
+                          "of the node tier it shares with every pool of its layout (manager --node-tier-memory).")
 
 
 def _tier_arg(tier: str) -> dict:
-    return {"tier": tier} if tier != "device" else {}  # the device tier: the request as before
+    return {"tier": tier.replace("-", "_")} if tier != "device" else {}  # the device tier: the request as before
 
 
 @click.command("reset-cache")

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Container
 
 from kvpool.manager.core.block_pool import InvariantBroken
-from kvpool.manager.core.pool import Pool
+from kvpool.manager.core.pool import NODE_LEVELS, Pool
 from kvpool.manager.external.ops import ExternalOps
 from kvpool.manager.guards import Bounds, check_owner, check_register, check_step, max_model_len
 from kvpool.manager.health import pool_health
@@ -45,13 +45,17 @@ from kvpool.shared.summaries import PoolSummary, ServeInfo, WorkerRow
 U63 = (1 << 63) - 1
 
 
-def check_tier(args: dict, pool: Pool) -> str:
-    """``args.tier``: "device" (the default) or "host", which the pool must have."""
+def check_tier(args: dict, pool: Pool, node: bool = False) -> str:
+    """``args.tier``: "device" (the default) or "host", which the pool must have; with ``node``
+    also "node_host" or "node_disk", a level of the pool's node tier."""
     tier = args.get("tier", "device")
-    if tier not in ("device", "host"):
-        raise bad_field("tier", '"device" or "host"', tier)
+    tiers = ("device", "host", *NODE_LEVELS) if node else ("device", "host")
+    if tier not in tiers:
+        raise bad_field("tier", " or ".join(f'"{t}"' for t in tiers), tier)
     if tier == "host" and pool.host is None:
         raise bad_field("tier", '"device": the pool has no host tier (no worker offered --host-kv-memory)', tier)
+    if tier in NODE_LEVELS and (pool.node is None or NODE_LEVELS[tier] not in pool.node.tier.levels):
+        raise bad_field("tier", f'a level the pool has: it has no {tier.replace("_", " ")} level', tier)
     return tier
 
 
@@ -354,10 +358,10 @@ class Handlers(ExternalOps):
     def reset_cache(self, call: Call) -> dict:
         args = call.args
         entry, pool = self.reg.ready_pool(args.get("pool"))
-        tier = check_tier(args, pool)
+        tier = check_tier(args, pool, node=True)
         if not self.reg.reset_cache(entry, tier):
-            if tier == "host":
-                raise ManagerError("in_use", f"pool {entry.name!r}: host blocks are pinned by a step; retry")
+            if tier != "device":
+                raise ManagerError("in_use", f"pool {entry.name!r}: {tier} blocks are pinned by a step; retry")
             raise ManagerError("in_use", f"pool {entry.name!r} has {pool.blocks.num_used} blocks in use; "
                                "drain it first (kvpool drain), then reset")
         return {"reset": True}
@@ -367,7 +371,7 @@ class Handlers(ExternalOps):
         args = call.args
         entry, pool = self.reg.ready_pool(args.get("pool"))
         n = get_int(args, "n", 0, U63)
-        return {"evicted": self.reg.evict(entry, n, check_tier(args, pool))}
+        return {"evicted": self.reg.evict(entry, n, check_tier(args, pool, node=True))}
 
     @op(admin=True)
     def drain(self, call: Call) -> dict:

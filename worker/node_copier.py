@@ -125,7 +125,7 @@ class NodeCopier:
     def _read_host(self, slot: int, key: bytes, out: torch.Tensor, bad_slots: set[int]) -> Failure | None:
         if slot in bad_slots:
             out.zero_()
-            return Failure("missing", f"host slot {slot}: its prefetch from disk failed")
+            return Failure("prefetch_failed", f"host slot {slot}: its prefetch from disk failed")
         return self.host.read_into(slot, key, out)
 
     def _disk(self) -> DiskStore:

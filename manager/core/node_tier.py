@@ -275,7 +275,8 @@ class NodeTier(NodeTierAdmin):
             self._drop_if(lv, order.dst, order.key)
         else:
             lv = self.levels[order.frm]
-            lv.stats.verify_failures += 1
+            if lv.blocks.block_hash[order.src] == order.key:  # else: its prefetch failed (counted there)
+                lv.stats.verify_failures += 1
             self._drop_if(lv, order.src, order.key)
             if order.frm == "disk":
                 self._drop_if(self.host, order.dst, order.key)

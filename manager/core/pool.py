@@ -66,6 +66,9 @@ class PoolStats:
     cow_copies: int = 0
 
 
+NODE_LEVELS = {"node_host": "host", "node_disk": "disk"}  # admin tier names -> the node tier's levels
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -345,8 +348,12 @@ class Pool:
     # -- admin -----------------------------------------------------------------------------
 
     def reset_prefix_cache(self, tier: str = "device") -> bool:
+        """``tier``: "device", "host" (the pool's host tier), "node_host" or "node_disk" (a level
+        of the node tier the pool shares with every pool of its layout)."""
         if tier == "host":
             return self._host_tier().reset()
+        if tier in NODE_LEVELS:
+            return self._node_tier().reset(NODE_LEVELS[tier])
         return self.blocks.reset_prefix_cache()
 
     def evict(self, n: int, tier: str = "device") -> int:
@@ -354,7 +361,14 @@ class Pool:
             raise PoolError("bad_count", f"cannot evict {n} blocks")
         if tier == "host":
             return self._host_tier().evict(n)
+        if tier in NODE_LEVELS:
+            return self._node_tier().evict(NODE_LEVELS[tier], n)
         return self.blocks.evict(n)
+
+    def _node_tier(self) -> NodeTier:
+        if self.node is None:
+            raise PoolError("no_node_tier", "the pool has no node tier: the manager runs none, or its worker mapped none")
+        return self.node.tier
 
     def _host_tier(self) -> HostTier:
         if self.host is None:
