@@ -14,6 +14,7 @@ from collections.abc import Callable, Container
 
 from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.core.pool import NODE_LEVELS, Pool
+from kvpool.manager.core.retention import MAX_TTL_S
 from kvpool.manager.external.ops import ExternalOps
 from kvpool.manager.guards import Bounds, check_owner, check_register, check_step, max_model_len
 from kvpool.manager.health import pool_health
@@ -372,6 +373,32 @@ class Handlers(ExternalOps):
         entry, pool = self.reg.ready_pool(args.get("pool"))
         n = get_int(args, "n", 0, U63)
         return {"evicted": self.reg.evict(entry, n, check_tier(args, pool, node=True))}
+
+    @op(admin=True)
+    def pin(self, call: Call) -> dict:
+        """Keeps a prefix's blocks from eviction for ``ttl_s`` seconds (manager/pins.py)."""
+        args = call.args
+        entry, _ = self.reg.ready_pool(args.get("pool"))
+        hashes = get_hashes(args)
+        if not hashes:
+            raise bad_field("hashes", "at least one block hash", hashes)
+        ttl = args.get("ttl_s")
+        if type(ttl) not in (int, float) or not 0 < ttl <= MAX_TTL_S:
+            raise bad_field("ttl_s", f"seconds in (0, {MAX_TTL_S:.0f}]", ttl)
+        pin = self.reg.pin(entry, hashes, float(ttl), time.time())
+        return pin.row(time.time())
+
+    @op(admin=True)
+    def unpin(self, call: Call) -> dict:
+        pin_id = get_int(call.args, "pin_id", 1, U63)
+        if pin_id not in self.reg.pins.pins:
+            raise bad_field("pin_id", f"a pin's id (pins: {sorted(self.reg.pins.pins)[:20]})", pin_id)
+        return {"unpinned": self.reg.unpin(pin_id)}
+
+    @op(admin=True)
+    def pins(self, call: Call) -> dict:
+        now = time.time()
+        return {"pins": [p.row(now) for p in self.reg.pins.pins.values()]}
 
     @op(admin=True)
     def drain(self, call: Call) -> dict:

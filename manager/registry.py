@@ -31,9 +31,11 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from kvpool.manager.core.kv_events import AllBlocksCleared, KVEvent
-from kvpool.manager.core.pool import Pool
+from kvpool.manager.core.pool import PIN_OWNER, Pool
+from kvpool.manager.core.retention import PinRefused
 from kvpool.manager.core.step import run_step
 from kvpool.manager.node_tiers import NodeTiers
+from kvpool.manager.pins import DEFAULT_SHARE, Pin, PinTable
 from kvpool.manager.pool_forming import compatible, new_epoch, remove_shards, shard_blocks
 from kvpool.manager.state.entries import GLOBAL, PoolEntry, Session, Shard, check_pools
 from kvpool.manager.state.mutations import (
@@ -42,6 +44,8 @@ from kvpool.manager.state.mutations import (
     DrainingSet,
     Mutation,
     NodeFinished,
+    PinAdded,
+    PinRemoved,
     PoolDropped,
     SessionEnded,
     SessionOpened,
@@ -76,6 +80,7 @@ class Registry:
     ) -> None:
         self.incarnation = incarnation
         self.node = node_tiers  # the node tier of each KV layout (manager/node_tiers.py); None: off
+        self.pins = PinTable()  # retention pins (manager/pins.py)
         # Whether new pools queue KV events: False when nothing can ever receive them (the manager
         # publishes to no socket), which saves a third of a prefill step's CPU. What a subscriber
         # sees is unchanged: there is none. A pool recovered from a store queues them regardless.
@@ -430,6 +435,62 @@ class Registry:
         self.dirty.add(rec.pool)
         return True
 
+    def pin(self, entry: PoolEntry, hashes: list[bytes], ttl_s: float, now: float) -> Pin:
+        """A retention pin of ``hashes`` in ``entry``'s pool and node tier (``now``: wall-clock
+        seconds); ManagerError ``pin_refused`` (nothing changed) past a tier's pinned share."""
+        return self._apply(PinAdded(entry.name, hashes, ttl_s, now), Registry._pin, 0.0)
+
+    def _pin(self, rec: PinAdded, now: float) -> Pin:
+        pool = self.pools[rec.pool].pool
+        if pool is None:
+            raise ManagerError("pool_not_ready", f"pool {rec.pool!r} is not ready")
+        pin_id = self.pins.next_id
+        node_pin = None
+        if pool.node is not None:
+            got = pool.node.tier.pin(rec.hashes, rec.ttl_s, rec.now)
+            if isinstance(got, PinRefused):
+                raise ManagerError("pin_refused", f"node tier: {got.message}")
+            node_pin = got
+        share = self.node.settings.pin_share if self.node is not None else DEFAULT_SHARE
+        held = pool.pin((PIN_OWNER, pin_id), rec.hashes, share)
+        if held is None:
+            if node_pin is not None:
+                pool.node.tier.unpin(node_pin)  # type: ignore[union-attr]
+            limit = int(share * (pool.blocks.num_blocks - 1))
+            raise ManagerError("pin_refused", f"pin refused: its {len(pool.blocks.lookup(rec.hashes))} cached device "
+                               f"blocks join the {pool.pinned_blocks()} pinned in pool {rec.pool!r}, which keeps at "
+                               f"most {limit} pinned ({share:.0%} of {pool.blocks.num_blocks - 1} blocks): unpin some "
+                               "or pin a shorter prefix")
+        pin = self.pins.pins[self.pins.take_id()] = Pin(pin_id, rec.pool, tuple(rec.hashes), rec.now + rec.ttl_s,
+                                                        node_pin, self.pools[rec.pool].node_layout, held)
+        self.dirty.add(rec.pool)
+        return pin
+
+    def unpin(self, pin_id: int, expired: bool = False) -> bool:
+        return self._apply(PinRemoved(pin_id, expired), Registry._unpin, 0.0)
+
+    def _unpin(self, rec: PinRemoved, now: float) -> bool:
+        pin = self.pins.pins.pop(rec.pin_id, None)
+        if pin is None:
+            return False
+        entry = self.pools.get(pin.pool)
+        pool = entry.pool if entry is not None else None
+        key = (PIN_OWNER, pin.pin_id)
+        if pool is not None and key in pool.requests:  # (a re-formed pool holds none)
+            pool.free(key)
+        tier = self.node.tiers.get(pin.layout) if self.node is not None and pin.layout is not None else None
+        if tier is not None and pin.node_pin is not None:  # the layout's tier outlives its pools
+            tier.unpin(pin.node_pin, expired=rec.expired)
+        self.dirty.add(pin.pool if entry is not None else GLOBAL)
+        return True
+
+    def expire_pins(self, now: float) -> list[int]:
+        """Ends the pins whose time is up at wall-clock ``now``."""
+        due = self.pins.due(now)
+        for pin_id in due:
+            self.unpin(pin_id, expired=True)
+        return due
+
     def drop_pool(self, entry: PoolEntry) -> int:
         """Forgets a pool (admin ``drop_pool``): its requests are freed, subscribers told to
         clear it, its name and memory released. Returns how many requests were freed."""
@@ -491,6 +552,8 @@ _TABLE: dict[type, tuple[Callable[[Registry, Any, float], object], str]] = {
     DrainingSet: (Registry._set_draining, AFTER),
     PoolDropped: (Registry._drop, AFTER),
     NodeFinished: (Registry._node_finish, IF_CHANGED),
+    PinAdded: (Registry._pin, AFTER),
+    PinRemoved: (Registry._unpin, IF_CHANGED),
 }
 _RUN = {kind: run for kind, (run, _) in _TABLE.items()}
 _WHEN = {kind: when for kind, (_, when) in _TABLE.items()}

@@ -296,6 +296,9 @@ class Server:
             self.stats.expired_requests_freed += freed
             logger.warning("session %d (%s) silent for %.1fs: expired, %d requests freed",
                            sess.num, sess.identity, now - sess.last_seen, freed)
+        if self.registry.pins.pins:
+            for pin_id in self.registry.expire_pins(time.time()):  # pins live in wall-clock time
+                logger.info("pin %d expired", pin_id)
 
     def _commit(self, answers: list[Answer | None] | None = None) -> list[list[bytes]]:
         """Store commit, then KV events: both before any reply of this iteration goes out; then

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, fields
 
 MAX_TOKENS = (1 << 31) - 1
+MAX_PRIORITY = 1 << 31
 MAX_SEED = (1 << 63) - 1
 MAX_N = 64
 MAX_TEMPERATURE = 1e4
@@ -41,6 +42,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # end the sample (finish reason "stop"), EOS aside
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k alternatives
     stop: tuple[str, ...] = ()  # stop strings: applied to text by the front door and the offline LLM
+    # vLLM's request priority (lower is more important): the node tier keeps the blocks of the more
+    # important requests longer (manager/core/node_level.py); the worker schedules FCFS regardless
+    priority: int = 0
 
     def __post_init__(self) -> None:
         """Every field's type and range (bools are not ints, ints are not floats here: a client
@@ -84,6 +88,8 @@ class SamplingParams:
         if not 0.0 <= min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {min_p}")
         object.__setattr__(self, "min_p", min_p)
+        if type(self.priority) is not int or not -MAX_PRIORITY <= self.priority < MAX_PRIORITY:
+            raise ValueError(f"priority must be an int in [-2**31, 2**31), got {_short(self.priority)}")
         if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or absent, got {_short(self.logprobs)}")
         ids = self.stop_token_ids

@@ -6,7 +6,7 @@ the in-process block manager and the journal's replay all decode through it) and
 ``to_wire``, whose map is byte for byte the documented one: the same keys in the same order,
 an optional key absent when its field is ``None``::
 
-    Alloc   {"op": "alloc", "req", "hashes", "prompt_len", "max_new", "lookahead"?}
+    Alloc   {"op": "alloc", "req", "hashes", "prompt_len", "max_new", "lookahead"?, "priority"?}
     Extend  {"op": "extend", "req", "num_tokens", "hashes"?, "lookahead"?, "base"?}
     Free    {"op": "free", "req", "computed"?}
     Fork    {"op": "fork", "req", "child"}
@@ -59,6 +59,13 @@ def _req(op: dict, key: str = "req") -> ReqId:
     raise ManagerError("bad_field", f"field {key!r} must be an int >= 0 or a str of 1-128 chars, got {short_repr(v)}")
 
 
+def _priority(op: dict) -> int:
+    v = op.get("priority")
+    if type(v) is not int or not -MAX_COUNT <= v < MAX_COUNT:
+        raise ManagerError("bad_field", f"field 'priority' must be an int in [-2**31, 2**31), got {short_repr(v)}")
+    return v
+
+
 def _hashes(op: dict) -> list[bytes]:
     hs = op.get("hashes", ())
     if type(hs) not in (list, tuple) or len(hs) > MAX_HASHES:
@@ -82,16 +89,20 @@ class Alloc:
     prompt_len: int
     max_new: int
     lookahead: int | None = None
+    priority: int | None = None  # vLLM's request priority (lower: kept longer in the node tier)
 
     @classmethod
     def from_wire(cls, op: dict) -> Alloc:
-        return cls(_req(op), _hashes(op), _int(op, "prompt_len"), _int(op, "max_new"), _opt_int(op, "lookahead"))
+        return cls(_req(op), _hashes(op), _int(op, "prompt_len"), _int(op, "max_new"), _opt_int(op, "lookahead"),
+                   _priority(op) if "priority" in op else None)
 
     def to_wire(self) -> dict:
         w = {"op": "alloc", "req": self.req, "hashes": self.hashes, "prompt_len": self.prompt_len,
              "max_new": self.max_new}
         if self.lookahead is not None:
             w["lookahead"] = self.lookahead
+        if self.priority is not None:
+            w["priority"] = self.priority
         return w
 
 

@@ -310,11 +310,12 @@ class NodeTier(NodeTierAdmin):
                     lv.retain(b)
         return pin_id
 
-    def unpin(self, pin_id: int) -> bool:
+    def unpin(self, pin_id: int, expired: bool = False) -> bool:
+        """Ends a pin (``expired``: its time ran out; a later removal of its hashes says so)."""
         released = self.pins.remove(pin_id)
         if released is None:
             return False
-        self._unretain(released, expired=False)
+        self._unretain(released, expired=expired)
         return True
 
     def expire(self, now: float) -> list[int]:

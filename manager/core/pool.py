@@ -46,13 +46,14 @@ class RequestBlocks:
     """The one mutable record of a request in the pool: its blocks, token count and known block
     hashes (the worker's own record of a request is worker/request.py ``Request``)."""
 
-    __slots__ = ("blocks", "num_tokens", "hashes", "num_cached")
+    __slots__ = ("blocks", "num_tokens", "hashes", "num_cached", "priority")
 
-    def __init__(self, blocks: list[int], num_tokens: int, hashes: list[bytes], num_cached: int):
+    def __init__(self, blocks: list[int], num_tokens: int, hashes: list[bytes], num_cached: int, priority: int = 0):
         self.blocks = blocks  # block table, block i holds tokens [i*bs, (i+1)*bs)
         self.num_tokens = num_tokens  # tokens given slots (this step's included), lookahead not
         self.hashes = hashes  # hashes of the request's full blocks known so far
         self.num_cached = num_cached  # leading blocks already entered into the map
+        self.priority = priority  # the request's (vLLM's meaning): the node tier keeps its blocks by it
 
 
 @dataclass
@@ -67,6 +68,7 @@ class PoolStats:
 
 
 NODE_LEVELS = {"node_host": "host", "node_disk": "disk"}  # admin tier names -> the node tier's levels
+PIN_OWNER = "\x00pin"  # the owner of a retention pin's holding (never a session's sid: those are hex)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -197,6 +199,7 @@ class Pool:
         num_prompt_tokens: int,
         max_new_tokens: int,
         lookahead: int = 0,
+        priority: int = 0,
     ) -> tuple[int, list[int]] | None:
         """Admits a request: cached prefix + slots for up to ``max_new_tokens`` prompt tokens.
 
@@ -225,6 +228,8 @@ class Pool:
             nh = limit
         host_hits = self.host.lookup(hashes[nh:limit]) if self.host is not None else []
         k = nh + len(host_hits)
+        if self.node is not None:
+            self.node.priority = priority
         node_hits = self.node.plan(hashes[k:limit]) if self.node is not None and k < limit else []
         stats = self.stats
         num_cached = (k + len(node_hits)) * bs
@@ -253,7 +258,7 @@ class Pool:
         if node_hits:
             node.load(node_hits, new[k - nh: k - nh + len(node_hits)])  # type: ignore[union-attr]
         blocks = hits + new
-        req = self.requests[req_id] = RequestBlocks(blocks, num_tokens, list(hashes), n_full)
+        req = self.requests[req_id] = RequestBlocks(blocks, num_tokens, list(hashes), n_full, priority)
         if n_full > nh and (self.host is not None or node is not None):
             self.fresh.update(new[: n_full - nh])
             if self.host is not None and self.host.policy == "write_through":
@@ -375,6 +380,22 @@ class Pool:
             raise PoolError("no_host_tier", "the pool has no host tier: its workers offered no --host-kv-memory")
         return self.host
 
+    def pin(self, key: object, hashes: Sequence[bytes], share: float) -> int | None:
+        """Holds the leading cached blocks of ``hashes`` under ``key`` (a retention pin: no
+        eviction takes them until ``free(key)``); how many, or None when that would hold more than
+        ``share`` of the pool's blocks in pins (nothing changed)."""
+        if key in self.requests:
+            raise PoolError("duplicate_request", "pin {req} exists", key)
+        hits = self.blocks.lookup(hashes)
+        if self.pinned_blocks() + len(hits) > int(share * (self.blocks.num_blocks - 1)):
+            return None
+        self.blocks.touch(hits)
+        self.requests[key] = RequestBlocks(hits, len(hits) * self.block_size, list(hashes[:len(hits)]), len(hits))
+        return len(hits)
+
+    def pinned_blocks(self) -> int:
+        return sum(len(r.blocks) for k, r in self.requests.items() if type(k) is tuple and k[0] == PIN_OWNER)
+
     def free_all(self) -> int:
         """Frees every request (a dead session or a new epoch); returns how many."""
         ids = list(self.requests)
@@ -442,6 +463,7 @@ class Pool:
                 if self.host is not None and self.host.policy == "write_through":
                     self._write_through(req, start, n_full, parent)
                 if self.node is not None:
+                    self.node.priority = req.priority
                     self.node.write(req.blocks[start:n_full], req.hashes[start:n_full], parent)
             req.num_cached = n_full
 

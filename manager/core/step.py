@@ -52,7 +52,7 @@ _DRAINING = Refused("draining", "the manager is draining: no new allocations")
 
 
 def _alloc(pool: Pool, owner: object, op: Alloc) -> AllocResult | Refused:
-    res = pool.allocate((owner, op.req), op.hashes, op.prompt_len, op.max_new, op.lookahead or 0)
+    res = pool.allocate((owner, op.req), op.hashes, op.prompt_len, op.max_new, op.lookahead or 0, op.priority or 0)
     if res is None:
         return NO_SPACE
     return AllocResult(res[0], list(res[1]))  # a copy: a later sub-op may grow it

@@ -11,7 +11,7 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 from kvpool.manager.core.block_pool import InvariantBroken
-from kvpool.manager.core.pool import Pool
+from kvpool.manager.core.pool import PIN_OWNER, Pool
 from kvpool.shared.protocol import KVSpec
 
 GLOBAL = "\x00global"  # dirty marker: sessions or manager-wide flags (not a valid pool name)
@@ -135,7 +135,7 @@ def check_pools(pools: Iterable[PoolEntry], sessions: Container[str]) -> None:
             continue
         entry.pool.check_invariants()
         for key in entry.pool.requests:
-            if key[0] not in sessions:  # type: ignore[index]
+            if key[0] not in sessions and key[0] != PIN_OWNER:  # type: ignore[index]
                 raise InvariantBroken(f"pool {entry.name}: request {key[1]!r:.60} of a dead session")  # type: ignore[index]
         if len(entry.shards) != entry.shard_count:
             raise InvariantBroken(f"pool {entry.name}: ready without all shards")

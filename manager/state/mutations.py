@@ -19,6 +19,7 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
                                                             (+ node_model, only when the worker offered one)
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
     ["node_done", sid, pool, batch, failed]                 NodeFinished: a node-tier batch ran
+    ["pin", pool, hashes, ttl_s, now]   ["unpin", pin_id, expired]   retention pins (manager/pins.py)
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]   ["drop", pool] (PoolDropped)
     (reset and evict + tier "host" for the host tier)
 """
@@ -108,8 +109,24 @@ class NodeFinished:
     failed: list
 
 
+@dataclass(frozen=True)
+class PinAdded:
+    """A retention pin of ``hashes`` in ``pool`` for ``ttl_s`` from wall-clock ``now``."""
+
+    pool: str
+    hashes: list
+    ttl_s: float
+    now: float
+
+
+@dataclass(frozen=True)
+class PinRemoved:
+    pin_id: int
+    expired: bool = False  # its time ran out (else: unpinned)
+
+
 Mutation = (SessionOpened | SessionEnded | ShardRegistered | StepRan | CacheReset | BlocksEvicted | DrainingSet
-            | PoolDropped | NodeFinished)
+            | PoolDropped | NodeFinished | PinAdded | PinRemoved)
 
 KINDS: dict[str, type] = {
     "open": SessionOpened,
@@ -121,6 +138,8 @@ KINDS: dict[str, type] = {
     "drain": DrainingSet,
     "drop": PoolDropped,
     "node_done": NodeFinished,
+    "pin": PinAdded,
+    "unpin": PinRemoved,
 }
 _LAYOUT = {cls: (kind, tuple(f.name for f in fields(cls) if f.compare)) for kind, cls in KINDS.items()}
 
