@@ -38,7 +38,7 @@ class Pin:
                 "expires_at": self.expires_at, "remaining_s": max(0.0, self.expires_at - now)}
 
 
-class PinTable:
+class Pins:
     def __init__(self) -> None:
         self.pins: dict[int, Pin] = {}
         self.next_id = 1
