@@ -155,6 +155,8 @@ def test_the_config_says_what_to_change(tmp_path):
         ManagerConfig(node_tier_memory=1 << 20, node_tier_policy="lru")
     with pytest.raises(ValueError, match="must be a directory"):
         ManagerConfig(node_tier_memory=1 << 20, node_tier_dir=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="not persisted in Redis yet"):
+        ManagerConfig(node_tier_memory=1 << 20, redis_url="redis://127.0.0.1:6379/0")
 
 
 def test_prometheus_renders_the_levels_and_the_pools_hits_by_level(srv):
