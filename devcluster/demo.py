@@ -63,9 +63,10 @@ def host_tier_stats(manager: str) -> dict:
         pools = client.stats()["pools"]
     finally:
         client.close()
-    return {name: {k: p.get(k, 0) for k in ("hit_tokens", "host_hit_tokens", "lookup_tokens", "host_num_blocks",
-                                            "host_cached_blocks", "host_saves", "host_loads", "node_host_hit_tokens",
-                                            "node_disk_hit_tokens")}
+    return {name: {**{k: p.get(k, 0) for k in ("hit_tokens", "host_hit_tokens", "lookup_tokens", "host_num_blocks",
+                                               "host_cached_blocks", "host_saves", "host_loads",
+                                               "node_host_hit_tokens", "node_disk_hit_tokens")},
+                   "node": "node_hit_tokens" in p}
             for name, p in sorted(pools.items())}
 
 
@@ -171,15 +172,22 @@ def format_report(r: dict) -> str:
                      f"{p['peak_running']} running (static max-length preallocation: {p['static_blocks']} blocks, "
                      f"{ratio:.1f}x); {p['preemptions']} preemptions")
     for name, t in r.get("host_tier", {}).items():
-        look = t["lookup_tokens"] or 1
-        node = t["node_host_hit_tokens"] + t["node_disk_hit_tokens"]
-        device = t["hit_tokens"] - t["host_hit_tokens"] - node
-        held = f"host tier {t['host_cached_blocks']}/{t['host_num_blocks'] - 1} blocks cached; " \
-            if t["host_num_blocks"] else ""
-        lines.append(f"pool {name:<10} {held}hits {device / look:.1%} device + {t['host_hit_tokens'] / look:.1%} host + "
-                     f"{t['node_host_hit_tokens'] / look:.1%} node host + {t['node_disk_hit_tokens'] / look:.1%} "
-                     f"node disk; {t['host_saves']} host saves, {t['host_loads']} host loads")
+        lines.append(tier_line(name, t))
     return "\n".join(lines + ["", *EXPLAIN])
+
+
+def tier_line(name: str, t: dict) -> str:
+    """A pool's hits by tier (and by node-tier level, with a node tier)."""
+    look = t["lookup_tokens"] or 1
+    node = t["node_host_hit_tokens"] + t["node_disk_hit_tokens"]
+    device = t["hit_tokens"] - t["host_hit_tokens"] - node
+    held = f"host tier {t['host_cached_blocks']}/{t['host_num_blocks'] - 1} blocks cached; " if t["host_num_blocks"] else ""
+    if not t["node"]:
+        return (f"pool {name:<10} {held}hits {device / look:.1%} device + {t['host_hit_tokens'] / look:.1%} host; "
+                f"{t['host_saves']} saves, {t['host_loads']} loads")
+    return (f"pool {name:<10} {held}hits {device / look:.1%} device + {t['host_hit_tokens'] / look:.1%} host + "
+            f"{t['node_host_hit_tokens'] / look:.1%} node host + {t['node_disk_hit_tokens'] / look:.1%} node disk; "
+            f"{t['host_saves']} host saves, {t['host_loads']} host loads")
 
 
 EXPLAIN = [
