@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers.frontend import Stack
+from helpers.frontend import SESSION_TIMEOUT_S, Stack
 
 from kvpool.frontend.router import Candidate, KVRouter
 
@@ -95,7 +95,7 @@ def test_workers_lost_mid_stream_end_streams_cleanly_and_new_workers_are_noticed
         events = [ln[6:] for ln in first + rest if ln.startswith("data: ")]
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["reason"] in ("worker_ended", "worker_lost")
         assert stack.cluster.named["late"].wait(15) == 0
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 10 + SESSION_TIMEOUT_S  # (the killed ones' sessions expire meanwhile)
         while stack.fd.frontdoor.directory.workers:  # deregistered: gone from the manager's list
             assert time.monotonic() < deadline
             time.sleep(0.05)
