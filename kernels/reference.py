@@ -177,6 +177,16 @@ def _prefill_one(query, kv_cache, seq_len, q_start, q_len, table_row, scale, win
     return torch.cat(outs)
 
 
+def prefill_into(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, seq: int,
+                 out: torch.Tensor) -> None:
+    """Sequence ``seq``'s queries, any length, by one gather and SDPA, written into ``out`` (the
+    CPU op's path for long queries, kernels/paged_attention_cpu.py; inputs checked there)."""
+    start, end = int(meta.query_start_loc[seq]), int(meta.query_start_loc[seq + 1])
+    res = _prefill_one(query, kv_cache, int(meta.seq_lens[seq]), start, end - start, meta.block_tables[seq],
+                       meta.scale, meta.sliding_window, meta.softcap)
+    out[start:end] = res.to(out.dtype)
+
+
 def _without_padding(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
     # Entries past a sequence's own blocks are padding (0, -1, anything): the Triton kernels
     # never read them; here they become the null block, whose positions the mask hides.
