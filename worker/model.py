@@ -103,14 +103,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, num_kv_heads * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, num_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(num_heads * d, cfg.hidden_size, bias=False)
+        # q, k and v as one product once worker/cpu_linear.py packs them (q_proj... are then None)
+        self.qkv_proj: nn.Module | None = None
         self.reduce: ReduceFn = no_reduce  # sums o_proj's partial outputs over tensor-parallel ranks
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.num_kv_heads * self.head_size
+        return self.qkv_proj(x).split([self.num_heads * self.head_size, kv, kv], dim=-1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 attend: AttendFn, layer: int) -> torch.Tensor:
         t, d = x.shape[0], self.head_size
-        q = rope(positions, self.q_proj(x).view(t, self.num_heads, d))
-        k = rope(positions, self.k_proj(x).view(t, self.num_kv_heads, d))
-        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+        q, k, v = self._qkv(x)
+        q = rope(positions, q.view(t, self.num_heads, d))
+        k = rope(positions, k.view(t, self.num_kv_heads, d))
+        v = v.view(t, self.num_kv_heads, d)
         return self.reduce(self.o_proj(attend(layer, q, k, v).reshape(t, self.num_heads * d)))
 
 
@@ -120,10 +129,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate and up as one product once packed
         self.reduce: ReduceFn = no_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
