@@ -1,10 +1,13 @@
 """Builds the C++ CPU kernels (kernels/csrc/) once per machine and loads them; None where it can't.
 
+One library, ``torch.ops.kvpool_cpu``: the paged attention of paged_attention_cpu.py and the
+per-layer ops of layer_ops.py.
+
 The library lands in ``KVPOOL_KERNEL_CACHE`` (default ``$XDG_CACHE_HOME/kvpool/kernels``, i.e.
 ``~/.cache/kvpool/kernels``) under a name keyed by everything it depends on: the source, torch's
 version and C++ ABI, the compiler flags and this CPU's feature flags. ``-march=native`` makes code
 for the CPU that compiles it, so a cache carried to another CPU builds anew rather than dying of
-an illegal instruction. ``scripts/install.sh`` builds it (``python -m kvpool.kernels.cpu_build``)
+an illegal instruction. ``scripts/install.sh`` builds it (``cpu_build.main()``)
 so a worker does not compile at its first start; a worker that finds it missing builds it then
 (under a file lock: concurrent starts compile once). Where no compiler is found, the build fails
 or ``KVPOOL_CPU_KERNELS=0`` is set, ``load()`` is False and the dispatcher keeps the torch
@@ -29,7 +32,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name
+                for name in ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp"))
 FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-w")
 _BUILD_TIMEOUT_S = 600.0
 
@@ -55,7 +59,9 @@ def _cpu_flags() -> str:
 
 def library_path(directory: Path | None = None) -> Path:
     """The library's path for this source, torch, flags and CPU."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for source in (*SOURCES, SOURCES[0].parent / "cpu_math.h"):
+        h.update(source.read_bytes())
     for part in (torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), " ".join(FLAGS), _cpu_flags()):
         h.update(b"\0" + part.encode())
     return (directory or cache_dir()) / f"kvpool_cpu_{h.hexdigest()[:16]}.so"
@@ -75,7 +81,7 @@ def _command(cxx: str, target: Path) -> list[str]:
 
     libs = library_paths()
     return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            *(f"-I{p}" for p in include_paths()), str(SOURCE), "-o", str(target),
+            *(f"-I{p}" for p in include_paths()), *map(str, SOURCES), "-o", str(target),
             *(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs), "-lc10", "-ltorch_cpu"]
 
 
@@ -87,7 +93,7 @@ def build(directory: Path | None = None, cxx: str | None = None) -> Path | None:
         return target
     cxx = cxx or compiler()
     if cxx is None or shutil.which(cxx) is None:
-        logger.warning("no C++ compiler (set CXX or KVPOOL_CXX): CPU attention keeps the torch path")
+        logger.warning("no C++ compiler (set CXX or KVPOOL_CXX): the CPU kernels keep the torch path")
         return None
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / ".lock", "w") as lock:
@@ -96,16 +102,16 @@ def build(directory: Path | None = None, cxx: str | None = None) -> Path | None:
             return target
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        logger.info("building the CPU attention kernel: %s", target)
+        logger.info("building the CPU kernels: %s", target)
         try:
             proc = subprocess.run(_command(cxx, Path(tmp)), capture_output=True, text=True,
                                   timeout=_BUILD_TIMEOUT_S, check=False)
         except (OSError, subprocess.TimeoutExpired) as e:
             proc = None
-            logger.warning("building the CPU attention kernel failed (%s): the torch path stays", e)
+            logger.warning("building the CPU kernels failed (%s): the torch path stays", e)
         if proc is None or proc.returncode != 0:
             if proc is not None:
-                logger.warning("building the CPU attention kernel failed: the torch path stays\n%s",
+                logger.warning("building the CPU kernels failed: the torch path stays\n%s",
                                proc.stderr[-3000:])
             Path(tmp).unlink(missing_ok=True)
             return None
@@ -118,7 +124,7 @@ def load() -> bool:
     """Whether ``torch.ops.kvpool_cpu`` is loaded (built first if needed); False keeps the
     torch reference. Once per process: a library's op namespace can be registered only once."""
     if os.environ.get("KVPOOL_CPU_KERNELS", "1") == "0":
-        logger.info("KVPOOL_CPU_KERNELS=0: CPU attention keeps the torch path")
+        logger.info("KVPOOL_CPU_KERNELS=0: the CPU kernels keep the torch path")
         return False
     path = build()
     if path is None:
@@ -126,19 +132,16 @@ def load() -> bool:
     try:
         torch.ops.load_library(str(path))
     except OSError as e:  # a library built against another torch that kept the same version
-        logger.warning("could not load %s (%s): CPU attention keeps the torch path", path, e)
+        logger.warning("could not load %s (%s): the CPU kernels keep the torch path", path, e)
         return False
     return True
 
 
 def main() -> int:
-    """``python -m kvpool.kernels.cpu_build``: build now (scripts/install.sh); exit 0 either
-    way, since the torch path serves without it."""
+    """Builds now (scripts/install.sh runs this); 0 either way, since the torch path serves
+    without the library."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     path = build()
     print(f"cpu kernels: {path}" if path else "cpu kernels: not built, the torch path serves", file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

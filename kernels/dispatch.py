@@ -6,7 +6,8 @@ always Triton (CPU tensors then run under the interpreter, TRITON_INTERPRET=1 se
 is imported); "cpu": the C++ op, an error where it cannot be built; "torch": always the
 reference. KVPOOL_KERNEL_BACKEND sets the initial backend. Triton is imported on first use only,
 so this module imports where triton cannot; "auto" then falls back to the reference with a
-warning. The cache writes and block copies have no C++ op: they run the reference on CPU.
+warning. The cache write has a C++ op too (taken as attention's is); block copies run the
+reference on CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from . import cpu_build, reference
-from .checks import check_attention
+from .checks import check_attention, check_cache_write
 from .metadata import AttentionMetadata
 from .paged_attention_cpu import paged_attention_cpu
 
@@ -73,6 +74,12 @@ def _triton_ops() -> SimpleNamespace | None:
         # Decided when the kernels were decorated, i.e. by TRITON_INTERPRET at their import.
         interpret=isinstance(_paged_attention_kernel, InterpretedFunction),
     )
+
+
+def cpu_native(t: torch.Tensor) -> bool:
+    """Whether an op on CPU tensors like t runs the C++ library: backend "auto" or "cpu", CPU
+    tensors, the library loaded (layer_ops.py and the cache write ask this)."""
+    return _backend in ("auto", "cpu") and t.device.type == "cpu" and cpu_build.load()
 
 
 def _cpu_attention(t: torch.Tensor) -> bool:
@@ -141,6 +148,10 @@ def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Write key/value [num_tokens, num_kv_heads, head_size] into kv_cache slots (-1 = skip)."""
+    if cpu_native(kv_cache) and kv_cache.stride(3) == kv_cache.shape[4]:
+        check_cache_write(key, value, kv_cache, slot_mapping)
+        torch.ops.kvpool_cpu.write_kv(key, value, kv_cache, slot_mapping)
+        return
     ops = _ops_for(kv_cache)
     (ops.reshape_and_cache if ops else reference.reshape_and_cache_ref)(
         key, value, kv_cache, slot_mapping

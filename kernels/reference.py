@@ -42,6 +42,25 @@ def reshape_and_cache_ref(
     kv_cache[1, blocks, offsets] = value
 
 
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * r / rms(r), r) with r = x + residual (or x): Llama's RMSNorm, fp32 inside."""
+    r = x if residual is None else residual + x
+    rf = r.float()
+    return weight * (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype), r
+
+
+def rope_ref(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [tokens, heads, head_size] by each token's cos/sin rows c, s
+    [tokens, 1, head_size / 2] (fp32)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 def copy_blocks_ref(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
     # block_mapping: [n, 2] of (src, dst); every source is read before any destination is written.
     check_copy_blocks(kv_caches, block_mapping)

@@ -76,7 +76,7 @@ def main() -> None:
     num_blocks = 1 + max(args.rows * per_seq, 512 // args.block_size)
     if args.ab == "attention":
         if not load_cpu_op():
-            raise SystemExit("the C++ CPU attention op did not build (python -m kvpool.kernels.cpu_build)")
+            raise SystemExit("the C++ CPU kernels did not build (see kvpool/kernels/cpu_build.py)")
         pack_linears(dense)  # both packed: only the attention path differs
         a, b, backends = "torch", "cpu", {"torch": "torch", "cpu": "cpu"}
     else:

@@ -30,6 +30,8 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
 
 constexpr int64_t kLanes = 16;
@@ -54,41 +56,20 @@ inline void axpy(float* acc, float w, const T* v, int64_t d_size) {
   for (int64_t d = 0; d < d_size; ++d) acc[d] += w * static_cast<float>(v[d]);
 }
 
-// exp(x - m) for x <= m, in place, returning the sum. A polynomial the compiler vectorizes
-// (std::exp stays scalar without -ffast-math): 2^n by the exponent bits times a degree-7 Taylor
-// polynomial on |r| <= ln2/2, within 1.2e-7 relative of std::exp; below -87 it is 0.
+// exp(x - m) for x <= m, in place, returning the sum (kvpool::exp_approx: vectorized).
 inline float exp_shifted(float* x, int64_t n, float m) {
   float part[kLanes] = {0.f};
   int64_t i = 0;
-  auto one = [&](int64_t k) {
-    float v = x[k] - m;
-    const bool under = v < -87.f;
-    v = under ? -87.f : v;
-    const float fn = (v * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round(v / ln2)
-    const float r = v - fn * 0.693145751953125f - fn * 1.428606765330187045e-06f;
-    float p = 1.f / 5040;
-    p = p * r + 1.f / 720;
-    p = p * r + 1.f / 120;
-    p = p * r + 1.f / 24;
-    p = p * r + 1.f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    const int32_t bits = (static_cast<int32_t>(fn) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    return under ? 0.f : p * scale;
-  };
   for (; i + kLanes <= n; i += kLanes) {
     for (int64_t l = 0; l < kLanes; ++l) {
-      x[i + l] = one(i + l);
+      x[i + l] = kvpool::exp_approx(x[i + l] - m);
       part[l] += x[i + l];
     }
   }
   float sum = 0.f;
   for (int64_t l = 0; l < kLanes; ++l) sum += part[l];
   for (; i < n; ++i) {
-    x[i] = one(i);
+    x[i] = kvpool::exp_approx(x[i] - m);
     sum += x[i];
   }
   return sum;
