@@ -4,7 +4,8 @@ Defaults (the "reference trace"): 100,000 requests; prompt lengths uniform in [6
 token ids uniform in [0, 32000); 30% of requests start with one of 32 shared 128-token prefixes;
 block_size 16; 16,384 blocks; at most 64 requests alive.
 
-Prompts are produced lazily, one request at a time, so a 100k-request trace costs no memory.
+Requests (bench/workload.py's ``TraceRequest``) are produced lazily, one at a time, so a
+100k-request trace costs no memory; ``prompts`` renders their token ids.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvpool.bench.workload import TraceRequest
 
 
 @dataclass(frozen=True)
@@ -38,8 +41,8 @@ class TraceConfig:
             raise ValueError("need num_requests >= 0, max_alive >= 1, num_blocks >= 2")
 
 
-def prompts(cfg: TraceConfig) -> Iterator[list[int]]:
-    """Yields each request's prompt token ids, in arrival order."""
+def reference_trace(cfg: TraceConfig) -> Iterator[TraceRequest]:
+    """Yields each request (bench/workload.py's record), in arrival order."""
     rng = np.random.default_rng(cfg.seed)
     vocab = cfg.vocab_size
     prefixes = [
@@ -48,9 +51,16 @@ def prompts(cfg: TraceConfig) -> Iterator[list[int]]:
     lengths = rng.integers(cfg.min_prompt, cfg.max_prompt + 1, cfg.num_requests).tolist()
     shared = (rng.random(cfg.num_requests) < cfg.shared_fraction).tolist()
     which = rng.integers(0, max(1, len(prefixes)), cfg.num_requests).tolist()
-    for length, is_shared, k in zip(lengths, shared, which):
+    for rid, (length, is_shared, k) in enumerate(zip(lengths, shared, which)):
         if prefixes and is_shared:
             head = prefixes[k][:length]  # a short prompt is a truncated shared prefix
-            yield head + rng.integers(0, vocab, length - len(head)).tolist()
+            tokens = head + rng.integers(0, vocab, length - len(head)).tolist()
+            yield TraceRequest(rid, 0, tuple(tokens), prefix_len=len(head), group=k)
         else:
-            yield rng.integers(0, vocab, length).tolist()
+            yield TraceRequest(rid, 0, tuple(rng.integers(0, vocab, length).tolist()))
+
+
+def prompts(cfg: TraceConfig) -> Iterator[list[int]]:
+    """Each request's prompt token ids, in arrival order: what the pool benchmarks hash."""
+    for req in reference_trace(cfg):
+        yield list(req.prompt)

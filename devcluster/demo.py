@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
+from kvpool.bench.workload import chat_messages
 from kvpool.client.generate import GenerateClient
 from kvpool.devcluster.cluster import DevCluster
 from kvpool.devcluster.loadgen import ChatTraceConfig, Result, chat_trace, drive, summarize
@@ -128,7 +129,7 @@ def report(cfg: TextDemoConfig, trace: list, results: list[Result], elapsed: flo
     stats = worker_stats(fd)
     prompt = sum(s["prompt_tokens"] for s in stats)
     router = fd.frontdoor.router
-    samples = [{"tenant": r.tenant, "user": trace[i].messages[-1]["content"], "completion": r.texts[0],
+    samples = [{"tenant": r.tenant, "user": chat_messages(trace[i])[-1]["content"], "completion": r.texts[0],
                 "worker": r.worker} for i, r in enumerate(results[:SAMPLES])]
     return {
         "config": asdict(cfg), **summarize(results, elapsed),

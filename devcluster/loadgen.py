@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
-WORDS = ("kv cache block pool prefix hash route worker tenant token stream prompt answer memory page "
-         "Grüße naïve café 日本 データ über déjà vu").split()
+from kvpool.bench.workload import WORDS, TraceRequest, chat_messages
 
 
 @dataclass(frozen=True)
@@ -37,29 +36,22 @@ class ChatTraceConfig:
                 raise ValueError(f"{key} must be a range (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
 
 
-@dataclass(frozen=True)
-class TraceRequest:
-    tenant: int
-    messages: list[dict]
-    max_tokens: int
-    n: int
-    seed: int
-
-
-def _words(rng: random.Random, span: tuple[int, int]) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(*span)))
+def _word_ids(rng: random.Random, span: tuple[int, int]) -> list[int]:
+    return [rng.randrange(len(WORDS)) for _ in range(rng.randint(*span))]
 
 
 def chat_trace(cfg: ChatTraceConfig) -> list[TraceRequest]:
+    """The trace as kvpool.bench's records: a prompt is its tenant's system-prompt words, then
+    the user's (``chat_messages`` renders them); ``out_lens`` its ``max_tokens`` per sample."""
     rng = random.Random(cfg.seed)
-    systems = [f"You are the assistant of tenant {t}. Rules: {_words(rng, cfg.system_words)}."
-               for t in range(cfg.num_tenants)]
+    systems = [_word_ids(rng, cfg.system_words) for _ in range(cfg.num_tenants)]
     out = []
     for i in range(cfg.num_requests):
         t = rng.randrange(cfg.num_tenants)
-        msgs = [{"role": "system", "content": systems[t]}, {"role": "user", "content": _words(rng, cfg.user_words)}]
+        user = _word_ids(rng, cfg.user_words)
         n = 2 if cfg.parallel_every and i % cfg.parallel_every == cfg.parallel_every - 1 else 1
-        out.append(TraceRequest(t, msgs, rng.randint(*cfg.max_tokens), n, i))
+        out_lens = (rng.randint(*cfg.max_tokens),) * n
+        out.append(TraceRequest(i, 0, tuple(systems[t] + user), out_lens, len(systems[t]), t, seed=i))
     return out
 
 
@@ -77,11 +69,11 @@ class Result:
 
 
 async def _one(client: httpx.AsyncClient, model: str, req: TraceRequest, salted: bool) -> Result:
-    body = {"model": model, "messages": req.messages, "max_tokens": req.max_tokens, "n": req.n, "seed": req.seed,
+    body = {"model": model, "messages": chat_messages(req), "max_tokens": req.max_tokens, "n": req.n, "seed": req.seed,
             "temperature": 0.8, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     if salted:
-        body["cache_salt"] = f"tenant-{req.tenant}"
-    res = Result(req.tenant, 0, texts=[""] * req.n)
+        body["cache_salt"] = f"tenant-{req.group}"
+    res = Result(req.group, 0, texts=[""] * req.n)
     t0 = time.perf_counter()
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         res.status, res.worker = r.status_code, r.headers.get("x-kvpool-worker", "")

@@ -301,7 +301,7 @@ MAY_IMPORT = {
     "frontend": {"shared", "client"},
     "llm": {"shared", "worker", "frontend"},  # the worker's engine, the front door's text handling
     "bench": {"shared", "manager.core"},  # workloads and the in-process pool benchmark
-    "devcluster": {"shared", "worker", "client", "frontend"},  # above the product: nothing in it imports this
+    "devcluster": {"shared", "worker", "client", "frontend", "bench"},  # above the product: nothing in it imports this
     "cli": {"shared", "worker", "manager.core", "frontend", "client", "devcluster", "bench", *CLI_ENTRY_POINTS},
 }
 

@@ -1,4 +1,5 @@
-"""The simulated workload: its config, the seeded trace, and the record of a running sequence."""
+"""The simulated workload: its config, the seeded trace (kvpool.bench's ``TraceRequest`` records) and
+the record of a running sequence."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvpool.bench.workload import TraceRequest
 from kvpool.shared.hashing import SEED
 from kvpool.shared.protocol import HOST_POLICIES
 
@@ -57,19 +59,13 @@ class SimConfig:
             raise ValueError(f"arrival_rate must be >= 0 (0: all at step 0), got {self.arrival_rate}")
 
 
-@dataclass(frozen=True)
-class TraceRequest:
-    rid: int
-    arrival: int  # step
-    prompt: tuple[int, ...]
-    out_lens: tuple[int, ...]  # one output length per parallel sample
-
-
 def _lognormal(rng: np.random.Generator, median: float, sigma: float, size: int) -> np.ndarray:
     return np.rint(rng.lognormal(math.log(median), sigma, size)).astype(np.int64)
 
 
 def make_trace(cfg: SimConfig) -> list[TraceRequest]:
+    """The seeded trace as kvpool.bench's records: arrivals in steps, one output length per
+    parallel sample, a system prompt as the shared prefix of its group."""
     rng = np.random.default_rng(cfg.seed)
     systems = [rng.integers(0, cfg.vocab_size, rng.integers(cfg.system_min, cfg.system_max + 1)).tolist()
                for _ in range(cfg.num_system_prompts)]
@@ -79,11 +75,13 @@ def make_trace(cfg: SimConfig) -> list[TraceRequest]:
     user = np.clip(_lognormal(rng, cfg.prompt_median, cfg.prompt_sigma, cfg.num_requests), 1, cfg.max_model_len // 2)
     trace = []
     for rid in range(cfg.num_requests):
-        head = systems[rng.integers(len(systems))] if kind[rid] < cfg.system_share else []
+        group = int(rng.integers(len(systems))) if kind[rid] < cfg.system_share else None
+        head = systems[group] if group is not None else []
         prompt = (head + rng.integers(0, cfg.vocab_size, user[rid]).tolist())[: cfg.max_model_len - 1]
         n = cfg.parallel_n if cfg.system_share <= kind[rid] < cfg.system_share + cfg.parallel_share else 1
         outs = np.clip(_lognormal(rng, cfg.output_median, cfg.output_sigma, n), 1, cfg.max_model_len - len(prompt))
-        trace.append(TraceRequest(rid, int(arrival[rid]), tuple(prompt), tuple(int(o) for o in outs)))
+        trace.append(TraceRequest(rid, int(arrival[rid]), tuple(prompt), tuple(int(o) for o in outs),
+                                  min(len(head), len(prompt)), group))
     return trace
 
 

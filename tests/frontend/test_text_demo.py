@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from kvpool.bench.workload import chat_messages
 from kvpool.devcluster.demo import TextDemoConfig, format_report, run_text_demo
 from kvpool.devcluster.loadgen import ChatTraceConfig, chat_trace
 from kvpool.shared.procs import CLI
@@ -20,9 +21,9 @@ pytestmark = pytest.mark.slow
 def test_the_trace_is_multi_tenant_and_seeded() -> None:
     cfg = ChatTraceConfig(num_requests=40, num_tenants=3, seed=5)
     trace = chat_trace(cfg)
-    assert trace == chat_trace(cfg) and {r.tenant for r in trace} == {0, 1, 2}
-    systems = {r.tenant: r.messages[0]["content"] for r in trace}
-    assert all(r.messages[0]["content"] == systems[r.tenant] for r in trace)  # one system prompt per tenant
+    assert trace == chat_trace(cfg) and {r.group for r in trace} == {0, 1, 2}
+    systems = {r.group: chat_messages(r)[0]["content"] for r in trace}
+    assert all(chat_messages(r)[0]["content"] == systems[r.group] for r in trace)  # one system prompt per tenant
     assert sum(r.n == 2 for r in trace) == 5
 
 
