@@ -106,7 +106,18 @@ inline void each_position(const Geometry& g, const T* base, const int32_t* table
                 g.num_blocks, ")");
     const int64_t end = std::min(pos + 1, (p / g.block_size + 1) * g.block_size);
     const T* b = base + blk * g.blk_stride;
-    for (; p < end; ++p) f(p, b + (p % g.block_size) * g.pos_stride);
+    // The next block lies anywhere in the cache, where no hardware prefetcher looks: ask for
+    // its position rows while this block's are read, one row (all heads) per position.
+    const int64_t next_p = (p / g.block_size + 1) * g.block_size;
+    const T* next = next_p <= pos ? base + table[next_p / g.block_size] * g.blk_stride : nullptr;
+    const int64_t row_bytes = g.num_kv_heads * g.head_stride * static_cast<int64_t>(sizeof(T));
+    for (; p < end; ++p) {
+      if (next != nullptr) {
+        const char* ahead = reinterpret_cast<const char*>(next + (p % g.block_size) * g.pos_stride);
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off);
+      }
+      f(p, b + (p % g.block_size) * g.pos_stride);
+    }
   }
 }
 
