@@ -117,8 +117,11 @@ def test_a_standby_killed_while_loading_holds_the_lease_only_briefly(procs, sock
     stops renewing it, and the lease lapses within lease_ms (it once held 120 s), on Redis's
     own clock; the next standby takes it once it lapsed and serves."""
     r = redis_or_skip()
-    seed_big_state(namespace, 1 << 23)  # 8M blocks: over 2 s to load (1.3 s for 4M on a slow core)
-    lease_s = 1.0
+    # 16M blocks: about 5 s to load on a quiet core, well past a 2.5 s lease. A 1 s lease over 8M
+    # blocks lapsed at load 16-20 while b was alive and loading: its renewal thread got no CPU
+    # for two thirds of a second, which a loaded 2-core machine does to any process
+    seed_big_state(namespace, 1 << 24)
+    lease_s = 2.5
     b = Daemon(procs, sock_dir, namespace, name="b", lease_ms=int(lease_s * 1000))
     c = Daemon(procs, sock_dir, namespace, name="c", lease_ms=int(lease_s * 1000))
     b_log = Path(sock_dir) / "b.log"
