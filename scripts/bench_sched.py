@@ -50,7 +50,7 @@ def walk_every_table(sched: Scheduler) -> None:
     def track_usage(self: RunningSet) -> None:
         s = self.stats
         s.steps += 1
-        s.peak_running = max(s.peak_running, sum(not r.admitting for r in self.running))
+        s.peak_running = max(s.peak_running, sum(not r.step.admitting for r in self.running))
         s.peak_blocks = max(s.peak_blocks, walked_held(self.running))
 
     def room(self: Scheduler) -> int:

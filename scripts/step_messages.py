@@ -87,7 +87,7 @@ class StepDriver:
         sched = self.sched
         if self.dense:
             for r in sched.running:
-                r.must_sync = True  # as before sparse steps: every running request, every step
+                r.kv.mark_shared()  # as before sparse steps: every running request, every step
         c0 = time.thread_time()
         plan = sched.schedule()
         c1 = time.thread_time()
