@@ -143,34 +143,37 @@ class Scheduler:
             self._fork(plan, parent, child)
         for rid in frees:
             plan.add(SubOp(Free(rid, computed.get(rid)), "free", None))
-        budget = self.token_budget
-        for req in self.running:
-            st = req.step
-            n = min(len(req.tokens) + st.num_pending_samples - st.num_computed - st.num_scheduled, budget)
-            if n == 0 or (st.admitting and not st.num_pending_samples) or \
-                    (st.num_pending_samples and req.holds_all_samples):
-                continue  # its next step depends on answers in flight (a chunk's cached count, forks)
-            self._schedule_running(plan, req, n)
-            budget -= n
+        budget = self._schedule_running(plan)
         if not self.hold_admissions:
             self._admit(plan, budget)
         self.hold_admissions = False
         StepState.launch(plan.seqs)  # each one's next step reads its in-flight counts before this
         return plan
 
-    def _schedule_running(self, plan: StepPlan, req: Request, n: int) -> None:
-        """Schedules ``n`` more tokens of ``req``; an extend only when they need a block it does
-        not hold (lookahead included) or a fork left it sharing a partial block. The hashes of
-        blocks that became full ride along with that extend (PROTOCOL.md, "Sparse steps")."""
-        st, kv = req.step, req.kv
-        start = st.num_computed + st.num_scheduled
-        num_tokens = start + n
-        lookahead = self._lookahead(num_tokens) if self.static else 0
-        op = -1
-        if kv.must_sync or num_tokens + lookahead > kv.num_slots:
-            op = self._extend(plan, req, num_tokens, lookahead, n)
-        sample = num_tokens == len(req.tokens) + st.num_pending_samples
-        plan.seqs.append(ScheduledSeq(req, st, st.generation, n, start, op, sample))
+    def _schedule_running(self, plan: StepPlan) -> int:
+        """Schedules the running requests, oldest first, within the token budget; returns what
+        is left of it. A request gets an extend only when its tokens need a block it does not
+        hold (lookahead included) or a fork left it sharing a partial block; the hashes of blocks
+        that became full ride along with that extend (PROTOCOL.md, "Sparse steps"). One loop,
+        no call per request: it runs for every running request every step."""
+        budget, seqs, static = self.token_budget, plan.seqs, self.static
+        for req in self.running:
+            st = req.step
+            known = len(req.tokens) + st.num_pending_samples  # the last one may still be sampled
+            start = st.num_computed + st.num_scheduled
+            n = min(known - start, budget)
+            if n == 0 or (st.admitting and not st.num_pending_samples) or \
+                    (st.num_pending_samples and req.holds_all_samples):
+                continue  # its next step depends on answers in flight (a chunk's cached count, forks)
+            num_tokens = start + n
+            lookahead = self._lookahead(num_tokens) if static else 0
+            op = -1
+            kv = req.kv
+            if kv.must_sync or num_tokens + lookahead > kv.num_slots:
+                op = self._extend(plan, req, num_tokens, lookahead, n)
+            seqs.append(ScheduledSeq(req, st, st.generation, n, start, op, num_tokens == known))
+            budget -= n
+        return budget
 
     def _extend(self, plan: StepPlan, req: Request, num_tokens: int, lookahead: int, n: int) -> int:
         kv = req.kv
