@@ -47,10 +47,6 @@ class StepState:
         self.in_running = False
         self.num_preemptions = 0
 
-    def in_flight(self) -> int:
-        """Tokens computed or on their way (the next step's first position)."""
-        return self.num_computed + self.num_scheduled
-
     # -- a step's life ------------------------------------------------------------------------
 
     @staticmethod
