@@ -15,7 +15,7 @@ import click
 from click.core import ParameterSource
 
 from kvpool.cli.common import log_options
-from kvpool.shared.config import ConfigError, default_path, describe, load
+from kvpool.shared.config import ConfigError, default_path, describe, load, parse_bytes
 
 SECRET_FIELDS = ("admin_key", "api_key")  # printed masked by `config show`
 
@@ -74,6 +74,13 @@ def rows(cfg: Any, source: Mapping[str, str]) -> list[dict]:
     return out
 
 
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    try:
+        return None if value is None else parse_bytes(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def manager_ops_options(f: Callable) -> Callable:
     """`kvpool manager` options for metrics, KV events, CURVE and logs (None: config/default)."""
     opts = [
@@ -92,6 +99,21 @@ def manager_ops_options(f: Callable) -> Callable:
         click.option("--busy-poll-us", type=int, default=None,
                      help="After a busy iteration, poll without sleeping this many microseconds (adaptive: "
                           "off while the CPUs are contended); 0: always sleep [2000]."),
+        click.option("--node-tier-memory", default=None, callback=_size,
+                     help="Host memory of the node tier each KV layout gets, shared by every pool of the layout "
+                          "(e.g. 4GiB) [0: none]."),
+        click.option("--node-tier-dir", default=None, help="Where the node tier's shared-memory files go [/dev/shm]."),
+        click.option("--node-tier-disk", default=None, help="The node tier's disk level: a directory [none]."),
+        click.option("--node-tier-disk-size", default=None, callback=_size,
+                     help="The disk level's byte budget per layout (e.g. 64GiB)."),
+        click.option("--node-tier-policy", default=None,
+                     type=click.Choice(["demote", "write_through", "write_through_selective"]),
+                     help="When a block is written to the disk level: when host memory evicts it, with every "
+                          "save, or at its second hit [demote]."),
+        click.option("--node-tier-admit-hits", type=int, default=None,
+                     help="Hits a block needs before it is written to disk [the policy's: 0, or 2 selective]."),
+        click.option("--node-tier-pin-share", type=float, default=None,
+                     help="At most this share of each level may be pinned (kvpool pin) [0.25]."),
         click.option("--curve-secret-key-file", default=None,
                      help="The manager's NAME.key_secret: CURVE on the control socket (`kvpool keygen`)."),
         click.option("--curve-allowed-keys-dir", default=None,

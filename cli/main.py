@@ -36,6 +36,12 @@ cli.add_command(external.attach)
 cli.add_command(external.detach)
 cli.add_command(external.externals)
 
+from kvpool.cli import pins  # noqa: E402  (pin, pins, unpin: retention)
+
+cli.add_command(pins.pin)
+cli.add_command(pins.pins)
+cli.add_command(pins.unpin)
+
 from kvpool.cli import serve  # noqa: E402  (worker, generate, demo)
 
 cli.add_command(serve.worker)

@@ -104,12 +104,13 @@ class ManagerClient(ManagerCore):
         wait_s: float = 30.0,
         serve: dict | None = None,
         replace: bool = False,
+        node_model: str | None = None,
     ) -> dict:
         """Registers one shard and waits until every shard of the pool has: returns
         {"num_blocks", "block_size", "epoch", ...}. Idempotent for the same incarnation.
         ``replace``: take the shard over even while another live session holds it."""
         args = self._register_args(pool, shard_rank, shard_count, incarnation, spec, available_kv_bytes,
-                                   host_kv_bytes, host_kv_policy, serve, replace)
+                                   host_kv_bytes, host_kv_policy, serve, replace, node_model)
         backoff = self.retry.with_deadline(wait_s).start()
         while True:
             try:
@@ -120,11 +121,15 @@ class ManagerClient(ManagerCore):
                 return body
             backoff.sleep()
 
-    def begin_step(self, pool: str, epoch: int, ops: list) -> PendingCall:
-        """Sends a step and returns at once; ``end_step`` waits for its results."""
+    def begin_step(self, pool: str, epoch: int, ops: list, node_done: list | None = None) -> PendingCall:
+        """Sends a step and returns at once; ``end_step`` waits for its results. ``node_done``:
+        reports of node-tier batches run since the last step (PROTOCOL.md, step)."""
         if self.sid is None:
             self.hello()
-        pending = PendingCall("step", {"pool": pool, "epoch": epoch, "ops": ops}, self.sid, self._take_id())
+        args = {"pool": pool, "epoch": epoch, "ops": ops}
+        if node_done:
+            args["node_done"] = node_done
+        pending = PendingCall("step", args, self.sid, self._take_id())
         try:
             self._send(pending.op, pending.args, pending.sid, pending.msg_id)
             pending.sent = True

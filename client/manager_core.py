@@ -144,7 +144,7 @@ class ManagerCore:
     @staticmethod
     def _register_args(pool: str, shard_rank: int, shard_count: int, incarnation: str, spec: dict,
                        available_kv_bytes: int, host_kv_bytes: int, host_kv_policy: str, serve: dict | None,
-                       replace: bool) -> dict:
+                       replace: bool, node_model: str | None = None) -> dict:
         args = {"pool": pool, "shard_rank": shard_rank, "shard_count": shard_count,
                 "incarnation": incarnation, "spec": spec, "available_kv_bytes": available_kv_bytes}
         if host_kv_bytes:  # optional: a host tier for the pool (PROTOCOL.md, register)
@@ -155,6 +155,8 @@ class ManagerCore:
             args["serve"] = serve
         if replace:
             args["replace"] = True
+        if node_model is not None:  # the weights' identity: the pool may use the node tier of its layout
+            args["node_model"] = node_model
         return args
 
     @staticmethod

@@ -8,7 +8,8 @@ bool with ``top_logprobs`` 0-20), ``presence_penalty``, ``frequency_penalty``,
 ``repetition_penalty``*, ``stream``, ``stream_options.include_usage``, ``cache_salt``*,
 ``return_tokens_as_token_ids``* (logprob tokens read ``token_id:N``), ``return_token_ids``* (the
 prompt's and each choice's token ids come back). Accepted and without effect here, by meaning:
-``user``, ``request_id``*, ``session_id``*, ``priority``* 0, ``best_of`` equal to n.
+``user``, ``request_id``*, ``session_id``*, ``best_of`` equal to n; ``priority``* (an int, vLLM's
+meaning: lower is more important) orders what the node tier keeps, not the scheduling.
 
 Every other field of vLLM 0.33's CompletionRequest and ChatCompletionRequest
 (vllm/entrypoints/openai/completion/protocol.py, chat_completion/protocol.py) is refused with a
@@ -139,7 +140,7 @@ VLLM_ONLY: dict[str, tuple] = {
     "ec_transfer_params": (), "vllm_xargs": (), "repetition_detection": (), "thinking_token_budget": (),
     "stream_interval": (1,), "reasoning_effort": (), "include_reasoning": (True,), "documents": (),
     "chat_template": (), "chat_template_kwargs": (), "media_io_kwargs": (), "mm_processor_kwargs": (),
-    "add_generation_prompt": (True,), "continue_final_message": (), "priority": (0,),
+    "add_generation_prompt": (True,), "continue_final_message": (),
 }
 NO_EFFECT = ("user", "request_id", "session_id")  # accepted whatever they say: nothing to do here
 
@@ -203,6 +204,11 @@ def parse_request(body: Any, chat: bool) -> GenRequest:
         wp["logprobs"] = logprobs
     if max_tokens is not None and wp["min_tokens"] > max_tokens:
         raise bad_param("min_tokens", f"min_tokens {wp['min_tokens']} exceeds max_tokens {max_tokens}")
+    priority = body.get("priority", 0)
+    if type(priority) is not int or not -(1 << 31) <= priority < 1 << 31:
+        raise bad_param("priority", "priority must be an int in [-2**31, 2**31)")
+    if priority:
+        wp["priority"] = priority
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= 256):
         raise bad_param("cache_salt", "cache_salt must be a string of 1-256 characters")

@@ -10,7 +10,8 @@ from collections.abc import Callable, Container
 from typing import TYPE_CHECKING
 
 from kvpool.manager.core.block_pool import InvariantBroken
-from kvpool.manager.core.pool import Pool
+from kvpool.manager.core.node_tier import NodeTier
+from kvpool.manager.core.pool import NODE_LEVELS, Pool
 from kvpool.manager.health import pool_health
 from kvpool.manager.ops import Call, op
 from kvpool.manager.state.entries import PoolEntry
@@ -24,13 +25,17 @@ if TYPE_CHECKING:
 U63 = (1 << 63) - 1
 
 
-def check_tier(args: dict, pool: Pool) -> str:
-    """``args.tier``: "device" (the default) or "host", which the pool must have."""
+def check_tier(args: dict, pool: Pool, node: bool = False) -> str:
+    """``args.tier``: "device" (the default) or "host", which the pool must have; with ``node``
+    also "node_host" or "node_disk", a level of the pool's node tier."""
     tier = args.get("tier", "device")
-    if tier not in ("device", "host"):
-        raise bad_field("tier", '"device" or "host"', tier)
+    tiers = ("device", "host", *NODE_LEVELS) if node else ("device", "host")
+    if tier not in tiers:
+        raise bad_field("tier", " or ".join(f'"{t}"' for t in tiers), tier)
     if tier == "host" and pool.host is None:
         raise bad_field("tier", '"device": the pool has no host tier (no worker offered --host-kv-memory)', tier)
+    if tier in NODE_LEVELS and (pool.node is None or NODE_LEVELS[tier] not in pool.node.tier.levels):
+        raise bad_field("tier", f'a level the pool has: it has no {tier.replace("_", " ")} level', tier)
     return tier
 
 
@@ -41,6 +46,12 @@ def pool_summary(entry: PoolEntry, sessions: Container[str]) -> PoolSummary:
     return PoolSummary(entry.name, entry.state, entry.epoch, entry.live_shards(sessions), entry.shard_count,
                        pool.blocks.num_blocks if pool else 0, entry.spec.block_size,
                        host.num_blocks if host is not None else None, host.policy if host is not None else None)
+
+
+def node_summary(layout: str | None, tier: NodeTier) -> dict:
+    """The node tier a pool shares (``pools``): its layout, and per level cached / slots."""
+    return {"node_layout": layout, **{f"node_{name}": [len(lv.blocks.cached), lv.num_blocks - 1]
+                                      for name, lv in tier.levels.items()}}
 
 
 def flag(args: dict, key: str) -> bool:
@@ -69,6 +80,7 @@ class AdminOps:
                 cached_blocks=len(pool.blocks.cached) if pool else 0,
                 requests=len(pool.requests) if pool else 0,
                 **({"host_cached_blocks": len(pool.host.blocks.cached)} if pool and pool.host else {}),
+                **(node_summary(entry.node_layout, pool.node.tier) if pool and pool.node else {}),
                 shards=[{"rank": s.rank, "incarnation": s.incarnation, "num_blocks": s.num_blocks,
                          "num_kv_heads": s.spec.num_kv_heads, "session": live[s.sid].num if s.sid in live else None,
                          **({"host_num_blocks": s.host_num_blocks} if s.host_kv_bytes else {})}
@@ -111,10 +123,10 @@ class AdminOps:
     def reset_cache(self, call: Call) -> dict:
         args = call.args
         entry, pool = self.reg.ready_pool(args.get("pool"))
-        tier = check_tier(args, pool)
+        tier = check_tier(args, pool, node=True)
         if not self.reg.reset_cache(entry, tier):
-            if tier == "host":
-                raise ManagerError("in_use", f"pool {entry.name!r}: host blocks are pinned by a step; retry")
+            if tier != "device":
+                raise ManagerError("in_use", f"pool {entry.name!r}: {tier} blocks are pinned by a step; retry")
             raise ManagerError("in_use", f"pool {entry.name!r} has {pool.blocks.num_used} blocks in use; "
                                "drain it first (kvpool drain), then reset")
         return {"reset": True}
@@ -124,7 +136,7 @@ class AdminOps:
         args = call.args
         entry, pool = self.reg.ready_pool(args.get("pool"))
         n = get_int(args, "n", 0, U63)
-        return {"evicted": self.reg.evict(entry, n, check_tier(args, pool))}
+        return {"evicted": self.reg.evict(entry, n, check_tier(args, pool, node=True))}
 
     @op(admin=True)
     def drain(self, call: Call) -> dict:

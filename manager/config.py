@@ -7,11 +7,15 @@ options. Only entry points see this object; inner classes take explicit scalars.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
+from kvpool.manager.core.node_tier import NodeTier
 from kvpool.manager.events import check_format
+from kvpool.manager.node_tiers import NodeTierSettings
 from kvpool.shared.bind import check_bind, check_curve_files, read_secret_file
+from kvpool.shared.config import BYTES
 from kvpool.shared.logs import check_level
 from kvpool.shared.protocol import (
     MAX_MESSAGE_BYTES,
@@ -78,6 +82,16 @@ class ManagerConfig:
     # the highest commit this host acknowledged (manager/store/high_water.py); default:
     # RUNTIME_DIR/NAMESPACE.seq. On persistent storage it also catches a rolled-back Redis after a reboot.
     high_water_file: str | None = None
+    # -- the node tier (manager/node_tiers.py; docs/operating.md "Sizing the node tier") --
+    # host memory of each KV layout's node tier, shared by every pool of the layout (0: none)
+    node_tier_memory: int = field(default=0, metadata=BYTES)
+    node_tier_dir: str = "/dev/shm"  # where the host level's shared-memory files are
+    node_tier_disk: str | None = None  # the disk level's directory (none: no disk level)
+    node_tier_disk_size: int = field(default=0, metadata=BYTES)  # the disk level's bytes, per layout
+    node_tier_policy: str = "demote"  # demote, write_through or write_through_selective (host -> disk)
+    node_tier_admit_hits: int | None = None  # hits before a block is written down (None: the policy's default)
+    node_tier_pin_share: float = 0.25  # at most this share of a level's blocks may be pinned
+    node_tier_max_layouts: int = 4  # layouts that get a node tier (each takes node_tier_memory)
 
     def __post_init__(self) -> None:
         ep = self.endpoint
@@ -112,6 +126,53 @@ class ManagerConfig:
             raise ValueError(f"busy_poll_us must be an int in [0, 100000] microseconds (0: off), got {self.busy_poll_us!r}")
         self._check_ops()
         self._check_durability()
+        self._check_node_tier()
+
+    def _check_node_tier(self) -> None:
+        for name in ("node_tier_memory", "node_tier_disk_size"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 0:
+                raise ValueError(f"{name} must be a size in bytes >= 0 (e.g. 4GiB), got {v!r}")
+        disk, size = self.node_tier_disk, self.node_tier_disk_size
+        if (disk is None) != (size == 0):
+            raise ValueError("the node tier's disk level needs both node_tier_disk (a directory) and "
+                             f"node_tier_disk_size (its byte budget, e.g. 64GiB); got {disk!r} and {size}")
+        if disk is not None and not self.node_tier_memory:
+            raise ValueError("node_tier_disk needs node_tier_memory: the disk level sits behind the node tier's "
+                             "host level (e.g. --node-tier-memory 4GiB)")
+        if type(self.node_tier_max_layouts) is not int or self.node_tier_max_layouts < 1:
+            raise ValueError(f"node_tier_max_layouts must be an int >= 1, got {self.node_tier_max_layouts!r}")
+        try:  # the tier's own checks of policy, admission and pinned share
+            NodeTier(2, 2 if disk else 0, 1, 1, policy=self.node_tier_policy, admit_hits=self.node_tier_admit_hits,
+                     pin_share=self.node_tier_pin_share)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"node tier: {e}") from None
+        if not self.node_tier_memory:
+            return
+        if self.redis_url is not None:
+            # A snapshot does not carry the tier's index yet, and a recovery that replays a step
+            # against another index than the live one would admit other prefixes: refused, not
+            # half-durable (the journal alone would replay it exactly).
+            raise ValueError("the node tier is not persisted in Redis yet: run the manager with node_tier_memory "
+                             "or with redis_url, not both")
+        if not os.path.isdir(self.node_tier_dir) or not os.access(self.node_tier_dir, os.W_OK):
+            raise ValueError(f"node_tier_dir {self.node_tier_dir!r} must be a directory this user can write "
+                             "(the host level's shared-memory files: /dev/shm, or a tmpfs mount)")
+        if disk is not None:
+            try:
+                os.makedirs(disk, mode=0o700, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"node_tier_disk {disk!r} cannot be created: {e}") from None
+            if not os.access(disk, os.W_OK):
+                raise ValueError(f"node_tier_disk {disk!r} must be writable by this user")
+
+    def node_tier_settings(self) -> NodeTierSettings | None:
+        """The node tier's settings (manager/node_tiers.py), or None when it is off."""
+        if not self.node_tier_memory:
+            return None
+        return NodeTierSettings(self.node_tier_memory, self.node_tier_dir, self.node_tier_disk,
+                                self.node_tier_disk_size, self.node_tier_policy, self.node_tier_admit_hits,
+                                self.node_tier_pin_share, self.node_tier_max_layouts)
 
     def _check_durability(self) -> None:
         if self.redis_url is not None:

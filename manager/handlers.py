@@ -4,7 +4,8 @@ Handlers raise ``ManagerError(code, message)`` for bad input; the server turns i
 reply. Each takes a ``Call`` (manager/ops.py: message id, session, args, clock); its session
 is None only for hello. ``@op`` registers each one in the dispatch table (``OPS``) with whether
 it needs a session and whether it is an admin op. The admin ops are manager/admin_ops.py's, the
-external pools' manager/external/ops.py's: mixins of ``Handlers``.
+external pools' manager/external/ops.py's, the node tier's and the pins' manager/node_ops.py's:
+mixins of ``Handlers``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from kvpool.manager.admin_ops import U63, AdminOps, flag, pool_summary
 from kvpool.manager.external.ops import ExternalOps
 from kvpool.manager.guards import Bounds, check_owner, check_register, check_step, max_model_len
 from kvpool.manager.health import pool_health
+from kvpool.manager.node_ops import NodeOps
 from kvpool.manager.ops import Call, op
 from kvpool.manager.registry import Registry
 from kvpool.manager.stats import ServerStats
+from kvpool.shared.node_tier import MAX_MODEL_ID
 from kvpool.shared.protocol import (
     HOST_POLICIES,
     MAX_HASHES,
@@ -40,7 +43,7 @@ from kvpool.shared.step_ops import decode_ops
 from kvpool.shared.summaries import ServeInfo, WorkerRow
 
 
-class Handlers(AdminOps, ExternalOps):
+class Handlers(AdminOps, ExternalOps, NodeOps):
     def __init__(
         self,
         registry: Registry,
@@ -138,12 +141,17 @@ class Handlers(AdminOps, ExternalOps):
         replace = args.get("replace", False)
         if type(replace) is not bool:
             raise bad_field("replace", "a bool", replace)
+        node_model = get_str(args, "node_model", MAX_MODEL_ID) if "node_model" in args else None
         # where rank 0 takes generate requests: validated, kept (and journaled) as its wire map
         serve = ServeInfo.from_wire(args["serve"]).to_wire() if "serve" in args else None
         check_register(self.reg, self.bounds, sess, name, rank, incarnation, available // spec.block_bytes, replace)
         entry = self.reg.register(sess, name, rank, count, incarnation, spec, available, serve, host_kv_bytes,
-                                  host_kv_policy)
-        return {**pool_summary(entry, self.reg.sessions).to_wire(), "max_model_len": max_model_len(self.bounds, entry)}
+                                  host_kv_policy, node_model)
+        out = {**pool_summary(entry, self.reg.sessions).to_wire(), "max_model_len": max_model_len(self.bounds, entry)}
+        node = self.reg.node_info(entry) if node_model is not None else None
+        if node is not None:
+            out["node_tier"] = node.to_wire()
+        return out
 
     @op()
     def step(self, call: Call) -> dict:
@@ -161,6 +169,8 @@ class Handlers(AdminOps, ExternalOps):
                 return {"results": sess.last_step}
             raise ManagerError("stale_request", f"step id {call.msg_id} is older than this session's last "
                                f"step {last}: a late duplicate, not run")
+        if "node_done" in args:  # before the sub-ops: what those batches held is free for them
+            self.finish_node_batches(sess, entry, args["node_done"])
         decoded = decode_ops(ops)
         check_step(self.bounds, entry, sess.sid, decoded)
         t0 = time.perf_counter()
@@ -218,6 +228,8 @@ class Handlers(AdminOps, ExternalOps):
             **self.events_info,
             **self.counters.snapshot(),
         }
+        if reg.node is not None:
+            manager["node_tiers"] = reg.node.usage()
         pools = {}
         for name, entry in reg.pools.items():
             snap = entry.pool.snapshot_stats() if entry.pool is not None else {}

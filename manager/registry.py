@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from kvpool.manager.core.kv_events import AllBlocksCleared
 from kvpool.manager.core.step import run_step
 from kvpool.manager.pool_forming import compatible, new_epoch, remove_shards, shard_blocks
+from kvpool.manager.registry_node import NodeMutations
 from kvpool.manager.registry_state import RegistryState
 from kvpool.manager.state.entries import GLOBAL, PoolEntry, Session, Shard
 from kvpool.manager.state.mutations import (
@@ -39,6 +40,9 @@ from kvpool.manager.state.mutations import (
     CacheReset,
     DrainingSet,
     Mutation,
+    NodeFinished,
+    PinAdded,
+    PinRemoved,
     PoolDropped,
     SessionEnded,
     SessionOpened,
@@ -56,7 +60,7 @@ R = TypeVar("R")
 BEFORE, AFTER, IF_CHANGED = "before", "after", "if_changed"
 
 
-class Registry(RegistryState):
+class Registry(NodeMutations, RegistryState):
     """The state (its fields, reads and commit protocol: ``RegistryState``) and every change to
     it, each a mutation record run by ``apply``."""
 
@@ -106,6 +110,8 @@ class Registry(RegistryState):
             raise ValueError(f"a session ends by 'deregister' or 'expired', not {rec.cause!r}")
         self.sessions.pop(sid, None)
         self.dirty.add(GLOBAL)
+        if self.node is not None:
+            self.node.abandon(sid)
         freed = 0
         for entry in self.pools.values():
             lost = [r for r, shard in entry.shards.items() if shard.sid == sid]
@@ -161,11 +167,12 @@ class Registry(RegistryState):
         serve: dict | None = None,
         host_kv_bytes: int = 0,
         host_kv_policy: str = "demote",
+        node_model: str | None = None,
     ) -> PoolEntry:
         """Registers one shard (idempotent for the same incarnation); see the module docstring.
         Who may (ownership, ``replace``) is checked before, in manager/guards.py."""
         rec = ShardRegistered(sess.sid, name, rank, count, incarnation, spec, available, self.max_blocks,
-                              self.max_pools, serve, host_kv_bytes, host_kv_policy)
+                              self.max_pools, serve, host_kv_bytes, host_kv_policy, node_model)
         return self._apply(rec, Registry._register, 0.0)
 
     def _register(self, rec: ShardRegistered, now: float) -> PoolEntry:
@@ -197,7 +204,7 @@ class Registry(RegistryState):
                 self._form_if_whole(entry, rec.max_blocks)
             return entry
         entry.shards[rank] = Shard(rank, incarnation, spec, available, num_blocks, sess.sid, rec.serve,
-                                   rec.host_kv_bytes, rec.host_kv_policy)
+                                   rec.host_kv_bytes, rec.host_kv_policy, self._node_layout(rec))
         self._form_if_whole(entry, rec.max_blocks)  # a new incarnation of a formed pool: a new epoch
         self.dirty.add(name)
         return entry
@@ -207,6 +214,9 @@ class Registry(RegistryState):
         that left (deregistered, expired) and stays only to keep the pool's spec does not count."""
         if entry.live_shards(self.sessions) == entry.shard_count:
             new_epoch(entry, max_blocks, self.kv_events)
+            layout = entry.node_layout
+            if layout is not None and self.node is not None:
+                entry.pool.set_node(self.node.tiers[layout])  # type: ignore[union-attr]
             self.dirty.add(entry.name)
 
     # -- pool mutations (each one journaled: replaying the records rebuilds the same state) -----
@@ -221,7 +231,8 @@ class Registry(RegistryState):
     def _step(self, rec: StepRan, now: float) -> list[dict]:
         sess, entry = self.sessions[rec.sid], self.pools[rec.pool]
         ops = rec.decoded if rec.decoded is not None else decode_ops(rec.ops)  # a replay decodes here
-        results = encode_results(run_step(entry.pool, sess.sid, ops, allow_alloc=not self.draining))  # type: ignore[arg-type]
+        results = encode_results(run_step(entry.pool, sess.sid, ops, allow_alloc=not self.draining,  # type: ignore[arg-type]
+                                          batch=rec.msg_id))
         sess.remember_step(rec.msg_id, results)
         if rec.ops:  # journaled only then (IF_CHANGED: one result per sub-op)
             self.dirty.add(entry.name)
@@ -277,6 +288,9 @@ _TABLE: dict[type, tuple[Callable[[Registry, Any, float], object], str]] = {
     BlocksEvicted: (Registry._evict, AFTER),
     DrainingSet: (Registry._set_draining, AFTER),
     PoolDropped: (Registry._drop, AFTER),
+    NodeFinished: (Registry._node_finish, IF_CHANGED),
+    PinAdded: (Registry._pin, AFTER),
+    PinRemoved: (Registry._unpin, IF_CHANGED),
 }
 _RUN = {kind: run for kind, (run, _) in _TABLE.items()}
 _WHEN = {kind: when for kind, (_, when) in _TABLE.items()}

@@ -16,6 +16,8 @@ from typing import Self
 
 from kvpool.manager.core.kv_events import AllBlocksCleared, KVEvent
 from kvpool.manager.core.pool import Pool
+from kvpool.manager.node_tiers import NodeTiers
+from kvpool.manager.pins import Pins
 from kvpool.manager.state.entries import PoolEntry, Session, check_pools
 from kvpool.manager.state.mutations import Mutation
 from kvpool.shared.protocol import ManagerError, bad_field, short_repr
@@ -33,8 +35,11 @@ class RegistryState:
         max_pools: int = 256,
         max_blocks: int = 1 << 22,
         kv_events: bool = True,
+        node_tiers: NodeTiers | None = None,
     ) -> None:
         self.incarnation = incarnation
+        self.node = node_tiers  # the node tier of each KV layout (manager/node_tiers.py); None: off
+        self.pins = Pins()  # retention pins (manager/pins.py)
         # Whether new pools queue KV events: False when nothing can ever receive them (the manager
         # publishes to no socket), which saves a third of a prefill step's CPU. What a subscriber
         # sees is unchanged: there is none. A pool recovered from a store queues them regardless.
@@ -142,6 +147,7 @@ class RegistryState:
                     and (name not in other.pools or other.pools[name].pool is None)]
         self.sessions, self.pools, self.draining = other.sessions, other.pools, other.draining
         self.next_num, self.state_id, self.durable = other.next_num, other.state_id, other.durable
+        self.node, self.pins = other.node, other.pins  # the tiers the adopted pools use, their pins
         self.seq = other.seq
         self.log, self.dirty = other.log, set()
         self.orphan_events = [(name, epoch, [AllBlocksCleared()]) for name, epoch in vanished]
@@ -152,6 +158,7 @@ class RegistryState:
                 # before: the host map was journaled, and the workers that keep their process keep
                 # the host tensors it names (a new incarnation starts a new epoch, dropping both).
                 entry.pool.restate_events()
+
     # -- reads ----------------------------------------------------------------------------
 
     def get_pool(self, name: object) -> PoolEntry:
@@ -194,3 +201,5 @@ class RegistryState:
         """Every pool's invariants against the live sessions (``check_pools``, manager/state/entries.py).
         Raises InvariantBroken (explicit checks, not asserts: they hold under ``python -O``)."""
         check_pools(self.pools.values(), self.sessions)
+        if self.node is not None:
+            self.node.check_invariants()

@@ -30,6 +30,7 @@ from kvpool.manager.external.ops import attachment
 from kvpool.manager.guards import Bounds
 from kvpool.manager.handlers import Handlers
 from kvpool.manager.loop_hooks import LoopHooks
+from kvpool.manager.node_tiers import NodeTiers
 from kvpool.manager.ops import OPS, Answer
 from kvpool.manager.registry import Registry
 from kvpool.manager.stats import ServerStats
@@ -96,8 +97,10 @@ class Server:
 
     def new_registry(self, incarnation: str) -> Registry:
         cfg = self.cfg
+        settings = cfg.node_tier_settings()
         return Registry(incarnation, session_timeout_s=cfg.session_timeout_s, max_sessions=cfg.max_sessions,
-                        max_pools=cfg.max_pools, max_blocks=cfg.max_blocks, kv_events=self._kv_events)
+                        max_pools=cfg.max_pools, max_blocks=cfg.max_blocks, kv_events=self._kv_events,
+                        node_tiers=NodeTiers(settings) if settings is not None else None)
 
     @property
     def incarnation(self) -> str:
@@ -293,6 +296,9 @@ class Server:
             self.stats.expired_requests_freed += freed
             logger.warning("session %d (%s) silent for %.1fs: expired, %d requests freed",
                            sess.num, sess.identity, now - sess.last_seen, freed)
+        if self.registry.pins.pins:
+            for pin_id in self.registry.expire_pins(time.time()):  # pins live in wall-clock time
+                logger.info("pin %d expired", pin_id)
 
     def _commit(self, answers: list[Answer | None] | None = None) -> list[list[bytes]]:
         """Store commit, then KV events: both before any reply of this iteration goes out; then

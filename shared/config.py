@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import tomllib
 import types
 import typing
@@ -22,6 +23,21 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+BYTES = {"parse": lambda text: parse_bytes(text)}  # a size field takes "64MiB" in a file or env
+
+
+def parse_bytes(text: str | int) -> int:
+    """'512MiB', '2GiB', '1.5G', '4096' -> bytes (K/M/G/T are powers of 1024)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if m is None:
+        raise ValueError(f"cannot parse a memory size from {text!r}; write e.g. 512MiB or 2GiB")
+    scale = 1024 ** "_kmgt".index(m.group(2).lower() or "_")
+    return int(float(m.group(1)) * scale)
+
+
 
 
 class ConfigError(ValueError):

@@ -81,6 +81,8 @@ def params_to_wire(params: SamplingParams) -> dict:
     """A ``SamplingParams`` as the ``params`` map (the text-only ``stop`` stays behind)."""
     out = {k: getattr(params, k) for k in params.__dataclass_fields__ if k not in TEXT_ONLY}
     out["stop_token_ids"] = list(params.stop_token_ids)
+    if not params.priority:
+        del out["priority"]  # the default: messages as before priorities
     return out
 
 

@@ -82,6 +82,7 @@ ERROR_CODES = {
     "quota_exceeded": "the registration would take the session or the manager past its block quota",
     "step_too_large": "a step would hand out or share more than max_step_blocks blocks: split it",
     "name_taken": "attach: the name is a kvpool pool's or another external pool's (or its topic is taken)",
+    "pin_refused": "a pin would hold more than the pinned share of a tier; the message gives the figures",
     "internal": "a manager bug; the message was logged",
 }
 

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, fields
 
 MAX_TOKENS = (1 << 31) - 1
+MAX_PRIORITY = 1 << 31
 MAX_SEED = (1 << 63) - 1
 MAX_N = 64
 MAX_TEMPERATURE = 1e4
@@ -38,6 +39,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1: off; logits of prompt and output tokens divided (> 0) or multiplied
     min_p: float = 0.0  # 0: off; drop tokens below min_p times the top token's probability
+    # vLLM's request priority (lower is more important): the node tier keeps the blocks of the more
+    # important requests longer (manager/core/node_level.py); the worker schedules FCFS regardless
+    priority: int = 0
     stop_token_ids: tuple[int, ...] = ()  # end the sample (finish reason "stop"), EOS aside
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k alternatives
     stop: tuple[str, ...] = ()  # stop strings: applied to text by the front door and the offline LLM
@@ -84,6 +88,8 @@ class SamplingParams:
         if not 0.0 <= min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {min_p}")
         object.__setattr__(self, "min_p", min_p)
+        if type(self.priority) is not int or not -MAX_PRIORITY <= self.priority < MAX_PRIORITY:
+            raise ValueError(f"priority must be an int in [-2**31, 2**31), got {_short(self.priority)}")
         if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or absent, got {_short(self.logprobs)}")
         ids = self.stop_token_ids

@@ -6,13 +6,13 @@ the in-process block manager and the journal's replay all decode through it) and
 ``to_wire``, whose map is byte for byte the documented one: the same keys in the same order,
 an optional key absent when its field is ``None``::
 
-    Alloc   {"op": "alloc", "req", "hashes", "prompt_len", "max_new", "lookahead"?}
+    Alloc   {"op": "alloc", "req", "hashes", "prompt_len", "max_new", "lookahead"?, "priority"?}
     Extend  {"op": "extend", "req", "num_tokens", "hashes"?, "lookahead"?, "base"?}
     Free    {"op": "free", "req", "computed"?}
     Fork    {"op": "fork", "req", "child"}
 
-    AllocResult   {"ok": true, "cached", "blocks", "writes"?, "saves"?, "loads"?}
-    ExtendResult  {"ok": true, "blocks", "copies", "writes"?, "saves"?, "loads"?}
+    AllocResult   {"ok": true, "cached", "blocks", "writes"?, "saves"?, "loads"?, "node"?}
+    ExtendResult  {"ok": true, "blocks", "copies", "writes"?, "saves"?, "loads"?, "node"?}
     Freed         {"ok": true}
     Forked        {"ok": true, "blocks"}
     Refused       {"ok": false, "code", "msg"}
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvpool.shared.hashing import HASH_BYTES
+from kvpool.shared.node_orders import NodeOrders
 from kvpool.shared.protocol import MAX_HASHES, ManagerError, short_repr
 
 MAX_COUNT = 1 << 31  # bound on token and block counts in one sub-op
@@ -58,6 +59,13 @@ def _req(op: dict, key: str = "req") -> ReqId:
     raise ManagerError("bad_field", f"field {key!r} must be an int >= 0 or a str of 1-128 chars, got {short_repr(v)}")
 
 
+def _priority(op: dict) -> int:
+    v = op.get("priority")
+    if type(v) is not int or not -MAX_COUNT <= v < MAX_COUNT:
+        raise ManagerError("bad_field", f"field 'priority' must be an int in [-2**31, 2**31), got {short_repr(v)}")
+    return v
+
+
 def _hashes(op: dict) -> list[bytes]:
     hs = op.get("hashes", ())
     if type(hs) not in (list, tuple) or len(hs) > MAX_HASHES:
@@ -81,16 +89,20 @@ class Alloc:
     prompt_len: int
     max_new: int
     lookahead: int | None = None
+    priority: int | None = None  # vLLM's request priority (lower: kept longer in the node tier)
 
     @classmethod
     def from_wire(cls, op: dict) -> Alloc:
-        return cls(_req(op), _hashes(op), _int(op, "prompt_len"), _int(op, "max_new"), _opt_int(op, "lookahead"))
+        return cls(_req(op), _hashes(op), _int(op, "prompt_len"), _int(op, "max_new"), _opt_int(op, "lookahead"),
+                   _priority(op) if "priority" in op else None)
 
     def to_wire(self) -> dict:
         w = {"op": "alloc", "req": self.req, "hashes": self.hashes, "prompt_len": self.prompt_len,
              "max_new": self.max_new}
         if self.lookahead is not None:
             w["lookahead"] = self.lookahead
+        if self.priority is not None:
+            w["priority"] = self.priority
         return w
 
 
@@ -208,14 +220,26 @@ def _copies(res: dict, key: str) -> list[list[int]] | None:
     return v
 
 
-def _orders(w: dict, writes: list | None, saves: list | None, loads: list | None) -> dict:
+def _orders(w: dict, writes: list | None, saves: list | None, loads: list | None, node: NodeOrders | None) -> dict:
     if writes:
         w["writes"] = writes
     if saves:
         w["saves"] = saves
     if loads:
         w["loads"] = loads
+    if node is not None:
+        w["node"] = node.to_wire()
     return w
+
+
+def _node(res: dict) -> NodeOrders | None:
+    m = res.get("node")
+    if m is None:
+        return None
+    try:
+        return NodeOrders.from_wire(m)
+    except ManagerError as e:
+        raise ManagerError("bad_message", f"result field 'node': {e.message}") from None
 
 
 def _blocks(res: dict) -> list[int]:
@@ -228,7 +252,8 @@ def _blocks(res: dict) -> list[int]:
 @dataclass(slots=True)
 class AllocResult:
     """``cached``: prompt tokens found cached (host-tier loads included); the host tier's orders
-    (``writes``, ``saves`` [device, host]; ``loads`` [host, device]) only when there are any."""
+    (``writes``, ``saves`` [device, host]; ``loads`` [host, device]) and the node tier's
+    (``node``) only when there are any."""
 
     ok: ClassVar[bool] = True
     cached: int
@@ -236,16 +261,19 @@ class AllocResult:
     writes: list[list[int]] | None = None
     saves: list[list[int]] | None = None
     loads: list[list[int]] | None = None
+    node: NodeOrders | None = None
 
     def to_wire(self) -> dict:
-        return _orders({"ok": True, "cached": self.cached, "blocks": self.blocks}, self.writes, self.saves, self.loads)
+        return _orders({"ok": True, "cached": self.cached, "blocks": self.blocks}, self.writes, self.saves,
+                       self.loads, self.node)
 
     @classmethod
     def from_wire(cls, res: dict) -> AllocResult:
         cached = res.get("cached")
         if type(cached) is not int or cached < 0:
             raise ManagerError("bad_message", f"result field 'cached' must be an int >= 0, got {short_repr(cached)}")
-        return cls(cached, _blocks(res), _copies(res, "writes"), _copies(res, "saves"), _copies(res, "loads"))
+        return cls(cached, _blocks(res), _copies(res, "writes"), _copies(res, "saves"), _copies(res, "loads"),
+                   _node(res))
 
 
 @dataclass(slots=True)
@@ -258,16 +286,19 @@ class ExtendResult:
     writes: list[list[int]] | None = None
     saves: list[list[int]] | None = None
     loads: list[list[int]] | None = None
+    node: NodeOrders | None = None
 
     def to_wire(self) -> dict:
-        return _orders({"ok": True, "blocks": self.blocks, "copies": self.copies}, self.writes, self.saves, self.loads)
+        return _orders({"ok": True, "blocks": self.blocks, "copies": self.copies}, self.writes, self.saves,
+                       self.loads, self.node)
 
     @classmethod
     def from_wire(cls, res: dict) -> ExtendResult:
         copies = res.get("copies")
         if type(copies) is not list:
             raise ManagerError("bad_message", f"result field 'copies' must be a list, got {short_repr(copies)}")
-        return cls(_blocks(res), copies, _copies(res, "writes"), _copies(res, "saves"), _copies(res, "loads"))
+        return cls(_blocks(res), copies, _copies(res, "writes"), _copies(res, "saves"), _copies(res, "loads"),
+                   _node(res))
 
 
 @dataclass(slots=True)

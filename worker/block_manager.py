@@ -11,14 +11,18 @@ longer holds this worker's requests: the engine then re-registers and recomputes
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from kvpool.client.manager import ManagerClient
+from kvpool.manager.core.node_tier import NodeTier
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
+from kvpool.shared.node_orders import NodeReport
+from kvpool.shared.node_tier import NodeTierInfo, layout_id
 from kvpool.shared.protocol import KVSpec, ManagerRestarted, ManagerUnavailable, StaleEpoch
 from kvpool.shared.step_ops import Result, SubOp, decode_results, encode_ops
 
@@ -36,13 +40,16 @@ def spec_num_blocks(spec: KVSpec, available_kv_bytes: int) -> int:
 
 class BlockManager(Protocol):
     pool: str
+    node_tier_capable: bool  # a node tier may come with registration (the engine then offers its model)
 
     def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0,
-                 host_kv_policy: str = "demote") -> dict: ...
+                 host_kv_policy: str = "demote", node_model: str | None = None) -> dict: ...
 
     def step(self, ops: list[SubOp]) -> list[Result]: ...
 
-    def send_step(self, ops: list[SubOp]) -> object: ...
+    def send_step(self, ops: list[SubOp], node_done: Sequence[NodeReport] = ()) -> object: ...
+
+    def node_done(self, reports: Sequence[NodeReport]) -> None: ...  # node-tier batches run (no step to carry them)
 
     def recv_step(self, ticket: object) -> list[Result]: ...
 
@@ -60,16 +67,22 @@ class BlockManager(Protocol):
 class LocalBlockManager:
     """An in-process manager of one pool: the same Pool and step executor as the daemon."""
 
-    def __init__(self, pool: str = "local", *, enable_caching: bool = True, max_blocks: int | None = None):
+    def __init__(self, pool: str = "local", *, enable_caching: bool = True, max_blocks: int | None = None,
+                 node_tier: tuple[NodeTier, NodeTierInfo] | None = None):
         self.pool = pool
         self.enable_caching = enable_caching
         self.max_blocks = max_blocks  # cap (tests that want memory pressure)
         self.epoch = 0
         self.draining = False  # as the daemon's drain: allocations are refused
+        # a node tier shared with other in-process pools (tests, benchmarks): its bookkeeping and
+        # where its stores live, as the daemon's registration hands them out
+        self.node_tier = node_tier
+        self.node_tier_capable = node_tier is not None
         self._pool: Pool | None = None
+        self._batches = itertools.count(1)
 
     def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0,
-                 host_kv_policy: str = "demote") -> dict:
+                 host_kv_policy: str = "demote", node_model: str | None = None) -> dict:
         num_blocks = spec_num_blocks(spec, available_kv_bytes)
         if self.max_blocks is not None:
             num_blocks = min(num_blocks, self.max_blocks)
@@ -81,16 +94,27 @@ class LocalBlockManager:
         if host_kv_bytes // spec.block_bytes:  # as the manager answers (PROTOCOL.md, register)
             info["host_num_blocks"] = host_kv_bytes // spec.block_bytes
             info["host_policy"] = host_kv_policy
+        if self.node_tier is not None and node_model is not None:
+            tier, where = self.node_tier
+            if layout_id(spec, node_model).hex() == where.layout:
+                self._pool.set_node(tier)
+                info["node_tier"] = where.to_wire()
         return info
 
     def step(self, ops: list[SubOp]) -> list[Result]:
         if self._pool is None:
             raise ManagerReset(f"pool {self.pool!r} is not registered (manager restarted)")
-        return run_step(self._pool, "local", ops, allow_alloc=not self.draining)
+        return run_step(self._pool, self.pool, ops, allow_alloc=not self.draining, batch=next(self._batches))
 
-    def send_step(self, ops: list[SubOp]) -> object:
+    def send_step(self, ops: list[SubOp], node_done: Sequence[NodeReport] = ()) -> object:
         """In process the answer is ready at once (the caller's overlap then costs nothing)."""
+        self.node_done(node_done)
         return self.step(ops)
+
+    def node_done(self, reports: Sequence[NodeReport]) -> None:
+        if self.node_tier is not None:
+            for r in reports:
+                self.node_tier[0].finish((self.pool, r.batch), r.failed)
 
     def recv_step(self, ticket: object) -> list[Result]:
         return ticket  # type: ignore[return-value]
@@ -149,16 +173,17 @@ class RemoteBlockManager:
         self.replace = replace  # take the shard over from a live session (the first registration only)
         self.epoch = 0
         self._fresh_session = False
+        self.node_tier_capable = True  # the manager decides (it may run none)
 
     def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0,
-                 host_kv_policy: str = "demote") -> dict:
+                 host_kv_policy: str = "demote", node_model: str | None = None) -> dict:
         if self._fresh_session:
             self.client.hello()
             self._fresh_session = False
         info = self.client.register(self.pool, shard_rank=self.shard_rank, shard_count=self.shard_count,
                                     incarnation=self.incarnation, spec=spec.to_wire(),
                                     available_kv_bytes=available_kv_bytes, host_kv_bytes=host_kv_bytes,
-                                    host_kv_policy=host_kv_policy,
+                                    host_kv_policy=host_kv_policy, node_model=node_model,
                                     wait_s=self.register_wait_s, serve=self.serve, replace=self.replace)
         self.replace = False  # a later re-registration must not take the pool back from a newer worker
         self.epoch = int(info["epoch"])
@@ -167,9 +192,14 @@ class RemoteBlockManager:
     def step(self, ops: list[SubOp]) -> list[Result]:
         return self.recv_step(self.send_step(ops))
 
-    def send_step(self, ops: list[SubOp]) -> object:
+    def send_step(self, ops: list[SubOp], node_done: Sequence[NodeReport] = ()) -> object:
         with self._resets():
-            return ops, self.client.begin_step(self.pool, self.epoch, encode_ops(ops))
+            return ops, self.client.begin_step(self.pool, self.epoch, encode_ops(ops),
+                                               [r.to_wire() for r in node_done])
+
+    def node_done(self, reports: Sequence[NodeReport]) -> None:
+        with self._resets():
+            self.client.call("node_done", pool=self.pool, epoch=self.epoch, reports=[r.to_wire() for r in reports])
 
     def recv_step(self, ticket: object) -> list[Result]:
         ops, pending = ticket  # type: ignore[misc]

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from dataclasses import dataclass, field
 
 from kvpool.shared.bind import check_bind, check_curve_files
+from kvpool.shared.config import BYTES, parse_bytes  # noqa: F401 (re-exported: the worker's names)
 from kvpool.shared.logs import LEVELS
 from kvpool.shared.model_config import PRESETS, ModelConfig  # noqa: F401 (re-exported: the worker's names)
 from kvpool.shared.protocol import HOST_POLICIES, default_endpoint
 
 DTYPES = ("float32", "float16", "bfloat16")
-BYTES = {"parse": lambda text: parse_bytes(text)}  # a size field takes "64MiB" in a file or env
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
 def default_threads(cpus: int, tp_size: int = 1) -> int:
@@ -45,17 +43,6 @@ def resolve_threads(threads: int, tp_size: int = 1, cpus: int | None = None) -> 
     if threads:
         return threads
     return default_threads(cpus if cpus is not None else len(os.sched_getaffinity(0)), tp_size)
-
-
-def parse_bytes(text: str | int) -> int:
-    """'512MiB', '2GiB', '1.5G', '4096' -> bytes (K/M/G/T are powers of 1024)."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE_RE.match(text)
-    if m is None:
-        raise ValueError(f"cannot parse a memory size from {text!r}; write e.g. 512MiB or 2GiB")
-    scale = 1024 ** "_kmgt".index(m.group(2).lower() or "_")
-    return int(float(m.group(1)) * scale)
 
 
 def with_model_len(cfg: WorkerConfig, model: ModelConfig) -> WorkerConfig:
@@ -84,6 +71,14 @@ def check_tp(cfg: ModelConfig, tp_size: int) -> None:
 
 
 
+def model_identity(model: str, seed: int) -> str:
+    """What names the weights in a node-tier layout (shared/node_tier.py): a preset's shape and
+    seed (its weights are seeded random), or a checkpoint directory's real path."""
+    if model in PRESETS:
+        return f"preset:{model}:seed={seed}"
+    return f"checkpoint:{os.path.realpath(model)}"
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str = "tiny"  # a preset name or a Hugging Face-format checkpoint directory
@@ -102,6 +97,7 @@ class WorkerConfig:
     cpu_memory_budget: int = field(default=2 << 30, metadata=BYTES)  # host memory treated as the CPU "device"
     host_kv_memory: int = field(default=0, metadata=BYTES)  # host memory offered for the pool's host tier (0: none)
     host_kv_policy: str = "demote"  # or "write_through": when blocks are copied to the host tier (docs/operating.md)
+    node_tier: bool = True  # use the manager's node tier of this layout when it has one (single-shard pools)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     static_prealloc: bool = False  # baseline: reserve max_model_len slots per request

@@ -26,12 +26,16 @@ import random
 import time
 from dataclasses import dataclass
 
+from kvpool.shared.node_orders import NodeReport
+from kvpool.shared.node_tier import NodeTierInfo
 from kvpool.shared.protocol import ManagerError
 from kvpool.shared.step_ops import Free
 from kvpool.worker.block_manager import BlockManager, ManagerReset
 from kvpool.worker.draw import draw_tokens
 from kvpool.worker.kv_cache import kv_spec
 from kvpool.worker.model import LlamaForCausalLM
+from kvpool.worker.node_copier import NodeCopier
+from kvpool.worker.node_store import StoreLayout
 from kvpool.worker.profiler import check_fits
 from kvpool.worker.request import Request
 from kvpool.worker.runner import ModelRunner, allocate_runner
@@ -56,7 +60,8 @@ class TokenEvent:
 class Engine:
     def __init__(self, model: LlamaForCausalLM, block_manager: BlockManager, scheduler: Scheduler,
                  available_kv_bytes: int, *, seed: int = 0, tp: TPLeader | None = None,
-                 overlap: bool = True, host_kv_bytes: int = 0, host_kv_policy: str = "demote") -> None:
+                 overlap: bool = True, host_kv_bytes: int = 0, host_kv_policy: str = "demote",
+                 node_model: str | None = None) -> None:
         self.model = model
         self.bm = block_manager
         self.scheduler = scheduler
@@ -64,6 +69,11 @@ class Engine:
         self.host_kv_bytes = host_kv_bytes  # host memory offered for the pool's host tier
         self.host_kv_policy = host_kv_policy  # "demote" or "write_through" (manager/core/host_tier.py)
         self.host_num_blocks = 0  # what the manager made of it
+        # the weights' identity, offered at registration: the manager then puts the node tier of
+        # this layout behind the pool (worker/node_copier.py); None: no node tier
+        self.node_model = node_model
+        self.node_tier: NodeTierInfo | None = None
+        self._node_reports: list[NodeReport] = []  # node-tier batches run, not yet told to the manager
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.block_size = scheduler.block_size
@@ -97,7 +107,11 @@ class Engine:
         """(Re-)registers with the manager; allocates the KV tensors when their size changes."""
         if self.tp is not None:
             self.tp.register()  # the other shards register alongside: the pool needs them all
-        info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes, self.host_kv_policy)
+        if self.node_model is not None and getattr(self.bm, "node_tier_capable", False):
+            info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes, self.host_kv_policy,
+                                    node_model=self.node_model)
+        else:  # the call as before the node tier
+            info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes, self.host_kv_policy)
         num_blocks = int(info["num_blocks"])
         self.host_num_blocks = int(info.get("host_num_blocks", 0))
         check_fits(num_blocks, self.block_size, self.scheduler.max_model_len)
@@ -108,10 +122,28 @@ class Engine:
             self.runner = allocate_runner(self.model, num_blocks, self.block_size)
             self.num_blocks = num_blocks
         self.runner.attach_host(self.host_num_blocks)  # same size: the tensors and their blocks stay
+        self._attach_node(info.get("node_tier"))
         self.scheduler.set_pool_size(num_blocks)
         self.registrations += 1
         logger.info("registered pool %s: %d blocks of %d tokens, %d KV bytes on tensor-parallel rank 0 of %d",
                     self.bm.pool, num_blocks, self.block_size, self.runner.kv_bytes, self.model.tp_size)
+
+    def _attach_node(self, wire: object) -> None:
+        """Maps the node tier's stores the manager named (a NodeStoreError says what is wrong)."""
+        self._node_reports = []
+        if wire is None:
+            self.node_tier = None
+            self.runner.attach_node(None)  # type: ignore[union-attr]
+            return
+        info = NodeTierInfo.from_wire(wire)
+        if info == self.node_tier and self.runner.node is not None:  # type: ignore[union-attr]
+            self.runner.take_node_reports()  # type: ignore[union-attr]  # an earlier registration's: meaningless now
+            return
+        layout = StoreLayout(self.spec, self.node_model or "", 0, 1)
+        self.runner.attach_node(NodeCopier(self.runner.kv_caches, info, layout))  # type: ignore[union-attr]
+        self.node_tier = info
+        logger.info("node tier of layout %s: %d host slots in %s, disk %s", info.layout, info.host_slots - 1,
+                    info.host_dir, f"{info.disk_slots - 1} slots in {info.disk_dir}" if info.disk_dir else "none")
 
     # -- requests --------------------------------------------------------------------------
 
@@ -149,7 +181,7 @@ class Engine:
         return [TokenEvent(req.request_id, i, None, True, reason) for i in indices]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._lost or self._ready is not None
+        return self.scheduler.has_work() or self._lost or self._ready is not None or bool(self._node_reports)
 
     # -- one step --------------------------------------------------------------------------
 
@@ -169,10 +201,11 @@ class Engine:
         """Schedules a step and waits for the manager's answer to its ops: (plan, results), or
         None when there is nothing to do or the manager reset (the step is dropped)."""
         plan = self.scheduler.schedule()
-        if not plan.ops and not plan.seqs:
-            return None
         try:
-            results = self._wait(self.bm.send_step(plan.ops)) if plan.ops else []
+            ticket = self._send(plan.ops)
+            if not plan.ops and not plan.seqs:
+                return None
+            results = self._wait(ticket) if ticket is not None else []
         except ManagerReset as e:
             self._reset(e)
             return None
@@ -205,7 +238,7 @@ class Engine:
         plan, results, batch = ready
         following = sched.schedule()  # step N+1
         try:
-            ticket = self.bm.send_step(following.ops) if following.ops else None
+            ticket = self._send(following.ops)
         except ManagerReset as e:
             self._reset(e)
             return []
@@ -227,6 +260,16 @@ class Engine:
         if following.ops or following.seqs:
             self._ready = (following, answers, following.batch(answers))
         return events
+
+    def _send(self, ops: list) -> object | None:
+        """Sends a step's ``ops`` with the node-tier batches run since the last message; with
+        no ops, those reports alone (a node tier's saves land for other pools only once told)."""
+        reports, self._node_reports = self._node_reports, []
+        if ops:
+            return self.bm.send_step(ops, reports) if reports else self.bm.send_step(ops)
+        if reports:
+            self.bm.node_done(reports)
+        return None
 
     def _wait(self, ticket: object) -> list[dict]:
         start = time.perf_counter()
@@ -252,6 +295,7 @@ class Engine:
     def _reset(self, err: Exception) -> None:
         logger.warning("manager lost our requests (%s): re-registering, recomputing", err)
         self._ready = None
+        self._node_reports = []  # the manager abandons the batches of a session it lost
         self.scheduler.reset()
         self.resets += 1
         self._lost = True
@@ -264,13 +308,15 @@ class Engine:
     def _run(self, batch: Batch) -> list[Output]:
         """The forward pass over ``batch`` and its sampled tokens (an n > 1 request's first
         step draws all n: ``Output.sample`` says which; the scheduler spawns the others)."""
-        if not batch.seqs and not batch.saves and not batch.loads and not batch.writes:
+        if not batch.seqs and not batch.saves and not batch.loads and not batch.writes and batch.node_batch is None:
             return []
         self._ran = True
         if self.tp is not None:
             self.tp.run(batch)
         logits = self.runner.execute(batch)
-        if not batch.seqs:  # only the host tier's copies ran
+        if self.runner.node_reports:
+            self._node_reports += self.runner.take_node_reports()
+        if not batch.seqs:  # only the tiers' copies ran
             return []
         return draw_tokens(batch, logits, self.model.config.eos_token_ids)
 
@@ -336,4 +382,14 @@ class Engine:
             "registrations": self.registrations, "resets": self.resets, "overlap": self.overlap,
             "manager_wait_s": self.manager_wait_s,
             "tp_size": self.model.tp_size, "kv_cache_bytes": self.runner.kv_bytes if self.runner else 0,
+            **self._node_stats(),
         }
+
+    def _node_stats(self) -> dict:
+        node = self.runner.node if self.runner is not None else None
+        if node is None:
+            return {}
+        s = node.stats
+        return {"node_layout": node.info.layout, "node_saves": dict(s.saves), "node_loads": dict(s.loads),
+                "node_failures": dict(s.failures), "node_recomputed_tokens": s.recomputed_tokens,
+                "node_copy_s": s.wall_s}

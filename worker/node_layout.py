@@ -1,12 +1,9 @@
 """What a node-store slot is: the layout it belongs to, its header, its checksum, its failures.
 
-A store belongs to one ``StoreLayout``: the ``KVSpec`` (block size, layers, this shard's heads,
-head size, dtype), the model's identity and the shard (rank of world). The spec alone is not
-enough: two models of one shape (a base model and its fine-tune) hash the same tokens to the
-same block hashes but compute other K/V, and the checksum cannot tell (both blocks are whole);
-two tensor-parallel ranks hold different heads of one block hash. So the layout id is SHA-256 of
-all of it, names the store's files and is in every header: different layouts never share a
-store, and a block of another layout never verifies.
+A store belongs to one ``StoreLayout``: the ``KVSpec``, the model's identity and the shard; its
+id (shared/node_tier.py ``layout_id``, which says why all of it) names the store's files and is
+in every header: different layouts never share a store, and a block of another layout never
+verifies.
 
 Header (64 bytes, little-endian): magic u32 ``KVNS``, version u16, flags u16, commit u32 (``KVOK``
 once the slot is whole; 0 while it is written), length u32 (bytes of K/V), checksum u64, layout
@@ -23,8 +20,6 @@ probability 2^-64, and the key is compared exactly besides.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import struct
 from dataclasses import dataclass, field
 
@@ -32,9 +27,12 @@ import numpy as np
 import torch
 import xxhash
 
+from kvpool.shared.node_tier import HEADER_BYTES, layout_id
 from kvpool.shared.protocol import KVSpec
 
 HEADER = struct.Struct("<IHHIIQ8s32s")
+if HEADER.size != HEADER_BYTES:
+    raise ImportError(f"the slot header is {HEADER.size} bytes, the node tier's contract says {HEADER_BYTES}")
 MAGIC = int.from_bytes(b"KVNS", "little")
 COMMIT = int.from_bytes(b"KVOK", "little")
 VERSION = 1
@@ -64,15 +62,8 @@ class StoreLayout:
     block_shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not self.model:
-            raise ValueError("a store layout needs the model's identity (blocks of other weights differ)")
-        if not 0 <= self.rank < self.world:
-            raise ValueError(f"shard rank {self.rank} is not in [0, {self.world})")
-        wire = {k: v for k, v in self.spec.to_wire().items() if k != "max_model_len"}  # not a layout field
-        doc = json.dumps({"spec": wire, "model": self.model, "rank": self.rank, "world": self.world},
-                         sort_keys=True).encode()
         s = self.spec
-        object.__setattr__(self, "layout_id", hashlib.sha256(doc).digest()[:8])
+        object.__setattr__(self, "layout_id", layout_id(s, self.model, self.rank, self.world))  # checks them
         object.__setattr__(self, "block_shape", (s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_size))
 
     @property

@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvpool.shared.node_tier import disk_slots as shared_disk_slots
+from kvpool.shared.node_tier import host_file, host_stride
 from kvpool.worker.node_layout import (
     COMMIT,
     HEADER,
@@ -64,8 +66,8 @@ class HostStore:
         if num_slots < 2:
             raise NodeStoreError(f"a host store needs at least 2 slots (slot 0 is never used), got {num_slots}")
         self.layout, self.num_slots = layout, num_slots
-        self.stride = -(-(HEADER.size + layout.block_bytes) // 64) * 64
-        self.path = Path(directory) / f"kvpool-node-{layout.name}.host"
+        self.stride = host_stride(layout.block_bytes)
+        self.path = Path(host_file(str(directory), layout.name))
         size = num_slots * self.stride
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -131,8 +133,8 @@ class HostStore:
 
 def disk_slots(layout: StoreLayout, budget_bytes: int) -> int:
     """The disk level's slot count for a byte budget (slot 0 is never a file): what the
-    manager's disk level is sized by, so both sides agree."""
-    return budget_bytes // (HEADER.size + layout.block_bytes) + 1
+    manager's disk level is sized by (shared/node_tier.py), so both sides agree."""
+    return shared_disk_slots(layout.block_bytes, budget_bytes)
 
 
 class DiskStore:

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.kernels import AttentionMetadata, copy_blocks, paged_attention, reshape_and_cache
+from kvpool.shared.node_orders import NodeReport
 from kvpool.worker.host_kv import HostCopier, HostCopyStats
 from kvpool.worker.kv_cache import allocate_kv_caches
 from kvpool.worker.model import LlamaForCausalLM
+from kvpool.worker.node_copier import NodeCopier, covered_blocks, recompute
 from kvpool.worker.step_plan import Batch
 
 
@@ -61,6 +63,8 @@ class ModelRunner:
         self.scale = model.config.head_size**-0.5
         self.windows = [model.config.window_of(i) for i in range(model.config.num_layers)]
         self.host: HostCopier | None = None  # the host tier's blocks and copies (worker/host_kv.py)
+        self.node: NodeCopier | None = None  # the node tier's stores and copies (worker/node_copier.py)
+        self.node_reports: list[NodeReport] = []  # batches run, for the manager (Engine sends them)
 
     def attach_host(self, num_blocks: int) -> None:
         """Host KV tensors of ``num_blocks`` blocks (none when 0). Tensors of that size already
@@ -71,6 +75,17 @@ class ModelRunner:
         if self.host is not None:
             self.host.settle()  # nothing may still write into the tensors being dropped
         self.host = HostCopier(self.kv_caches, num_blocks) if num_blocks else None
+
+    def attach_node(self, node: NodeCopier | None) -> None:
+        """The node tier's stores of this worker's layout (None: none)."""
+        if self.node is not None and self.node is not node:
+            self.node.close()
+        self.node = node
+        self.node_reports = []  # reports of batches of an earlier registration mean nothing now
+
+    def take_node_reports(self) -> list[NodeReport]:
+        out, self.node_reports = self.node_reports, []
+        return out
 
     @property
     def host_caches(self) -> list[torch.Tensor]:
@@ -90,13 +105,29 @@ class ModelRunner:
     def execute(self, plan: Batch, *, sample: bool = True) -> torch.Tensor | None:
         """fp32 logits [R, vocab] for the plan's sampling sequences, in plan order; None without
         ``sample`` (a tensor-parallel follower only writes its KV slice and joins the all-reduces)."""
+        if plan.node_batch is not None and self.node is None:
+            raise RuntimeError("the manager ordered node-tier copies but this worker has no node tier mapped")
         if self.host is not None:  # every step: the last step's saves and writes land (HostCopier.settle)
-            self.host.run(plan.saves, plan.loads)  # before anything overwrites or reads their blocks
+            # before anything overwrites or reads their blocks; the node tier's device reads come
+            # before any device write of the step (its loads and these: worker/node_copier.py)
+            self.host.run(plan.saves, [] if plan.node_pre else plan.loads)
         elif plan.saves or plan.loads or plan.writes:
             raise RuntimeError("the manager ordered host-tier copies but this worker has no host KV tensors")
+        failed: list = []
+        unwritten: set[int] = set()
+        if plan.node_pre:
+            failed, unwritten = self.node.run(plan.node_pre)  # type: ignore[union-attr]
+            if self.host is not None and plan.loads:
+                self.host.run([], plan.loads)
+        if unwritten:  # never served: the forward pass computes them instead
+            self.node.count_recomputed(recompute(plan, unwritten, self.block_size))  # type: ignore[union-attr]
         logits = self._forward(plan, sample) if plan.seqs else None
         if plan.writes:  # write-through: the blocks this forward filled, behind its work
             self.host.write(plan.writes)
+        if plan.node_batch is not None:
+            if plan.node_post:
+                failed += self.node.run(plan.node_post, covered_blocks(plan, self.block_size))[0]  # type: ignore[union-attr]
+            self.node_reports.append(NodeReport(plan.node_batch, tuple(failed)))
         return logits
 
     def _forward(self, plan: Batch, sample: bool) -> torch.Tensor | None:

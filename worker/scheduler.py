@@ -207,7 +207,7 @@ class Scheduler:
             if room < 0 and (self.running or admitted):
                 break  # an idle pool still tries its head: the manager has the last word
             hashes = list(req.hasher.hashes) if self.caching else []
-            alloc = Alloc(req.rid, hashes, len(req.tokens), n, self._lookahead(n))
+            alloc = Alloc(req.rid, hashes, len(req.tokens), n, self._lookahead(n), req.params.priority or None)
             op = plan.add(SubOp(alloc, "alloc", req, req.step.generation, n))
             sample = n == len(req.tokens)  # the whole prompt: computed after it, whatever is cached
             plan.seqs.append(ScheduledSeq(req, req.step, req.step.generation, n, 0, op, sample))

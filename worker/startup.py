@@ -15,7 +15,7 @@ import torch
 from kvpool.shared.summaries import ServeInfo
 from kvpool.worker.block_manager import BlockManager, RemoteBlockManager
 from kvpool.worker.checkpoint import load_config, load_model
-from kvpool.worker.config import WorkerConfig, with_model_len
+from kvpool.worker.config import WorkerConfig, model_identity, with_model_len
 from kvpool.worker.cpu_linear import pack_linears
 from kvpool.worker.endpoint import claim
 from kvpool.worker.engine import Engine
@@ -143,8 +143,11 @@ def build_engine(cfg: WorkerConfig, block_manager: BlockManager) -> Engine:
                       enable_chunked_prefill=cfg.enable_chunked_prefill,
                       static_prealloc=cfg.static_prealloc, eos_token_ids=model.config.eos_token_ids)
     tp = TPLeader(Channel(rank_device(cfg)), cfg.tp_size) if cfg.tp_size > 1 else None
+    # the node tier serves single-shard pools (a tensor-parallel rank's slice would need every
+    # rank's copies to agree on each failure)
+    node_model = model_identity(cfg.model, cfg.seed) if cfg.node_tier and cfg.tp_size == 1 else None
     return Engine(model, block_manager, sched, kv_bytes, seed=cfg.seed, tp=tp, overlap=cfg.overlap,
-                  host_kv_bytes=host_kv_share(cfg), host_kv_policy=cfg.host_kv_policy)
+                  host_kv_bytes=host_kv_share(cfg), host_kv_policy=cfg.host_kv_policy, node_model=node_model)
 
 
 def build_follower(cfg: WorkerConfig, block_manager: BlockManager) -> TPFollower:

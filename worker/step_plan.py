@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvpool.shared.node_orders import Order
 from kvpool.shared.step_ops import AllocResult, ExtendResult, Forked, Result
 from kvpool.shared.step_ops import SubOp as StepOp
 from kvpool.worker.kv_view import Undo
@@ -66,6 +67,10 @@ class BatchSeq:
     block_table: list[int]
     sample: bool  # the step reaches the sequence's last known token: sample the next one
 
+    def start_at(self, start: int, token_ids: list[int]) -> None:
+        """Computes from ``start`` instead (a block of its cached context was never written)."""
+        self.start, self.token_ids = start, token_ids
+
 
 @dataclass
 class Batch:
@@ -76,6 +81,11 @@ class Batch:
     saves: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     writes: list[tuple[int, int]] = field(default_factory=list)  # (device, host), after the forward
+    # the node tier's orders (worker/node_copier.py): pre before the forward, post after it;
+    # node_batch: the step's batch, reported done once they ran (None: no order)
+    node_pre: list[Order] = field(default_factory=list)
+    node_post: list[Order] = field(default_factory=list)
+    node_batch: int | None = None
     reqs: list[Request] = field(default_factory=list)  # the request of each seq (rank 0 only)
 
     @property
@@ -147,6 +157,10 @@ class StepPlan:
                     out.loads.extend((s, d) for s, d in r.loads)
                 if r.writes:
                     out.writes.extend((s, d) for s, d in r.writes)
+                if r.node is not None:
+                    out.node_pre += r.node.pre
+                    out.node_post += r.node.post
+                    out.node_batch = r.node.batch
         forked = {id(sub.req): r.blocks for sub, r in zip(self.subops, results) if type(r) is Forked}
         for s, start, n, res in self.runnable(results):
             req = s.req

@@ -93,7 +93,8 @@ class NodeTierAdmin:
         return out
 
     def usage(self) -> dict:
-        out: dict = {"policy": self.policy, "admit_hits": self.admit_hits, "pins": len(self.pins.pins)}
+        out: dict = {"policy": self.policy, "admit_hits": self.admit_hits, "pins": len(self.pins.pins),
+                     "batches": len(self.batches)}
         for name, lv in self.levels.items():
             s, bp = lv.stats, lv.blocks
             out[name] = {"num_blocks": bp.num_blocks, "bytes": (bp.num_blocks - 1) * lv.block_bytes,

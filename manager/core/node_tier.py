@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.core.node_admin import NodeTierAdmin, Removal
 from kvpool.manager.core.node_level import NodeLevel
-from kvpool.manager.core.node_orders import Load, Order, Save
 from kvpool.manager.core.retention import PinInfo, PinRefused, PinTable
+from kvpool.shared.node_orders import Load, Order, Save
 
 __all__ = ["POLICIES", "Hit", "NodeTier", "Removal"]
 
@@ -250,6 +250,24 @@ class NodeTier(NodeTierAdmin):
                 self._removed(lv, lv.drop(b), "failed")
         self._release(batch)
 
+    def withdraw(self, owner: object, orders: Sequence[Order]) -> None:
+        """Saves of ``owner``'s batch that must not run (their source changed before they
+        could): their slots lose the hash now, and the orders leave the batch."""
+        batch = self.batches[owner]
+        for order in orders:
+            if isinstance(order, Save):
+                lv = self.levels[order.to]
+                if lv.landing.get(order.dst) is batch:
+                    self._drop_if(lv, order.dst, order.key)
+            batch.orders.remove(order)
+
+    def close_if_empty(self, owner: object) -> None:
+        """Ends ``owner``'s batch at once when it ordered nothing (no worker reports it)."""
+        batch = self.batches.get(owner)
+        if batch is not None and not batch.orders:
+            del self.batches[owner]
+            self._release(batch)
+
     def _failed(self, order: Order) -> None:
         if isinstance(order, Save):
             lv = self.levels[order.to]
@@ -257,7 +275,8 @@ class NodeTier(NodeTierAdmin):
             self._drop_if(lv, order.dst, order.key)
         else:
             lv = self.levels[order.frm]
-            lv.stats.verify_failures += 1
+            if lv.blocks.block_hash[order.src] == order.key:  # else: its prefetch failed (counted there)
+                lv.stats.verify_failures += 1
             self._drop_if(lv, order.src, order.key)
             if order.frm == "disk":
                 self._drop_if(self.host, order.dst, order.key)
@@ -291,11 +310,12 @@ class NodeTier(NodeTierAdmin):
                     lv.retain(b)
         return pin_id
 
-    def unpin(self, pin_id: int) -> bool:
+    def unpin(self, pin_id: int, expired: bool = False) -> bool:
+        """Ends a pin (``expired``: its time ran out; a later removal of its hashes says so)."""
         released = self.pins.remove(pin_id)
         if released is None:
             return False
-        self._unretain(released, expired=False)
+        self._unretain(released, expired=expired)
         return True
 
     def expire(self, now: float) -> list[int]:

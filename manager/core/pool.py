@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from kvpool.manager.core.block_pool import BlockPool, InvariantBroken
 from kvpool.manager.core.host_tier import Copy, HostTier
 from kvpool.manager.core.kv_events import AllBlocksCleared, BlockStored, KVEvent
+from kvpool.manager.core.node_tier import NodeTier
+from kvpool.manager.core.pool_node import NodeLink
 
 
 class PoolError(ValueError):
@@ -44,13 +46,14 @@ class RequestBlocks:
     """The one mutable record of a request in the pool: its blocks, token count and known block
     hashes (the worker's own record of a request is worker/request.py ``Request``)."""
 
-    __slots__ = ("blocks", "num_tokens", "hashes", "num_cached")
+    __slots__ = ("blocks", "num_tokens", "hashes", "num_cached", "priority")
 
-    def __init__(self, blocks: list[int], num_tokens: int, hashes: list[bytes], num_cached: int):
+    def __init__(self, blocks: list[int], num_tokens: int, hashes: list[bytes], num_cached: int, priority: int = 0):
         self.blocks = blocks  # block table, block i holds tokens [i*bs, (i+1)*bs)
         self.num_tokens = num_tokens  # tokens given slots (this step's included), lookahead not
         self.hashes = hashes  # hashes of the request's full blocks known so far
         self.num_cached = num_cached  # leading blocks already entered into the map
+        self.priority = priority  # the request's (vLLM's meaning): the node tier keeps its blocks by it
 
 
 @dataclass
@@ -62,6 +65,10 @@ class PoolStats:
     freed: int = 0
     forks: int = 0
     cow_copies: int = 0
+
+
+NODE_LEVELS = {"node_host": "host", "node_disk": "disk"}  # admin tier names -> the node tier's levels
+PIN_OWNER = "\x00pin"  # the owner of a retention pin's holding (never a session's sid: those are hex)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -84,8 +91,20 @@ class Pool:
         self.loads: list[Copy] = []  # this sub-op's load orders (host -> device)
         self.writes: list[Copy] = []  # this sub-op's write-through orders (device -> host, after the forward)
         self.fresh: set[int] = set()  # device blocks hashed this step: not computed yet, never saved
+        self.node: NodeLink | None = None  # the node tier behind the host tier (manager/core/pool_node.py)
         if host_blocks >= 2 and enable_caching:
             self.set_host(HostTier(host_blocks, block_size, enable_events, host_policy))
+
+    @property
+    def tiered(self) -> bool:
+        """A tier behind the device blocks: reused ones may be saved, this step's are fresh."""
+        return self.host is not None or self.node is not None
+
+    def set_node(self, tier: NodeTier) -> None:
+        """Puts the node tier of the pool's layout behind the device (and host) blocks."""
+        if self.blocks.enable_caching:
+            self.node = NodeLink(tier, self.block_size)
+            self.blocks.on_reuse = self._demote
 
     def set_host(self, host: HostTier) -> None:
         """Puts ``host`` behind the device blocks: cached blocks reused from now on are demoted
@@ -95,13 +114,19 @@ class Pool:
         self.blocks.on_reuse = self._demote
 
     def _demote(self, block: int, h: bytes) -> None:
+        host, node = self.host, self.node
         if block in self.fresh:  # its K/V is written by this very step's forward: nothing to save
-            if self.host.writing:  # type: ignore[union-attr]
-                self.host.withdraw(block)  # type: ignore[union-attr]  # nor to write through
+            if host is not None and host.writing:
+                host.withdraw(block)  # nor to write through
+            if node is not None and node.posted:
+                node.withdraw(block)
             return
-        copy = self.host.demote(block, h, None)  # type: ignore[union-attr]
-        if copy is not None:
-            self.saves.append(copy)
+        if host is not None:
+            copy = host.demote(block, h, None)
+            if copy is not None:
+                self.saves.append(copy)
+        if node is not None:
+            node.demote(block, h)
 
     def take_copies(self) -> tuple[list[Copy], list[Copy], list[Copy]]:
         """The save, load and write orders of the sub-op just run (manager/core/step.py puts
@@ -116,7 +141,9 @@ class Pool:
         """The step's orders are all out: the host tier's pins end."""
         if self.host is not None:
             self.host.end_step()
-            self.fresh.clear()
+        if self.node is not None:
+            self.node.end_step()
+        self.fresh.clear()
 
     @classmethod
     def restore(cls, blocks: BlockPool, block_size: int, requests: dict[object, RequestBlocks], stats: PoolStats) -> Pool:
@@ -172,6 +199,7 @@ class Pool:
         num_prompt_tokens: int,
         max_new_tokens: int,
         lookahead: int = 0,
+        priority: int = 0,
     ) -> tuple[int, list[int]] | None:
         """Admits a request: cached prefix + slots for up to ``max_new_tokens`` prompt tokens.
 
@@ -199,8 +227,12 @@ class Pool:
             del hits[limit:]
             nh = limit
         host_hits = self.host.lookup(hashes[nh:limit]) if self.host is not None else []
+        k = nh + len(host_hits)
+        if self.node is not None:
+            self.node.priority = priority
+        node_hits = self.node.plan(hashes[k:limit]) if self.node is not None and k < limit else []
         stats = self.stats
-        num_cached = (nh + len(host_hits)) * bs
+        num_cached = (k + len(node_hits)) * bs
         num_tokens = num_cached + min(max_new_tokens, num_prompt_tokens - num_cached)
         num_new = -(-(num_tokens + lookahead) // bs) - nh  # _cdiv, inlined
         if num_new > len(bp.free_queue) - (bp.num_reclaimable(hits) if hits else 0):
@@ -215,17 +247,25 @@ class Pool:
             bp.touch(hits)
         if host_hits:
             self.host.pin(host_hits)  # type: ignore[union-attr]  # before any demotion below
+        node = self.node
+        if node_hits:
+            node_hits = node.take(node_hits)  # type: ignore[union-attr]  # held before any demotion below
         # _cache_full, inlined: the blocks after the hits are fresh, the first of them full
         n_full = min(num_tokens // bs, len(hashes))
         new = bp.get_cached_blocks(num_new, hashes[nh:n_full], hashes[nh - 1] if nh else None)
         if host_hits:
             self.loads += self.host.load(host_hits, new[: len(host_hits)])  # type: ignore[union-attr]
+        if node_hits:
+            node.load(node_hits, new[k - nh: k - nh + len(node_hits)])  # type: ignore[union-attr]
         blocks = hits + new
-        req = self.requests[req_id] = RequestBlocks(blocks, num_tokens, list(hashes), n_full)
-        if self.host is not None and n_full > nh:
+        req = self.requests[req_id] = RequestBlocks(blocks, num_tokens, list(hashes), n_full, priority)
+        if n_full > nh and (self.host is not None or node is not None):
             self.fresh.update(new[: n_full - nh])
-            if self.host.policy == "write_through":
+            if self.host is not None and self.host.policy == "write_through":
                 self._write_through(req, nh, n_full, hashes[nh - 1] if nh else None)
+            loaded = k + len(node_hits)  # the blocks after the loaded ones are computed by this step
+            if node is not None and n_full > loaded:
+                node.write(new[loaded - nh: n_full - nh], hashes[loaded:n_full], hashes[loaded - 1] if loaded else None)
         return num_cached, blocks
 
     def extend(
@@ -313,8 +353,12 @@ class Pool:
     # -- admin -----------------------------------------------------------------------------
 
     def reset_prefix_cache(self, tier: str = "device") -> bool:
+        """``tier``: "device", "host" (the pool's host tier), "node_host" or "node_disk" (a level
+        of the node tier the pool shares with every pool of its layout)."""
         if tier == "host":
             return self._host_tier().reset()
+        if tier in NODE_LEVELS:
+            return self._node_tier().reset(NODE_LEVELS[tier])
         return self.blocks.reset_prefix_cache()
 
     def evict(self, n: int, tier: str = "device") -> int:
@@ -322,12 +366,35 @@ class Pool:
             raise PoolError("bad_count", f"cannot evict {n} blocks")
         if tier == "host":
             return self._host_tier().evict(n)
+        if tier in NODE_LEVELS:
+            return self._node_tier().evict(NODE_LEVELS[tier], n)
         return self.blocks.evict(n)
+
+    def _node_tier(self) -> NodeTier:
+        if self.node is None:
+            raise PoolError("no_node_tier", "the pool has no node tier: the manager runs none, or its worker mapped none")
+        return self.node.tier
 
     def _host_tier(self) -> HostTier:
         if self.host is None:
             raise PoolError("no_host_tier", "the pool has no host tier: its workers offered no --host-kv-memory")
         return self.host
+
+    def pin(self, key: object, hashes: Sequence[bytes], share: float) -> int | None:
+        """Holds the leading cached blocks of ``hashes`` under ``key`` (a retention pin: no
+        eviction takes them until ``free(key)``); how many, or None when that would hold more than
+        ``share`` of the pool's blocks in pins (nothing changed)."""
+        if key in self.requests:
+            raise PoolError("duplicate_request", "pin {req} exists", key)
+        hits = self.blocks.lookup(hashes)
+        if self.pinned_blocks() + len(hits) > int(share * (self.blocks.num_blocks - 1)):
+            return None
+        self.blocks.touch(hits)
+        self.requests[key] = RequestBlocks(hits, len(hits) * self.block_size, list(hashes[:len(hits)]), len(hits))
+        return len(hits)
+
+    def pinned_blocks(self) -> int:
+        return sum(len(r.blocks) for k, r in self.requests.items() if type(k) is tuple and k[0] == PIN_OWNER)
 
     def free_all(self) -> int:
         """Frees every request (a dead session or a new epoch); returns how many."""
@@ -357,6 +424,9 @@ class Pool:
             "forks": s.forks,
             "cow_copies": s.cow_copies,
             **(self.host.usage() if self.host is not None else {}),
+            **({"node_hit_tokens": sum(self.node.hit_tokens.values()),
+                "node_host_hit_tokens": self.node.hit_tokens["host"],
+                "node_disk_hit_tokens": self.node.hit_tokens["disk"]} if self.node is not None else {}),
         }
 
     def check_invariants(self) -> None:
@@ -388,10 +458,13 @@ class Pool:
         if n_full > start:
             parent = req.hashes[start - 1] if start else None
             self.blocks.cache_blocks(req.blocks[start:n_full], req.hashes[start:n_full], parent)
-            if self.host is not None:
+            if self.host is not None or self.node is not None:
                 self.fresh.update(req.blocks[start:n_full])
-                if self.host.policy == "write_through":
+                if self.host is not None and self.host.policy == "write_through":
                     self._write_through(req, start, n_full, parent)
+                if self.node is not None:
+                    self.node.priority = req.priority
+                    self.node.write(req.blocks[start:n_full], req.hashes[start:n_full], parent)
             req.num_cached = n_full
 
     def _write_through(self, req: RequestBlocks, start: int, end: int, parent: bytes | None) -> None:

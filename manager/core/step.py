@@ -24,7 +24,8 @@ device blocks it reuses, saved first) and an alloc "loads": [[host, device]...] 
 found in the host tier; counted in "cached"). Under the write-through policy an alloc or extend
 result may carry "writes": [[device, host]...] (blocks that became full this step). The worker runs
 every save of the step, then every load, then its forward pass, then every write
-(manager/core/host_tier.py).
+(manager/core/host_tier.py). With a node tier, an alloc or extend result may carry "node":
+{"batch", "pre"?, "post"?} (shared/node_orders.py; manager/core/pool_node.py says which).
 R is an int in [0, 2**63) or a str of at most 128 bytes; ids are scoped by ``owner``. A pool error
 names the request by its id alone (``PoolError.public``): the owner is the caller's own.
 """
@@ -32,6 +33,7 @@ names the request by its id alone (``PoolError.public``): the owner is the calle
 from __future__ import annotations
 
 from kvpool.manager.core.pool import Pool, PoolError
+from kvpool.shared.node_orders import NodeOrders
 from kvpool.shared.step_ops import (
     FREED,
     NO_SPACE,
@@ -50,7 +52,7 @@ _DRAINING = Refused("draining", "the manager is draining: no new allocations")
 
 
 def _alloc(pool: Pool, owner: object, op: Alloc) -> AllocResult | Refused:
-    res = pool.allocate((owner, op.req), op.hashes, op.prompt_len, op.max_new, op.lookahead or 0)
+    res = pool.allocate((owner, op.req), op.hashes, op.prompt_len, op.max_new, op.lookahead or 0, op.priority or 0)
     if res is None:
         return NO_SPACE
     return AllocResult(res[0], list(res[1]))  # a copy: a later sub-op may grow it
@@ -71,15 +73,20 @@ def _extend(pool: Pool, owner: object, op: Extend) -> ExtendResult | Refused:
     return ExtendResult(res[0], [list(c) for c in copies] if copies else [])
 
 
-def run_step(pool: Pool, owner: object, ops: list[SubOp | Refused], allow_alloc: bool = True) -> list[Result]:
+def run_step(pool: Pool, owner: object, ops: list[SubOp | Refused], allow_alloc: bool = True,
+             batch: int = 0) -> list[Result]:
     """Runs ``ops`` in order for requests owned by ``owner``; one result per sub-op. A
     ``Refused`` among them (a sub-op that failed to decode, shared/step_ops.decode_ops) is its
     own answer.
 
     ``allow_alloc=False`` (a draining manager) refuses alloc and fork with code "draining".
+    ``batch``: the number of this step's node-tier batch (the caller's step id: the node tier's
+    batch is ``(owner, batch)``, and the worker reports it by that number).
     """
     results: list[Result] = []
-    append, host = results.append, pool.host
+    append, host = results.append, pool.tiered
+    if pool.node is not None:
+        pool.node.owner = (owner, batch)
     for op in ops:
         kind = type(op)
         try:
@@ -97,7 +104,7 @@ def run_step(pool: Pool, owner: object, ops: list[SubOp | Refused], allow_alloc:
                 res = _alloc(pool, owner, op)  # type: ignore[arg-type]
             else:
                 res = Forked(pool.fork((owner, op.req), (owner, op.child)))  # type: ignore[union-attr]
-            if host is not None:
+            if host:
                 _add_copies(pool, res)
             append(res)
         except PoolError as e:
@@ -107,8 +114,13 @@ def run_step(pool: Pool, owner: object, ops: list[SubOp | Refused], allow_alloc:
 
 
 def _add_copies(pool: Pool, res: Result) -> None:
-    """The host tier's orders of the sub-op just run, in its result (only when there are any)."""
+    """The tiers' orders of the sub-op just run, in its result (only when there are any)."""
     saves, loads, writes = pool.take_copies()
+    node = pool.node
+    if node is not None:
+        pre, post = node.take_orders()
+        if (pre or post) and (type(res) is AllocResult or type(res) is ExtendResult):
+            res.node = NodeOrders(node.owner[1], pre, post)  # type: ignore[index]
     if not (saves or loads or writes) or (type(res) is not AllocResult and type(res) is not ExtendResult):
         return  # only an admission or a growth takes blocks that can have orders
     if writes:

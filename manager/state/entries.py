@@ -11,7 +11,7 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 from kvpool.manager.core.block_pool import InvariantBroken
-from kvpool.manager.core.pool import Pool
+from kvpool.manager.core.pool import PIN_OWNER, Pool
 from kvpool.shared.protocol import KVSpec
 
 GLOBAL = "\x00global"  # dirty marker: sessions or manager-wide flags (not a valid pool name)
@@ -54,6 +54,7 @@ class Shard:
     serve: dict | None = None  # where this shard takes generate requests (register's optional field)
     host_kv_bytes: int = 0  # host memory offered for the host tier (0: none)
     host_kv_policy: str = "demote"  # or "write_through" (manager/core/host_tier.py)
+    node_layout: str | None = None  # the node tier (layout id, hex) the shard's pool uses (None: none)
 
     @property
     def host_num_blocks(self) -> int:
@@ -114,6 +115,11 @@ class PoolEntry:
         return min((s.host_num_blocks for s in self.shards.values()), default=0)
 
     @property
+    def node_layout(self) -> str | None:
+        """The node tier of a single-shard pool whose worker mapped its layout's stores."""
+        return self.shards[0].node_layout if self.shard_count == 1 and 0 in self.shards else None
+
+    @property
     def host_policy(self) -> str:
         """Write-through only when every shard asks for it (each one runs the copies); else demote."""
         policies = {s.host_kv_policy for s in self.shards.values()}
@@ -129,7 +135,7 @@ def check_pools(pools: Iterable[PoolEntry], sessions: Container[str]) -> None:
             continue
         entry.pool.check_invariants()
         for key in entry.pool.requests:
-            if key[0] not in sessions:  # type: ignore[index]
+            if key[0] not in sessions and key[0] != PIN_OWNER:  # type: ignore[index]
                 raise InvariantBroken(f"pool {entry.name}: request {key[1]!r:.60} of a dead session")  # type: ignore[index]
         if len(entry.shards) != entry.shard_count:
             raise InvariantBroken(f"pool {entry.name}: ready without all shards")

@@ -16,7 +16,10 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
                                                              or host_kv_bytes follows; + host_kv_bytes,
                                                              only when > 0 or a policy follows;
                                                              + host_kv_policy, only when not "demote")
+                                                            (+ node_model, only when the worker offered one)
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
+    ["node_done", sid, pool, batch, failed]                 NodeFinished: a node-tier batch ran
+    ["pin", pool, hashes, ttl_s, now]   ["unpin", pin_id, expired]   retention pins (manager/pins.py)
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]   ["drop", pool] (PoolDropped)
     (reset and evict + tier "host" for the host tier)
 """
@@ -60,6 +63,7 @@ class ShardRegistered:
     serve: dict | None = None  # {endpoint, model, max_model_len}: where rank 0 takes generate requests
     host_kv_bytes: int = 0  # host memory offered for the pool's host tier (0: none)
     host_kv_policy: str = "demote"  # or "write_through"
+    node_model: str | None = None  # the weights' identity: the pool may use its layout's node tier
 
 
 @dataclass(frozen=True)
@@ -94,8 +98,35 @@ class PoolDropped:
     pool: str
 
 
+@dataclass(frozen=True)
+class NodeFinished:
+    """A worker ran batch ``batch`` of its session's node-tier orders in ``pool``; ``failed``:
+    the orders that did not land, as on the wire (shared/node_orders.py)."""
+
+    sid: str
+    pool: str
+    batch: int
+    failed: list
+
+
+@dataclass(frozen=True)
+class PinAdded:
+    """A retention pin of ``hashes`` in ``pool`` for ``ttl_s`` from wall-clock ``now``."""
+
+    pool: str
+    hashes: list
+    ttl_s: float
+    now: float
+
+
+@dataclass(frozen=True)
+class PinRemoved:
+    pin_id: int
+    expired: bool = False  # its time ran out (else: unpinned)
+
+
 Mutation = (SessionOpened | SessionEnded | ShardRegistered | StepRan | CacheReset | BlocksEvicted | DrainingSet
-            | PoolDropped)
+            | PoolDropped | NodeFinished | PinAdded | PinRemoved)
 
 KINDS: dict[str, type] = {
     "open": SessionOpened,
@@ -106,6 +137,9 @@ KINDS: dict[str, type] = {
     "evict": BlocksEvicted,
     "drain": DrainingSet,
     "drop": PoolDropped,
+    "node_done": NodeFinished,
+    "pin": PinAdded,
+    "unpin": PinRemoved,
 }
 _LAYOUT = {cls: (kind, tuple(f.name for f in fields(cls) if f.compare)) for kind, cls in KINDS.items()}
 
@@ -118,12 +152,14 @@ def to_wire(rec: Mutation) -> list:
         wire.pop()  # the layout of journals from before the host tier
     if type(rec) is ShardRegistered:
         wire[6] = rec.spec.to_wire()
-        if rec.host_kv_policy == "demote":  # the layout of journals from before the choice
+        if rec.node_model is None:  # the layout of journals from before the node tier
             wire.pop()
-            if not rec.host_kv_bytes:  # no host tier: the layout of journals from before it
+            if rec.host_kv_policy == "demote":  # the layout of journals from before the choice
                 wire.pop()
-                if rec.serve is None:
-                    wire.pop()  # records without serve keep their original layout
+                if not rec.host_kv_bytes:  # no host tier: the layout of journals from before it
+                    wire.pop()
+                    if rec.serve is None:
+                        wire.pop()  # records without serve keep their original layout
     return wire
 
 

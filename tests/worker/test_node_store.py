@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from kvpool.manager.core.node_orders import Save
 from kvpool.manager.core.node_tier import NodeTier
+from kvpool.shared.node_orders import Save
 from kvpool.shared.protocol import KVSpec
 from kvpool.worker.node_layout import HEADER
 from kvpool.worker.node_store import DiskStore, HostStore, NodeStoreError, StoreLayout, disk_slots
@@ -134,6 +134,8 @@ print("ready", flush=True)
 i = 0
 while True:
     store.write(1, bytes([i % 2 + 1]) * 32, blocks[i % 2])
+    if i == 0:
+        print("saved", flush=True)
     i += 1
 """
 
@@ -147,10 +149,14 @@ def test_a_writer_killed_mid_save_leaves_nothing_loadable_as_whole(tmp_path, kin
     lay = StoreLayout(BIG, "big")
     where = str(tmp_path)
     outcomes = set()
-    for delay in (0.0, 0.011, 0.05):
+    # the last kill comes once a first save is whole, however slowly a loaded machine runs the writer
+    for delay in (0.0, 0.011, 0.05, None):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, kind, where], stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(delay)
+        if delay is None:
+            assert proc.stdout.readline().strip() == "saved"
+        else:
+            time.sleep(delay)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
         store = HostStore(lay, 2, where) if kind == "host" else DiskStore(lay, where, 4 * lay.block_bytes)

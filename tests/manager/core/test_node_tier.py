@@ -11,9 +11,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.core.kv_events import BlockRemoved, BlockStored
-from kvpool.manager.core.node_orders import Load, Save, order_from_wire
 from kvpool.manager.core.node_tier import Hit, NodeTier, Removal
 from kvpool.manager.core.retention import PinRefused
+from kvpool.shared.node_orders import Load, Save, order_from_wire
 from kvpool.shared.protocol import ManagerError
 
 

@@ -1,4 +1,5 @@
-"""The node tier's copy orders: what a worker copies between its pool and the node's levels.
+"""The node tier's copy orders: what a worker copies between its pool and the node's levels, and
+the records that carry them in a step's result (``NodeOrders``) and back (``NodeReport``).
 
 Pure records, no I/O. The node tier (manager/core/node_tier.py) hands them out; a worker runs
 them (worker/node_store.py holds the bytes). Every order names the block hash it moves (``key``):
@@ -75,3 +76,78 @@ def order_from_wire(m: object) -> Order:
         raise bad_field("order.key", f"a {HASH_BYTES}-byte bin", key)
     cls = Save if op == "save" else Load
     return cls(level, m["src"], m["dst"], key)
+
+
+MAX_ORDERS = 1 << 16  # orders of one sub-op's result, or failed orders of one report
+MAX_BATCH = (1 << 63) - 1
+
+
+def _orders(m: dict, key: str) -> list[Order]:
+    v = m.get(key, [])
+    if type(v) is not list or len(v) > MAX_ORDERS:
+        raise bad_field(f"node.{key}", f"a list of at most {MAX_ORDERS} orders", v)
+    return [order_from_wire(o) for o in v]
+
+
+def _batch(m: dict) -> int:
+    v = m.get("batch")
+    if type(v) is not int or not 0 <= v <= MAX_BATCH:
+        raise bad_field("node.batch", "an int in [0, 2**63)", v)
+    return v
+
+
+@dataclass(slots=True)
+class NodeOrders:
+    """The node tier's orders of one sub-op, in a step's result: ``pre`` run before the step's
+    forward pass (saves of device blocks being reused, loads, prefetches, write-downs), in the
+    order given; ``post`` after it (saves of the blocks it computed, their write-downs).
+    ``batch`` names the step's batch, which the worker reports done (``NodeReport``) once it ran
+    them. Wire: ``{batch, pre?, post?}`` (a list absent when empty)."""
+
+    batch: int
+    pre: list[Order]
+    post: list[Order]
+
+    def to_wire(self) -> dict:
+        out: dict = {"batch": self.batch}
+        if self.pre:
+            out["pre"] = [o.to_wire() for o in self.pre]
+        if self.post:
+            out["post"] = [o.to_wire() for o in self.post]
+        return out
+
+    @classmethod
+    def from_wire(cls, m: object) -> NodeOrders:
+        if type(m) is not dict:
+            raise bad_field("node", "a map {batch, pre, post}", m)
+        return cls(_batch(m), _orders(m, "pre"), _orders(m, "post"))
+
+
+@dataclass(frozen=True, slots=True)
+class NodeReport:
+    """A worker ran batch ``batch``'s orders; those in ``failed`` did not land (a save that
+    could not be written, a load that did not verify: the worker recomputed those blocks). Wire:
+    ``{batch, failed?}``; a step message carries a list of them (``node_done``), so does the
+    ``node_done`` op."""
+
+    batch: int
+    failed: tuple[Order, ...] = ()
+
+    def to_wire(self) -> dict:
+        out: dict = {"batch": self.batch}
+        if self.failed:
+            out["failed"] = [o.to_wire() for o in self.failed]
+        return out
+
+    @classmethod
+    def from_wire(cls, m: object) -> NodeReport:
+        if type(m) is not dict:
+            raise bad_field("node_done[]", "a map {batch, failed}", m)
+        return cls(_batch(m), tuple(_orders(m, "failed")))
+
+
+def reports_from_wire(v: object, limit: int = 4096) -> list[NodeReport]:
+    """A ``node_done`` list; ``bad_field`` for anything else."""
+    if type(v) is not list or len(v) > limit:
+        raise bad_field("node_done", f"a list of at most {limit} reports", v)
+    return [NodeReport.from_wire(m) for m in v]

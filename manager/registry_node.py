@@ -1,0 +1,118 @@
+"""The registry's node-tier and retention mutations: a shard joining its layout's node tier, a
+worker's node-tier batch finished, a retention pin added or removed (``Registry``,
+manager/registry.py, is this mixin, the other mutations and ``RegistryState``; each record here
+is journaled through ``Registry.apply`` like the others: manager/state/mutations.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvpool.manager.core.pool import PIN_OWNER
+from kvpool.manager.core.retention import PinRefused
+from kvpool.manager.pins import DEFAULT_SHARE, Pin
+from kvpool.manager.state.entries import GLOBAL, PoolEntry, Session
+from kvpool.manager.state.mutations import NodeFinished, PinAdded, PinRemoved, ShardRegistered
+from kvpool.shared.node_orders import order_from_wire
+from kvpool.shared.node_tier import NodeTierInfo, layout_id
+from kvpool.shared.protocol import ManagerError
+
+if TYPE_CHECKING:
+    from kvpool.manager.registry_state import RegistryState
+
+    Base = RegistryState
+else:
+    Base = object
+
+
+class NodeMutations(Base):
+    _apply: Any  # Registry._apply: runs and journals a record
+
+    # -- the node tier ----------------------------------------------------------------------
+
+    def _node_layout(self, rec: ShardRegistered) -> str | None:
+        """The layout of the node tier a single-shard pool's worker offered to map, created on
+        first use (None: no node tier, or none for it)."""
+        if self.node is None or rec.node_model is None or rec.count != 1:
+            return None
+        layout = layout_id(rec.spec, rec.node_model, rec.rank, rec.count).hex()
+        info = self.node.join(layout, rec.spec.block_size, rec.spec.block_bytes)
+        return layout if info is not None else None
+
+    def node_info(self, entry: PoolEntry) -> NodeTierInfo | None:
+        """Where the node tier of ``entry``'s pool lives (register's reply)."""
+        layout = entry.node_layout
+        return self.node.info.get(layout) if self.node is not None and layout is not None else None
+
+    def node_finish(self, sess: Session, entry: PoolEntry, batch: int, failed: list) -> bool:
+        """A worker ran its step ``batch``'s node-tier orders; ``failed`` (wire maps, checked by
+        the caller against the batch) did not land. False: no such batch (abandoned, or of
+        another manager): nothing changes."""
+        return self._apply(NodeFinished(sess.sid, entry.name, batch, failed), type(self)._node_finish, 0.0)
+
+    def _node_finish(self, rec: NodeFinished, now: float) -> bool:
+        pool = self.pools[rec.pool].pool
+        if pool is None or pool.node is None or (rec.sid, rec.batch) not in pool.node.tier.batches:
+            return False
+        pool.node.tier.finish((rec.sid, rec.batch), [order_from_wire(o) for o in rec.failed])
+        self.dirty.add(rec.pool)
+        return True
+
+    # -- retention pins (manager/pins.py) ------------------------------------------------------
+
+    def pin(self, entry: PoolEntry, hashes: list[bytes], ttl_s: float, now: float) -> Pin:
+        """A retention pin of ``hashes`` in ``entry``'s pool and node tier (``now``: wall-clock
+        seconds); ManagerError ``pin_refused`` (nothing changed) past a tier's pinned share."""
+        return self._apply(PinAdded(entry.name, hashes, ttl_s, now), type(self)._pin, 0.0)
+
+    def _pin(self, rec: PinAdded, now: float) -> Pin:
+        entry = self.pools[rec.pool]
+        pool = entry.pool
+        if pool is None:
+            raise ManagerError("pool_not_ready", f"pool {rec.pool!r} is not ready")
+        pin_id = self.pins.next_id
+        node_pin = None
+        if pool.node is not None:
+            got = pool.node.tier.pin(rec.hashes, rec.ttl_s, rec.now)
+            if isinstance(got, PinRefused):
+                raise ManagerError("pin_refused", f"node tier: {got.message}")
+            node_pin = got
+        share = self.node.settings.pin_share if self.node is not None else DEFAULT_SHARE
+        held = pool.pin((PIN_OWNER, pin_id), rec.hashes, share)
+        if held is None:
+            if node_pin is not None:
+                pool.node.tier.unpin(node_pin)  # type: ignore[union-attr]
+            limit = int(share * (pool.blocks.num_blocks - 1))
+            raise ManagerError("pin_refused", f"pin refused: its {len(pool.blocks.lookup(rec.hashes))} cached device "
+                               f"blocks join the {pool.pinned_blocks()} pinned in pool {rec.pool!r}, which keeps at "
+                               f"most {limit} pinned ({share:.0%} of {pool.blocks.num_blocks - 1} blocks): unpin some "
+                               "or pin a shorter prefix")
+        pin = self.pins.pins[self.pins.take_id()] = Pin(pin_id, rec.pool, tuple(rec.hashes), rec.now + rec.ttl_s,
+                                                        node_pin, entry.node_layout, held)
+        self.dirty.add(rec.pool)
+        return pin
+
+    def unpin(self, pin_id: int, expired: bool = False) -> bool:
+        return self._apply(PinRemoved(pin_id, expired), type(self)._unpin, 0.0)
+
+    def _unpin(self, rec: PinRemoved, now: float) -> bool:
+        pin = self.pins.pins.pop(rec.pin_id, None)
+        if pin is None:
+            return False
+        entry = self.pools.get(pin.pool)
+        pool = entry.pool if entry is not None else None
+        key = (PIN_OWNER, pin.pin_id)
+        if pool is not None and key in pool.requests:  # (a re-formed pool holds none)
+            pool.free(key)
+        tier = self.node.tiers.get(pin.layout) if self.node is not None and pin.layout is not None else None
+        if tier is not None and pin.node_pin is not None:  # the layout's tier outlives its pools
+            tier.unpin(pin.node_pin, expired=rec.expired)
+        self.dirty.add(pin.pool if entry is not None else GLOBAL)
+        return True
+
+    def expire_pins(self, now: float) -> list[int]:
+        """Ends the pins whose time is up at wall-clock ``now``."""
+        due = self.pins.due(now)
+        for pin_id in due:
+            self.unpin(pin_id, expired=True)
+        return due

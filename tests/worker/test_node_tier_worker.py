@@ -1,0 +1,84 @@
+"""Pools sharing a node tier, in process (the manager's bookkeeping in the test process, the
+bytes in real store files): a prefix one pool computed is loaded by another with the same greedy
+output and fewer tokens computed; a load that does not verify is recomputed, never served."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.node_tier import node_engine, node_tier, settle
+from helpers.worker import greedy, make_prompt, reference
+
+from kvpool.shared.node_orders import Load
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_a_prefix_computed_by_one_pool_is_loaded_by_another(tmp_path, overlap):
+    tier = node_tier(tmp_path, host_blocks=32)
+    a, b = node_engine(tier, "a", overlap=overlap), node_engine(tier, "b", overlap=overlap)
+    prompt = make_prompt(70, 1)  # 4 full blocks, the last token in the fifth
+    want = reference(a, prompt, 8)
+    assert a.generate([prompt], greedy(8)) == [[want]]
+    settle(a)
+    assert a.stats()["node_saves"]["host"] >= 4
+    before = b.stats()["computed_tokens"]
+    assert b.generate([prompt], greedy(8)) == [[want]]
+    assert b.stats()["cached_tokens"] == 64  # 4 blocks from the node tier
+    assert b.stats()["node_loads"]["host"] == 4
+    assert b.bm.core.snapshot_stats()["node_hit_tokens"] == 64
+    assert b.stats()["computed_tokens"] - before < 70
+    settle(a, b)
+    tier[0].check_invariants()
+    assert not tier[0].batches  # every batch reported
+
+
+def test_a_flipped_byte_is_recomputed_not_served(tmp_path):
+    tier = node_tier(tmp_path, host_blocks=32)
+    a, b = node_engine(tier, "a"), node_engine(tier, "b")
+    prompt = make_prompt(70, 2)
+    want = reference(a, prompt, 8)
+    assert a.generate([prompt], greedy(8)) == [[want]]
+    settle(a)
+    hits = tier[0].lookup(_hashes(a, prompt))
+    assert len(hits) == 4
+    store = a.runner.node.host
+    off = hits[1].slot * store.stride + 64 + 100
+    store._bytes[off] ^= 0x40  # one byte of the second block
+    assert b.generate([prompt], greedy(8)) == [[want]]
+    s = b.stats()
+    assert s["node_failures"] == {"mismatch": 1} and s["node_recomputed_tokens"] == 48  # blocks 1-3 again
+    settle(a, b)
+    assert tier[0].host.stats.verify_failures == 1
+    assert len(tier[0].lookup(_hashes(a, prompt))) == 1  # the bad block left the tier; the chain stops there
+    tier[0].check_invariants()
+
+
+def test_without_the_check_a_flipped_byte_changes_the_output(tmp_path, monkeypatch):
+    """The test above fails when a load's bytes are used unverified."""
+    from kvpool.worker import node_store
+
+    monkeypatch.setattr(node_store.HostStore, "_verify", lambda self, header, key, data: None)
+    with pytest.raises(AssertionError):
+        test_a_flipped_byte_is_recomputed_not_served(tmp_path)
+
+
+def _hashes(engine, prompt):
+    from kvpool.worker.request import Request
+    from kvpool.worker.sampler import SamplingParams
+
+    req = Request(0, "x", 0, list(prompt), len(prompt), SamplingParams(), 0, engine.block_size)
+    return list(req.hasher.hashes)
+
+
+def test_loads_name_the_blocks_they_fill(tmp_path):
+    tier = node_tier(tmp_path, host_blocks=32)
+    a, b = node_engine(tier, "a"), node_engine(tier, "b")
+    prompt = make_prompt(40, 3)
+    a.generate([prompt], greedy(2))
+    settle(a)
+    b.add_request(prompt, greedy(2))
+    results = b.bm.step([])  # nothing scheduled: no batch
+    assert results == []
+    plan = b.scheduler.schedule()
+    res = b.bm.step(plan.ops)
+    orders = res[0].node.pre
+    assert [type(o) for o in orders] == [Load, Load] and [o.dst for o in orders] == res[0].blocks[:2]
