@@ -338,5 +338,5 @@ def shutdown(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bo
     """Stop the manager (it finishes the current iteration and exits 0)."""
     with connect(endpoint, timeout_s, admin_key) as client:
         body = client.call("shutdown")
-        client.sid = None  # the manager is going away: no deregister
+        client.forget_session()  # the manager is going away: no deregister
     emit(body, as_json, lambda: click.echo(f"manager {endpoint}: shutting down"))

@@ -76,6 +76,11 @@ class ManagerCore:
     def failover_s(self, value: float) -> None:
         self.retry = self.retry.with_deadline(value)
 
+    def forget_session(self) -> None:
+        """The session is given up (its manager stopped answering, or is going away): nothing
+        is sent for it any more (no heartbeat, no deregister); the next call opens a new one."""
+        self.sid = None
+
     def stop_retrying(self) -> None:
         """From now on every call is tried once (safe from a signal handler): a process that is
         stopping must not wait out ``failover_s`` for a manager that may never come back."""

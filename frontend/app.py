@@ -58,8 +58,6 @@ def create_app(fd: FrontDoor, *, api_keys: tuple[str, ...] = (), body_timeout_s:
             await fd.close()
 
     app = FastAPI(title="kvpool front door", lifespan=lifespan)
-    app.state.frontdoor = fd
-    app.state.body_timeout_s = body_timeout_s
     if api_keys:
         app.add_middleware(APIKeyMiddleware, keys=api_keys)
 
@@ -95,7 +93,7 @@ def create_app(fd: FrontDoor, *, api_keys: tuple[str, ...] = (), body_timeout_s:
         running = {w.name: w.link.running for w in fd.directory.workers.values()}
         return PlainTextResponse(fd.metrics.render(fd.router, running), media_type=CONTENT_TYPE)
 
-    add_utility_routes(app, fd)
+    add_utility_routes(app, fd, body_timeout_s)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -109,19 +107,19 @@ def create_app(fd: FrontDoor, *, api_keys: tuple[str, ...] = (), body_timeout_s:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _generate(fd, request, chat=False)
+        return await _generate(fd, request, chat=False, body_timeout_s=body_timeout_s)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _generate(fd, request, chat=True)
+        return await _generate(fd, request, chat=True, body_timeout_s=body_timeout_s)
 
     return app
 
 
-async def _generate(fd: FrontDoor, request: Request, chat: bool):
+async def _generate(fd: FrontDoor, request: Request, chat: bool, body_timeout_s: float):
     endpoint = "chat" if chat else "completions"
     try:
-        raw = await read_json(request, request.app.state.body_timeout_s)
+        raw = await read_json(request, body_timeout_s)
         if type(raw) is dict and fd.proxy.serves(raw.get("model")):  # attached vLLM servers serve it
             reply = await fd.proxy.forward(raw, chat)
             fd.metrics.finished(endpoint, str(reply.status_code))

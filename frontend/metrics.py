@@ -19,6 +19,11 @@ class FrontDoorMetrics:
         self.generation_tokens = 0
         self.cached_tokens = 0  # prompt tokens the chosen worker held when routed (manager's locate)
 
+    def count_tokens(self, prompt: int, generation: int, cached: int) -> None:
+        self.prompt_tokens += prompt
+        self.generation_tokens += generation
+        self.cached_tokens += cached
+
     def finished(self, endpoint: str, status: str, timing: Timing | None = None) -> None:
         self.requests[(endpoint, status)] += 1
         if timing is None:

@@ -30,6 +30,13 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Uvicorn(uvicorn.Server):
+    def stop(self) -> None:
+        """Asks the serving loop to shut down gracefully (uvicorn's own flag, as its signal
+        handler sets it)."""
+        self.should_exit = True
+
+
 class FrontDoorServer:
     """One front door: ``start()`` serves it in a daemon thread; ``url`` is its base URL."""
 
@@ -40,7 +47,7 @@ class FrontDoorServer:
         self.sock = bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         app = create_app(self.frontdoor, api_keys=tuple(api_keys), body_timeout_s=limits.body_timeout_s)
-        self.server = uvicorn.Server(uvicorn.Config(
+        self.server = _Uvicorn(uvicorn.Config(
             app, log_level=log_level, timeout_graceful_shutdown=5, access_log=False, http=limits.protocol(),
             limit_concurrency=limits.limit_concurrency, timeout_keep_alive=limits.keep_alive_s))
         self._thread: threading.Thread | None = None
@@ -73,7 +80,7 @@ class FrontDoorServer:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        self.server.should_exit = True
+        self.server.stop()
         if self._thread is not None:
             self._thread.join(15)
         self.sock.close()

@@ -247,7 +247,4 @@ class FrontDoor:
                     del self.routed[key]
         if not count:
             return
-        m = self.metrics
-        m.prompt_tokens += run.prompt_tokens
-        m.generation_tokens += run.completion_tokens
-        m.cached_tokens += run.cached_tokens
+        self.metrics.count_tokens(run.prompt_tokens, run.completion_tokens, run.cached_tokens)

@@ -35,7 +35,7 @@ def kvpool_version() -> str:
         return "unknown"
 
 
-def add_utility_routes(app: FastAPI, fd: FrontDoor) -> None:
+def add_utility_routes(app: FastAPI, fd: FrontDoor, body_timeout_s: float) -> None:
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:
         serving = any(fd.directory.serving(m) for m in fd.directory.models())
@@ -47,7 +47,7 @@ def add_utility_routes(app: FastAPI, fd: FrontDoor) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        body = await _object(request)
+        body = await _object(request, body_timeout_s)
         model, tok, max_len = _model(fd, body)
         if "messages" in body:
             messages = chat_messages(body)
@@ -68,7 +68,7 @@ def add_utility_routes(app: FastAPI, fd: FrontDoor) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
-        body = await _object(request)
+        body = await _object(request, body_timeout_s)
         _, tok, _ = _model(fd, body)
         ids = body.get("tokens")
         if type(ids) is not list or not all(type(t) is int and 0 <= t < tok.vocab_size for t in ids):
@@ -76,8 +76,8 @@ def add_utility_routes(app: FastAPI, fd: FrontDoor) -> None:
         return JSONResponse({"prompt": await asyncio.to_thread(tok.decode, ids)})
 
 
-async def _object(request: Request) -> dict:
-    body = await read_json(request, request.app.state.body_timeout_s)
+async def _object(request: Request, body_timeout_s: float) -> dict:
+    body = await read_json(request, body_timeout_s)
     if type(body) is not dict:
         raise bad_param("body", "the request body must be a JSON object")
     return body

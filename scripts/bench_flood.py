@@ -33,6 +33,7 @@ from manager_daemon import start_daemon
 
 from kvpool.client.manager import ManagerClient
 from kvpool.shared.protocol import encode_request, unpack
+from kvpool.shared.step_ops import Alloc, Free, encode_ops
 
 SPEC = {"block_size": 16, "num_layers": 1, "num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
 KV_BYTES = 2 * 1 * 1 * 8 * 2 * 16 * 4096  # 4096 blocks
@@ -47,8 +48,7 @@ def register(endpoint: str, pool: str) -> tuple[ManagerClient, int]:
 
 def step_ops(req: int) -> list[dict]:
     hashes = [req.to_bytes(8, "little") * 4]  # one full block, its own hash: nothing shared
-    return [{"op": "alloc", "req": req, "hashes": hashes, "prompt_len": 16, "max_new": 1},
-            {"op": "free", "req": req}]
+    return encode_ops([Alloc(req, hashes, 16, 1), Free(req)])
 
 
 def flood_main(endpoint: str, pool: str, messages: int, go: mp.Event, out: mp.Queue) -> None:

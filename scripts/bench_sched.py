@@ -10,23 +10,34 @@ distinct blocks the running requests hold take turns in blocks of steps in the s
   walked    a set built over every block table each step, in the usage statistic and in the
             admission room: the code before the count
 
-Each mode has its own scheduler and pool with the same requests and seed, so both see the same
+With ``--against CHECKOUT`` a third mode takes its turns: that checkout's scheduler (its
+``worker/`` loaded beside this one under another package name), counting as this build does: a
+before/after of a scheduler change in one run.
+
+Each mode has its own scheduler and pool with the same requests and seed, so all see the same
 steps. The heap is frozen after set-up, as a worker's is once it is up
 (worker/startup.freeze_start_up_heap), so a p99 is not a full collection over torch's modules.
 Printed: median and p99 per step for each, and walked over counted.
 
     python scripts/bench_sched.py                 # R = 64, 256, 1024
     python scripts/bench_sched.py --sizes 256 --steps 400 --json
+    python scripts/bench_sched.py --against /path/to/main-checkout
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import re
+import shutil
 import statistics
+import sys
+import tempfile
+from pathlib import Path
 from types import MethodType
 
-from step_messages import BS, StepDriver
+from step_messages import BS, StepDriver, WorkerModules
 
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.core.step import run_step
@@ -50,7 +61,7 @@ def walk_every_table(sched: Scheduler) -> None:
     def track_usage(self: RunningSet) -> None:
         s = self.stats
         s.steps += 1
-        s.peak_running = max(s.peak_running, sum(not r.admitting for r in self.running))
+        s.peak_running = max(s.peak_running, sum(not r.step.admitting for r in self.running))
         s.peak_blocks = max(s.peak_blocks, walked_held(self.running))
 
     def room(self: Scheduler) -> int:
@@ -61,17 +72,35 @@ def walk_every_table(sched: Scheduler) -> None:
     sched._room = MethodType(room, sched)
 
 
-def driver(num_reqs: int, steps: int, walk: bool, seed: int) -> StepDriver:
+def load_checkout(path: str) -> WorkerModules:
+    """The (Scheduler, Request, Output) of the checkout at ``path``: a copy of its ``worker/``
+    imported as package ``kvpool_against`` (its own imports of kvpool.worker rewritten; the rest
+    of kvpool, such as the pool core and the records, is this build's)."""
+    src = Path(path) / "worker"
+    if not (src / "scheduler.py").is_file():
+        raise SystemExit(f"--against {path}: no worker/scheduler.py there (give a kvpool checkout)")
+    dst = Path(tempfile.mkdtemp(prefix="bench-sched-")) / "kvpool_against"
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.py"):
+        f.write_text(re.sub(r"\bkvpool\.worker\b", "kvpool_against", f.read_text()))
+    sys.path.insert(0, str(dst.parent))
+    sched = importlib.import_module("kvpool_against.scheduler")
+    return sched.Scheduler, importlib.import_module("kvpool_against.request").Request, sched.Output
+
+
+def driver(num_reqs: int, steps: int, walk: bool, seed: int, worker: WorkerModules | None = None) -> StepDriver:
     """R decoding requests under the real scheduler (scripts/step_messages.py) on an in-process
     pool large enough for every request's growth over ``steps`` (no preemption)."""
     num_blocks = num_reqs * (192 + steps + 2 * BS) // BS + 64
     pool = Pool(num_blocks, BS)
     return StepDriver(num_reqs, False, lambda ops: run_step(pool, "bench", ops), seed, num_blocks=num_blocks,
-                      setup=walk_every_table if walk else None)
+                      setup=walk_every_table if walk else None, worker=worker)
 
 
-def measure(num_reqs: int, steps: int, block: int, seed: int) -> dict:
+def measure(num_reqs: int, steps: int, block: int, seed: int, against: WorkerModules | None = None) -> dict:
     drivers = {m: driver(num_reqs, steps, m == "walked", seed) for m in MODES}
+    if against is not None:
+        drivers["against"] = driver(num_reqs, steps, False, seed, against)
     freeze_start_up_heap()  # as a worker does once it is up (its imports, here the admitted requests too)
     done = 0
     while done < steps:
@@ -83,11 +112,13 @@ def measure(num_reqs: int, steps: int, block: int, seed: int) -> dict:
     for m, d in drivers.items():
         xs = sorted(d.sched_times)
         out[m] = {"p50_us": round(1e6 * statistics.median(xs), 1), "p99_us": round(1e6 * xs[int(0.99 * (len(xs) - 1))], 1)}
-    blocks = [sum(len(r.block_table) for r in d.sched.running) for d in drivers.values()]
-    if blocks[0] != blocks[1] or drivers["counted"].sched.stats.peak_blocks != drivers["walked"].sched.stats.peak_blocks:
-        raise SystemExit("the two modes diverged: they must schedule the same steps")
-    out["block_table_entries"] = blocks[0]
+    blocks = {sum(len(r.block_table) for r in d.sched.running) for d in drivers.values()}
+    if len(blocks) > 1 or len({d.sched.stats.peak_blocks for d in drivers.values()}) > 1:
+        raise SystemExit("the modes diverged: they must schedule the same steps")
+    out["block_table_entries"] = blocks.pop()
     out["walked_over_counted"] = round(out["walked"]["p50_us"] / out["counted"]["p50_us"], 2)
+    if against is not None:
+        out["against_over_counted"] = round(out["against"]["p50_us"] / out["counted"]["p50_us"], 3)
     return out
 
 
@@ -98,8 +129,10 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=20, help="steps per turn of each mode")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--against", metavar="CHECKOUT", help="also time that checkout's scheduler, in turns")
     args = ap.parse_args()
-    rows = [measure(n, args.steps, args.block, args.seed) for n in args.sizes]
+    against = load_checkout(args.against) if args.against else None
+    rows = [measure(n, args.steps, args.block, args.seed, against) for n in args.sizes]
     if args.json:
         print(json.dumps(rows, indent=2))
         return
@@ -109,6 +142,12 @@ def main() -> None:
         c, w = r["counted"], r["walked"]
         print(f"{r['running']:>8} {r['block_table_entries']:>14,} {c['p50_us']:>10.0f}us {c['p99_us']:>6.0f}us "
               f"{w['p50_us']:>9.0f}us {w['p99_us']:>6.0f}us {r['walked_over_counted']:>14.2f}x")
+    if against is not None:
+        print(f"against {args.against}: its scheduler's p50 over this build's (counted), same steps in turns")
+        for r in rows:
+            a = r["against"]
+            print(f"{r['running']:>8}  {a['p50_us']:>8.0f}us (p99 {a['p99_us']:.0f}us) vs {r['counted']['p50_us']:.0f}us: "
+                  f"{r['against_over_counted']:.3f}x")
 
 
 if __name__ == "__main__":

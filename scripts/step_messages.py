@@ -53,6 +53,7 @@ BS = 16
 SPEC = KVSpec(BS, 2, 2, 16, "float32")
 IN_PROCESS, HANDLE_PAYLOAD, HANDLE_COLD = "in-process", "handle_payload", "handle_payload, after a sleep"
 FLOOR = "bare ping-pong"  # the mode whose endpoint is a bench_zmq_floor server, not a daemon
+WorkerModules = tuple[type, type, type]  # (Scheduler, Request, Output) of a build
 COLD_SLEEP_S = 0.001
 
 
@@ -67,16 +68,18 @@ class StepDriver:
 
     def __init__(self, num_reqs: int, dense: bool, do_step: Callable[[list[SubOp]], list[Result]], seed: int,
                  pause_s: float = 0.0, num_blocks: int = 8192,
-                 setup: Callable[[Scheduler], None] | None = None):
+                 setup: Callable[[Scheduler], None] | None = None, worker: WorkerModules | None = None):
         rng = random.Random(seed)
-        self.sched, self.dense, self.do_step = Scheduler(BS, num_blocks, num_reqs, 4096), dense, do_step
+        # another build's scheduler (scripts/bench_sched.py --against): its own classes, same driver
+        sched_cls, request_cls, self.output_cls = worker or (Scheduler, Request, Output)
+        self.sched, self.dense, self.do_step = sched_cls(BS, num_blocks, num_reqs, 4096), dense, do_step
         if setup is not None:
             setup(self.sched)  # before any request is added (scripts/bench_sched.py's baseline)
         self.pause_s = pause_s  # slept before each timed step's sub-ops (not timed)
         params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
         for i in range(num_reqs):
             n = rng.randint(64, 192)
-            self.sched.add(Request(i, f"c{i}", 0, [rng.randrange(2, 30000) for _ in range(n)], n, params, i, BS))
+            self.sched.add(request_cls(i, f"c{i}", 0, [rng.randrange(2, 30000) for _ in range(n)], n, params, i, BS))
         self.times: list[float] = []
         self.sched_times: list[float] = []  # the thread's CPU in schedule() + update() of each timed step
         self.sub_ops = 0
@@ -87,7 +90,7 @@ class StepDriver:
         sched = self.sched
         if self.dense:
             for r in sched.running:
-                r.must_sync = True  # as before sparse steps: every running request, every step
+                r.kv.mark_shared()  # as before sparse steps: every running request, every step
         c0 = time.thread_time()
         plan = sched.schedule()
         c1 = time.thread_time()
@@ -100,7 +103,7 @@ class StepDriver:
             self.sub_ops += len(plan.ops)
         c2 = time.thread_time()
         batch = plan.batch(results)
-        sched.update(plan, results, [Output(r, 7) for r, s in zip(batch.reqs, batch.seqs) if s.sample])
+        sched.update(plan, results, [self.output_cls(r, 7) for r, s in zip(batch.reqs, batch.seqs) if s.sample])
         if timed:
             self.sched_times.append(c1 - c0 + time.thread_time() - c2)
 

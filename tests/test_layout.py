@@ -245,6 +245,17 @@ def test_the_daemon_writes_no_public_field_of_another_modules_object():
     assert bad == [], "state has one owner: add a method to the owning class instead"
 
 
+def test_the_worker_and_the_front_door_write_no_public_field_of_another_modules_object():
+    """In kvpool.worker and kvpool.frontend: a request's records (worker/request.py, kv_view.py,
+    step_state.py) change through their own methods, the scheduler's pool size and EOS ids come
+    in, a model shards itself (worker/model.py ``shard``), the front door's counters and its
+    uvicorn server change through methods of their own classes."""
+    bad = [f"{name} {hit}" for name, path in module_files().items()
+           if part_of(name) in ("worker", "frontend")
+           for hit in public_writes(ast.parse(path.read_text()))]
+    assert bad == [], "state has one owner: add a method to the owning class instead"
+
+
 def test_class_names_are_distinct_across_the_project():
     where: dict[str, list[str]] = {}
     for name, path in module_files().items():

@@ -214,7 +214,7 @@ class RemoteBlockManager:
             raise ManagerReset(str(e)) from e
         except ManagerUnavailable as e:
             self._fresh_session = True
-            self.client.sid = None  # given up: no heartbeat may find the old session gone again
+            self.client.forget_session()  # given up: no heartbeat may find the old session gone again
             raise ManagerReset(str(e)) from e
 
     def heartbeat(self) -> bool:

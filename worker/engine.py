@@ -26,13 +26,12 @@ import random
 import time
 from dataclasses import dataclass
 
-import torch
-
 from kvpool.shared.node_orders import NodeReport
 from kvpool.shared.node_tier import NodeTierInfo
 from kvpool.shared.protocol import ManagerError
 from kvpool.shared.step_ops import Free
 from kvpool.worker.block_manager import BlockManager, ManagerReset
+from kvpool.worker.draw import draw_tokens
 from kvpool.worker.kv_cache import kv_spec
 from kvpool.worker.model import LlamaForCausalLM
 from kvpool.worker.node_copier import NodeCopier
@@ -40,8 +39,8 @@ from kvpool.worker.node_store import StoreLayout
 from kvpool.worker.profiler import check_fits
 from kvpool.worker.request import Request
 from kvpool.worker.runner import ModelRunner, allocate_runner
-from kvpool.worker.sampler import SampleKey, SamplingParams, sample_rows
-from kvpool.worker.scheduler import Batch, Output, Scheduler, StepPlan
+from kvpool.worker.sampler import SamplingParams
+from kvpool.worker.scheduler import Batch, Output, Scheduler, StepPlan, Updated
 from kvpool.worker.tp import TPLeader
 
 logger = logging.getLogger(__name__)
@@ -78,7 +77,9 @@ class Engine:
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.block_size = scheduler.block_size
-        scheduler.eos_token_ids = frozenset(model.config.eos_token_ids)  # the model's, whoever built the scheduler
+        if scheduler.eos_token_ids != frozenset(model.config.eos_token_ids):
+            raise ValueError(f"the scheduler stops at EOS ids {sorted(scheduler.eos_token_ids)}, the model's are "
+                             f"{list(model.config.eos_token_ids)}: build it with eos_token_ids=model.config.eos_token_ids")
         self.tp = tp
         # max_model_len: the manager bounds the tokens of one sub-op by it (manager/guards.py)
         self.spec = dataclasses.replace(kv_spec(model.config, self.block_size, self.dtype, model.tp_size),
@@ -92,13 +93,12 @@ class Engine:
         self.manager_wait_s = 0.0  # time a step spent blocked on the manager's answer
         self._ready: tuple[StepPlan, list[dict], Batch] | None = None  # overlap: answered, not run
         self._rng = random.Random(seed)
-        self._rids = itertools.count()  # the manager's request ids (samples, recomputations)
-        self._client_ids = itertools.count()  # req-0, req-1, ... for add_request without an id
+        self._request_ids = itertools.count()  # req-0, req-1, ... for add_request without an id
         # Why the last step made no progress ("draining": the manager refuses admissions), or None.
         # The serving loop backs off while it is set instead of resending the step at once.
         self.stalled: str | None = None
         self._ran = False  # the last step ran a batch
-        self._requests: dict[str, list[Request]] = {}  # client id -> its live samples
+        self._requests: dict[str, list[Request]] = {}  # request id -> its live samples
         self.register()
 
     # -- registration ----------------------------------------------------------------------
@@ -123,7 +123,7 @@ class Engine:
             self.num_blocks = num_blocks
         self.runner.attach_host(self.host_num_blocks)  # same size: the tensors and their blocks stay
         self._attach_node(info.get("node_tier"))
-        self.scheduler.num_blocks = num_blocks
+        self.scheduler.set_pool_size(num_blocks)
         self.registrations += 1
         logger.info("registered pool %s: %d blocks of %d tokens, %d KV bytes on tensor-parallel rank 0 of %d",
                     self.bm.pool, num_blocks, self.block_size, self.runner.kv_bytes, self.model.tp_size)
@@ -137,7 +137,7 @@ class Engine:
             return
         info = NodeTierInfo.from_wire(wire)
         if info == self.node_tier and self.runner.node is not None:  # type: ignore[union-attr]
-            self.runner.node_reports = []  # type: ignore[union-attr]
+            self.runner.take_node_reports()  # type: ignore[union-attr]  # an earlier registration's: meaningless now
             return
         layout = StoreLayout(self.spec, self.node_model or "", 0, 1)
         self.runner.attach_node(NodeCopier(self.runner.kv_caches, info, layout))  # type: ignore[union-attr]
@@ -150,7 +150,7 @@ class Engine:
     def add_request(self, prompt: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
         params = params or SamplingParams()
-        request_id = request_id if request_id is not None else f"req-{next(self._client_ids)}"
+        request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         vocab = self.model.config.vocab_size
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -162,7 +162,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._rng.randrange(1 << 31)
         if cache_salt is not None and (type(cache_salt) is not str or not 0 < len(cache_salt) <= 256):
             raise ValueError("cache_salt must be a string of 1-256 characters")
-        req = Request(next(self._rids), request_id, 0, list(prompt), len(prompt), params, seed,
+        req = Request(self.scheduler.new_rid(), request_id, 0, list(prompt), len(prompt), params, seed,
                       self.block_size, cache_salt)
         self._requests[request_id] = [req]
         self.scheduler.add(req)
@@ -177,8 +177,8 @@ class Engine:
     @staticmethod
     def _end_events(req: Request, reason: str) -> list[TokenEvent]:
         """Final events of a request ended without a token (its unspawned samples included)."""
-        indices = [req.index] if req.forked else range(req.params.n)
-        return [TokenEvent(req.client_id, i, None, True, reason) for i in indices]
+        indices = range(req.params.n) if req.holds_all_samples else [req.index]
+        return [TokenEvent(req.request_id, i, None, True, reason) for i in indices]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._lost or self._ready is not None or bool(self._node_reports)
@@ -220,8 +220,8 @@ class Engine:
             return []
         plan, results = asked
         outputs = self._run(plan.batch(results))
-        errored = self.scheduler.update(plan, results, outputs)
-        return self._end_with_error(errored) + self._token_events(outputs)
+        done = self.scheduler.update(plan, results, outputs)
+        return self._end_with_error(done.errored) + self._token_events(outputs, done)
 
     def _step_overlapped(self) -> list[TokenEvent]:
         """Step N's batch runs while the manager answers step N+1's message, which was composed
@@ -246,7 +246,8 @@ class Engine:
             sched.abandon(following)  # step N's batch was made on it too: it starts over as well
             raise
         outputs = self._run(batch)
-        events = self._end_with_error(sched.update(plan, results, outputs)) + self._token_events(outputs)
+        done = sched.update(plan, results, outputs)
+        events = self._end_with_error(done.errored) + self._token_events(outputs, done)
         try:
             answers = self._wait(ticket) if ticket is not None else []
         except ManagerReset as e:
@@ -305,8 +306,8 @@ class Engine:
         return [ev for r in errored for ev in self._end_events(r, r.finish_reason or "error")]
 
     def _run(self, batch: Batch) -> list[Output]:
-        """The forward pass over ``batch`` and its sampled tokens (a new parallel sample of an
-        n > 1 request comes with its parent)."""
+        """The forward pass over ``batch`` and its sampled tokens (an n > 1 request's first
+        step draws all n: ``Output.sample`` says which; the scheduler spawns the others)."""
         if not batch.seqs and not batch.saves and not batch.loads and not batch.writes and batch.node_batch is None:
             return []
         self._ran = True
@@ -317,64 +318,28 @@ class Engine:
             self._node_reports += self.runner.take_node_reports()
         if not batch.seqs:  # only the tiers' copies ran
             return []
-        sampling = [req for req, seq in zip(batch.reqs, batch.seqs) if seq.sample]
-        keys, owners = [], []
-        for row, req in enumerate(sampling):
-            if req.finish_reason is not None:
-                continue  # aborted after its batch was made (overlap): nothing to sample
-            count = 1 if req.forked else req.params.n
-            for i in range(count):
-                index = req.index if req.forked else i
-                keys.append(self._key(req, index))
-                owners.append((row, req, i))
-        if not owners:
-            return []
-        rows = [row for row, _, _ in owners]
-        if rows != list(range(len(sampling))):  # an unforked n > 1 request draws n rows; aborted ones none
-            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-        drawn = sample_rows(logits, keys)
-        outputs = []
-        for (_, req, i), got in zip(owners, drawn):
-            target, parent = (req, None) if i == 0 else (self._child(req, i), req)
-            outputs.append(Output(target, got.token, parent, got.logprob, got.top_logprobs))
-            if i == 0:
-                req.forked = True
-        return outputs
+        return draw_tokens(batch, logits, self.model.config.eos_token_ids)
 
-    def _key(self, req: Request, index: int) -> SampleKey:
-        p = req.params
-        output = req.tokens[req.num_prompt:] if p.penalized else ()
-        prompt = req.tokens[:req.num_prompt] if p.repetition_penalty != 1.0 else ()
-        banned: tuple[int, ...] = ()
-        if req.num_output < p.min_tokens:  # every id that would stop it, as vLLM masks them
-            banned = p.stop_token_ids + tuple(self.model.config.eos_token_ids)
-        return SampleKey(p, req.seed, index, req.num_output, output, banned, prompt)
-
-    def _child(self, parent: Request, index: int) -> Request:
-        child = Request(next(self._rids), parent.client_id, index, parent.tokens[: parent.num_prompt],
-                        parent.num_prompt, parent.params, parent.seed, self.block_size, parent.hasher.cache_salt)
-        child.forked = True
-        self._requests.setdefault(parent.client_id, []).append(child)  # the parent may have ended
-        return child
-
-    def _token_events(self, outputs: list[Output]) -> list[TokenEvent]:
+    def _token_events(self, outputs: list[Output], done: Updated) -> list[TokenEvent]:
+        """Events of the tokens ``outputs`` drew, as the scheduler's update gave them out."""
         events = []
-        for out in outputs:
-            req = out.req
+        for out, req in zip(outputs, done.receivers(outputs)):
+            if out.sample:  # a parallel sample the scheduler spawned (the parent may have ended)
+                self._requests.setdefault(req.request_id, []).append(req)
             if req.finish_reason == "abort":
                 continue  # aborted while its step ran: its final event was sent by abort
             if req.finish_reason is not None:
                 self._forget(req)
-            events.append(TokenEvent(req.client_id, req.index, out.token, req.finish_reason is not None,
+            events.append(TokenEvent(req.request_id, req.index, out.token, req.finish_reason is not None,
                                      req.finish_reason, out.logprob, out.top_logprobs))
         return events
 
     def _forget(self, req: Request) -> None:
-        reqs = self._requests.get(req.client_id, [])
+        reqs = self._requests.get(req.request_id, [])
         if req in reqs:
             reqs.remove(req)
         if not reqs:
-            self._requests.pop(req.client_id, None)
+            self._requests.pop(req.request_id, None)
 
     # -- running to completion, shutting down ----------------------------------------------
 

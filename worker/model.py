@@ -6,9 +6,11 @@ writes K/V into the paged cache and calls the kernels; the contiguous reference 
 per request. Module and parameter names follow Hugging Face's Llama/Qwen2 checkpoints, so a
 checkpoint's state dict loads as is.
 
-Tensor parallelism (worker/parallel.py) shards q/k/v/gate/up by output rows and o/down by input
-columns, and sets ``reduce`` on Attention and MLP to an all-reduce: each Attention keeps its own
-head counts, and ``tp_rank``/``tp_size`` on the model say which share it holds.
+Tensor parallelism (worker/parallel.py's ``shard_model``) calls ``shard`` on the model: each
+Attention and MLP keeps its rank's share, q/k/v/gate/up by output rows (``row_share``) and
+o/down by input columns (``column_share``), its own head counts, and a ``reduce`` (an
+all-reduce) for the row-parallel outputs; ``tp_rank``/``tp_size`` on the model say which share
+it holds.
 """
 
 from __future__ import annotations
@@ -120,6 +122,16 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, d)
         return self.reduce(self.o_proj(attend(layer, q, k, v).reshape(t, self.num_heads * d)))
 
+    def shard(self, rank: int, size: int, reduce: ReduceFn) -> None:
+        """Keeps rank ``rank``'s query and KV heads of ``size`` contiguous shares."""
+        self.q_proj = row_share(self.q_proj, rank, size)
+        self.k_proj = row_share(self.k_proj, rank, size)
+        self.v_proj = row_share(self.v_proj, rank, size)
+        self.o_proj = column_share(self.o_proj, rank, size)
+        self.num_heads //= size
+        self.num_kv_heads //= size
+        self.reduce = reduce
+
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
@@ -136,6 +148,13 @@ class MLP(nn.Module):
         else:
             act = layer_ops.silu_mul(self.gate_up_proj(x))
         return self.reduce(self.down_proj(act))
+
+    def shard(self, rank: int, size: int, reduce: ReduceFn) -> None:
+        """Keeps rank ``rank``'s slice of the intermediate size."""
+        self.gate_proj = row_share(self.gate_proj, rank, size)
+        self.up_proj = row_share(self.up_proj, rank, size)
+        self.down_proj = column_share(self.down_proj, rank, size)
+        self.reduce = reduce
 
 
 class DecoderLayer(nn.Module):
@@ -172,6 +191,14 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_size, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.tp_rank, self.tp_size = 0, 1  # which share of the heads this model holds
 
+    def shard(self, rank: int, size: int, reduce: ReduceFn) -> None:
+        """Keeps rank ``rank``'s share of every layer (in place); ``reduce`` sums the row-parallel
+        outputs over the ranks. Embeddings, norms and the LM head stay whole."""
+        for layer in self.model.layers:
+            layer.self_attn.shard(rank, size, reduce)
+            layer.mlp.shard(rank, size, reduce)
+        self.tp_rank, self.tp_size = rank, size
+
     @property
     def local_kv_heads(self) -> int:
         """KV heads this shard computes and caches (all of them without tensor parallelism)."""
@@ -189,6 +216,36 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:  # tied: the embedding table (dense, the lookup reads it too)
             return F.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()  # an nn.Linear, or its packed twin (worker/cpu_linear.py)
+
+
+def row_share(linear: nn.Linear, rank: int, size: int) -> nn.Linear:
+    """Rank ``rank``'s output rows of ``linear`` (column-parallel); the bias follows the rows."""
+    # weight: [out, in] -> [out / size, in]
+    share = linear.out_features // size
+    rows = slice(rank * share, (rank + 1) * share)
+    return _linear_of(linear.weight[rows], None if linear.bias is None else linear.bias[rows])
+
+
+def column_share(linear: nn.Linear, rank: int, size: int) -> nn.Linear:
+    """Rank ``rank``'s input columns of ``linear`` (row-parallel: its partial outputs are summed,
+    so it can have no bias, which would be summed ``size`` times)."""
+    # weight: [out, in] -> [out, in / size]
+    if linear.bias is not None:
+        raise ValueError("a row-parallel projection with a bias is not supported")
+    share = linear.in_features // size
+    return _linear_of(linear.weight[:, rank * share : (rank + 1) * share], None)
+
+
+@torch.no_grad()
+def _linear_of(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """A Linear of contiguous copies of ``weight`` [out, in] and ``bias`` (a slice would keep the
+    whole tensor's storage alive), its memory allocated uninitialised and filled once."""
+    out = nn.utils.skip_init(nn.Linear, weight.shape[1], weight.shape[0], bias=bias is not None,
+                             device=weight.device, dtype=weight.dtype)
+    out.weight.copy_(weight)
+    if bias is not None:
+        out.bias.copy_(bias)
+    return out.requires_grad_(False)
 
 
 @torch.no_grad()

@@ -76,6 +76,10 @@ class NodeCopier:
     def close(self) -> None:
         self.host.close()
 
+    def count_recomputed(self, num_tokens: int) -> None:
+        """``num_tokens`` were computed again because a load of theirs did not verify."""
+        self.stats.recomputed_tokens += num_tokens
+
     @torch.inference_mode()
     def run(self, orders: list[Order], covered: set[int] | None = None) -> tuple[list[Order], set[int]]:
         """Runs ``orders``; returns those that failed and the device blocks a failed load left
@@ -188,5 +192,5 @@ def recompute(batch: Batch, unwritten: set[int], block_size: int) -> int:
         new_start = first * block_size
         end = s.start + len(s.token_ids)
         added += s.start - new_start
-        s.token_ids, s.start = req.tokens[new_start:end], new_start
+        s.start_at(new_start, req.tokens[new_start:end])
     return added

@@ -18,7 +18,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from kvpool.worker.config import check_tp
 from kvpool.worker.model import LlamaForCausalLM, ReduceFn
@@ -56,45 +55,11 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def shard_model(model: LlamaForCausalLM, rank: int, size: int, reduce: ReduceFn = all_reduce) -> LlamaForCausalLM:
-    """Keeps rank ``rank``'s share of every layer of ``model`` (in place) and sums o_proj's and
+    """Keeps rank ``rank``'s share of every layer of ``model`` (in place: ``model.shard``, the
+    shares cut by worker/model.py's ``row_share``/``column_share``) and sums o_proj's and
     down_proj's partial outputs with ``reduce`` (tests pass an in-process one); returns the
     model. ``size == 1`` leaves it whole."""
     check_tp(model.config, size)
-    if size == 1:
-        return model
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-            _keep_rows(proj, rank, size)
-        for proj in (attn.o_proj, mlp.down_proj):
-            _keep_columns(proj, rank, size)
-        attn.num_heads //= size
-        attn.num_kv_heads //= size
-        attn.reduce = mlp.reduce = reduce
-    model.tp_rank, model.tp_size = rank, size
+    if size > 1:
+        model.shard(rank, size, reduce)
     return model
-
-
-def _own(t: torch.Tensor) -> nn.Parameter:
-    """A contiguous copy: a slice would keep the whole tensor's storage alive."""
-    return nn.Parameter(t.clone(memory_format=torch.contiguous_format), requires_grad=False)
-
-
-@torch.no_grad()
-def _keep_rows(linear: nn.Linear, rank: int, size: int) -> None:
-    # weight: [out, in] -> [out / size, in]; the bias follows the rows
-    share = linear.out_features // size
-    rows = slice(rank * share, (rank + 1) * share)
-    linear.weight = _own(linear.weight[rows])
-    if linear.bias is not None:
-        linear.bias = _own(linear.bias[rows])
-    linear.out_features = share
-
-
-@torch.no_grad()
-def _keep_columns(linear: nn.Linear, rank: int, size: int) -> None:
-    # weight: [out, in] -> [out, in / size]; row-parallel layers have no bias (it would be summed size times)
-    assert linear.bias is None, "a row-parallel projection with a bias is not supported"
-    share = linear.in_features // size
-    linear.weight = _own(linear.weight[:, rank * share : (rank + 1) * share])
-    linear.in_features = share

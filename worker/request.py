@@ -1,77 +1,87 @@
-"""The one mutable record of a request (one sample of a client request) inside the worker."""
+"""One sequence (one sample of a client request) inside the worker, in three records:
+
+- ``Request``: the sequence itself: ``rid`` (the manager's request id), ``request_id`` and
+  ``index`` (the client request and which of its n samples), tokens, sampling params and seed,
+  the block hasher, how it ended (``finish_reason``). Its changes are its own methods: a sampled
+  token (``append``), the end (``finish``), the split of its n samples (``split``, ``new_sample``).
+- ``req.kv``: the manager's view of its blocks (worker/kv_view.py ``KVView``: block table,
+  synced tokens, hashes sent, slots).
+- ``req.step``: the scheduler's record of its progress and of what is in flight
+  (worker/step_state.py ``StepState``).
+
+``tokens[:step.num_computed]`` have their K/V in the cache; the rest (the prompt tail, the last
+sampled token) are computed by later steps.
+"""
 
 from __future__ import annotations
 
 from kvpool.shared.hashing import BlockHasher
+from kvpool.worker.kv_view import KVView
 from kvpool.worker.sampler import SamplingParams
+from kvpool.worker.step_state import StepState
 
 
 class Request:
-    """Tokens, KV progress and block table of one sequence.
+    __slots__ = ("rid", "request_id", "index", "tokens", "num_prompt", "params", "seed", "hasher",
+                 "finish_reason", "holds_all_samples", "kv", "step")
 
-    ``tokens[:num_computed]`` have their K/V in the cache; the rest (the prompt tail, the last
-    sampled token) are computed by later steps. ``rid`` is the manager's request id.
-
-    What the scheduler has asked for but not yet seen answered (a step in flight): ``num_scheduled``
-    tokens, ``num_pending_samples`` tokens still to be sampled, ``admitting`` (an alloc). The
-    manager's view: ``synced_tokens`` (its num_tokens), ``num_slots`` (slots of the blocks it gave),
-    ``num_hashes_sent``. ``generation`` moves on whenever the request leaves the running set or
-    loses its KV, so that plan entries made before no longer count.
-    """
-
-    __slots__ = ("rid", "client_id", "index", "tokens", "num_prompt", "num_computed", "block_table",
-                 "hasher", "num_hashes_sent", "params", "seed", "finish_reason", "forked",
-                 "num_preemptions", "generation", "num_scheduled", "num_pending_samples", "admitting",
-                 "synced_tokens", "num_slots", "must_sync", "in_running")
-
-    def __init__(self, rid: int, client_id: str, index: int, tokens: list[int], num_prompt: int,
+    def __init__(self, rid: int, request_id: str, index: int, tokens: list[int], num_prompt: int,
                  params: SamplingParams, seed: int, block_size: int, cache_salt: str | None = None) -> None:
         self.rid = rid
-        self.client_id = client_id
+        self.request_id = request_id  # the client request's id (one per request, whatever its n)
         self.index = index  # which of the client request's n samples
         self.tokens = tokens
         self.num_prompt = num_prompt
-        self.num_computed = 0
-        self.block_table: list[int] = []
-        self.hasher = BlockHasher(block_size, cache_salt=cache_salt)  # a salt keeps tenants apart
-        self.hasher.append(tokens)
-        self.num_hashes_sent = 0  # hashes the manager knows for this request
         self.params = params
         self.seed = seed
+        self.hasher = BlockHasher(block_size, cache_salt=cache_salt)  # a salt keeps tenants apart
+        self.hasher.append(tokens)
         self.finish_reason: str | None = None
-        self.forked = params.n == 1  # n > 1: children are spawned at the first sample
-        self.num_preemptions = 0
-        self.generation = 0
-        self.num_scheduled = 0
-        self.num_pending_samples = 0
-        self.admitting = False
-        self.synced_tokens = 0
-        self.num_slots = 0
-        self.must_sync = False  # forked: the next write must reach the manager (copy-on-write)
-        self.in_running = False  # in the scheduler's running set (worker/running_set.py counts its blocks)
+        # n > 1: one request computes the prompt and stands for all n samples until the first
+        # is drawn; then each of the others becomes a request of its own (``new_sample``)
+        self.holds_all_samples = params.n > 1
+        self.kv = KVView()
+        self.step = StepState()
 
     @property
     def num_output(self) -> int:
         return len(self.tokens) - self.num_prompt
 
     @property
+    def num_computed(self) -> int:
+        return self.step.num_computed
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.kv.block_table
+
+    @property
     def num_remaining(self) -> int:
         """Tokens known (or being sampled) but not yet computed or scheduled."""
-        return len(self.tokens) + self.num_pending_samples - self.num_computed - self.num_scheduled
+        st = self.step
+        return len(self.tokens) + st.num_pending_samples - st.num_computed - st.num_scheduled
 
     def append(self, token: int) -> None:
         self.tokens.append(token)
         self.hasher.append((token,))
 
-    def reset_kv(self) -> None:
-        """Forget KV progress (preemption by recompute, or the manager lost the request)."""
-        self.num_computed = 0
-        self.block_table = []
-        self.num_hashes_sent = 0
-        self.num_scheduled = self.num_pending_samples = self.synced_tokens = self.num_slots = 0
-        self.admitting = self.must_sync = False
-        self.generation += 1
+    def finish(self, reason: str) -> None:
+        """It ended: "stop", "length", "abort" or "error: ..."."""
+        self.finish_reason = reason
+
+    def split(self) -> None:
+        """Its first sample is drawn: from now on it is sample ``index`` alone."""
+        self.holds_all_samples = False
+
+    def new_sample(self, index: int, rid: int) -> Request:
+        """Sample ``index`` of this request's n as a request of its own (manager id ``rid``):
+        the prompt, params, seed and cache salt; it shares this one's computed blocks once the
+        scheduler forks it."""
+        child = Request(rid, self.request_id, index, self.tokens[: self.num_prompt], self.num_prompt,
+                        self.params, self.seed, self.hasher.block_size, self.hasher.cache_salt)
+        child.holds_all_samples = False
+        return child
 
     def __repr__(self) -> str:
-        return (f"Request(rid={self.rid}, client={self.client_id!r}#{self.index}, "
-                f"tokens={len(self.tokens)}, computed={self.num_computed})")
+        return (f"Request(rid={self.rid}, request={self.request_id!r}#{self.index}, "
+                f"tokens={len(self.tokens)}, computed={self.step.num_computed})")

@@ -120,7 +120,7 @@ class ModelRunner:
             if self.host is not None and plan.loads:
                 self.host.run([], plan.loads)
         if unwritten:  # never served: the forward pass computes them instead
-            self.node.stats.recomputed_tokens += recompute(plan, unwritten, self.block_size)  # type: ignore[union-attr]
+            self.node.count_recomputed(recompute(plan, unwritten, self.block_size))  # type: ignore[union-attr]
         logits = self._forward(plan, sample) if plan.seqs else None
         if plan.writes:  # write-through: the blocks this forward filled, behind its work
             self.host.write(plan.writes)

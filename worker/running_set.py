@@ -25,6 +25,7 @@ from itertools import chain
 from kvpool.shared.step_ops import Free
 from kvpool.worker.request import Request
 from kvpool.worker.step_plan import StepPlan
+from kvpool.worker.step_state import StepState
 
 logger = logging.getLogger(__name__)
 
@@ -61,28 +62,24 @@ class RunningSet:
     def set_blocks(self, req: Request, blocks: list[int]) -> None:
         """``req`` holds exactly ``blocks`` now (an admission or a fork answered; a child that
         finished before its fork was sent still gets its blocks, freed with the next message)."""
-        if req.in_running:
-            self._unhold(req.block_table)
+        if req.step.in_running:
+            self._unhold(req.kv.block_table)
             self._hold(blocks)
-        req.block_table = list(blocks)
+        req.kv.set_table(blocks)
 
     def add_blocks(self, req: Request, blocks: list[int], copies: Iterable[tuple[int, int]]) -> None:
         """``req`` gains ``blocks``, and ``copies`` (index, new block) replace some of its blocks
         (copy-on-write)."""
-        table = req.block_table
-        table.extend(blocks)
-        counted = req.in_running
-        if counted:
+        replaced = req.kv.add_blocks(blocks, copies)
+        if req.step.in_running:
             self._hold(blocks)
-        for index, dst in copies:
-            if counted:
-                self._unhold((table[index],))
+            for old, dst in replaced:
+                self._unhold((old,))
                 self._hold((dst,))
-            table[index] = dst
 
     def check_held(self) -> None:
         """Raises AssertionError unless the count matches the block tables (tests)."""
-        want = Counter(chain.from_iterable(r.block_table for r in self.running))
+        want = Counter(chain.from_iterable(r.kv.block_table for r in self.running))
         if want != self._holders:
             raise AssertionError(f"held-block count {len(self._holders)} != {len(want)} blocks in the tables")
 
@@ -102,13 +99,13 @@ class RunningSet:
 
     def _join(self, req: Request) -> None:
         self.running.append(req)
-        req.in_running = True
-        self._hold(req.block_table)
+        req.step.join()
+        self._hold(req.kv.block_table)
 
     def _leave(self, req: Request) -> None:
         self.running.remove(req)
-        req.in_running = False
-        self._unhold(req.block_table)
+        req.step.leave()
+        self._unhold(req.kv.block_table)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -128,7 +125,14 @@ class RunningSet:
         were computed: a step of it already answered (overlap) may never run now, and the
         manager must not keep hashes of blocks whose K/V that step was to write."""
         self.pending_frees.append(req.rid)
-        self.computed_at_free[req.rid] = req.num_computed
+        self.computed_at_free[req.rid] = req.step.num_computed
+
+    @staticmethod
+    def _forget_kv(req: Request, preempted: bool = False) -> None:
+        """``req`` holds nothing at the manager any more: recomputed from its first token, and
+        the entries of plans made before no longer count."""
+        req.kv.reset()
+        req.step.reset(preempted)
 
     # -- admissions ------------------------------------------------------------------------
 
@@ -137,14 +141,14 @@ class RunningSet:
         puts one back in front (``requeue``)."""
         for req in admitted:
             self.waiting.popleft()
-            req.admitting = True
+            req.step.start_admission()
             self._join(req)
 
     def withdraw(self, req: Request) -> None:
         """An admission the manager refused: out of the running set, its KV state forgotten (a
         step built on this admission, with overlap, no longer counts)."""
         self._leave(req)
-        req.reset_kv()
+        self._forget_kv(req)
 
     def requeue(self, refused: list[Request]) -> None:
         """Refused admissions back at the front of the waiting queue, in their order."""
@@ -157,35 +161,27 @@ class RunningSet:
 
     # -- after a step ----------------------------------------------------------------------
 
-    def settle(self, plan: StepPlan, ran: list[tuple[Request, int, int]]) -> None:
-        """The plan's sequences are no longer in flight; the ones that ran are computed."""
-        for s in plan.seqs:
-            req = s.req
-            if req.generation == s.generation:
-                req.num_scheduled -= s.num_tokens
-                req.num_pending_samples -= s.sample
-        for req, start, n in ran:
-            req.num_computed = start + n
-            self.stats.computed_tokens += n
+    def settle(self, plan: StepPlan, ran: list[tuple[StepState, int, int]]) -> None:
+        """The plan's sequences are no longer in flight; the ones that ran, (state, start,
+        tokens), are computed."""
+        self.stats.computed_tokens += StepState.land(plan.seqs, ran)
 
     def rewind(self, req: Request) -> None:
         """``req`` was refused while its next step was already sent (overlap): that one carries
         a ``base`` the manager no longer matches, so it is refused too and changes nothing; the
         request keeps its blocks and retries from its computed tokens."""
-        req.num_scheduled = req.num_pending_samples = 0
-        req.generation += 1  # the in-flight step's entries no longer count
+        req.step.rewind()  # the in-flight step's entries no longer count
 
     def track_usage(self) -> None:
         s = self.stats
         s.steps += 1
-        s.peak_running = max(s.peak_running, sum(not r.admitting for r in self.running))
+        s.peak_running = max(s.peak_running, sum(not r.step.admitting for r in self.running))
         s.peak_blocks = max(s.peak_blocks, len(self._holders))
 
     def preempt(self, req: Request) -> None:
         self._leave(req)
         self._owe_free(req)
-        req.reset_kv()
-        req.num_preemptions += 1
+        self._forget_kv(req, preempted=True)
         self.stats.preemptions += 1
         self.waiting.appendleft(req)  # newest preempted first, so the oldest ends up in front
         logger.info("preempted %r", req)
@@ -197,26 +193,27 @@ class RunningSet:
             return  # already lost (a refused fork, then its refused extend)
         self._leave(req)
         self._owe_free(req)
-        req.reset_kv()
+        self._forget_kv(req)
         self.waiting.appendleft(req)
 
     # -- state changes the next message carries --------------------------------------------
 
     def finish(self, req: Request, reason: str) -> None:
-        req.finish_reason = reason
-        req.generation += 1
+        req.finish(reason)
+        req.step.move_on()
         self._leave(req)
         self._owe_free(req)
 
     def drop(self, req: Request) -> None:
         """Aborts ``req`` wherever it is; its blocks go back at the next step."""
-        req.generation += 1
+        req.step.move_on()
         if req in self.waiting:
             self.waiting.remove(req)  # a preempted one's free is already pending
             return
         if req not in self.running:
             return
-        req.finish_reason = req.finish_reason or "abort"
+        if req.finish_reason is None:
+            req.finish("abort")
         self._leave(req)
         forks = [(p, c) for p, c in self.pending_forks if c is not req]
         if len(forks) < len(self.pending_forks):
@@ -226,8 +223,7 @@ class RunningSet:
 
     def spawn(self, parent: Request, child: Request) -> None:
         """A parallel sample sharing ``parent``'s computed blocks (forked at the next step)."""
-        child.num_computed = parent.num_computed
-        child.num_hashes_sent = parent.num_hashes_sent
+        child.step.share_progress(parent.step)  # what the manager knows of it comes with the fork
         self._join(child)
         self.pending_forks.append((parent, child))
 
@@ -256,7 +252,7 @@ class RunningSet:
         leaves them to its session timeout. Waiting requests hold nothing and stay queued."""
         rids = [r.rid for r in self.running] + self.pending_frees
         for r in self.running:
-            r.in_running = False
+            r.step.leave()
         self.running, self.pending_frees, self.pending_forks = [], [], []
         self._holders = {}
         return rids

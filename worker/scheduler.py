@@ -5,16 +5,17 @@ Two calls per step (the shape of nano-vllm's and vLLM v1's schedulers)::
     plan = scheduler.schedule()                 # StepPlan: sub-ops, what each is for, the batch
     results = block_manager.step(plan.ops)      # one round trip
     batch = plan.batch(results)                 # what runs: refused sequences left out
-    outputs = sample(runner.execute(batch))     # [(request, token, parent or None)]
-    errored = scheduler.update(plan, results, outputs)
+    outputs = draw_tokens(batch, runner.execute(batch), eos)  # [Output(request, token, sample)]
+    done = scheduler.update(plan, results, outputs)  # Updated: the errored, the samples spawned
 
 ``schedule`` composes the message: forks, frees, then the running requests oldest first, then
 allocs for waiting requests FCFS, all within the token budget. A running request gets an extend
 only when its tokens need a block it does not hold, or after a fork (sparse steps, PROTOCOL.md
 section 6); otherwise it runs in blocks it holds without a sub-op. ``update`` applies the
 manager's answers (block tables, admissions, refusals), marks the tokens computed, appends the
-sampled tokens, finishes and spawns requests, and preempts. Frees and forks decided in ``update``
-travel at the head of the next message.
+sampled tokens, finishes requests, spawns an n > 1 request's other samples at its first token
+(each a request of its own, with a new manager id), and preempts. Frees and forks decided in
+``update`` travel at the head of the next message.
 
 Overlap (the engine's default): ``schedule`` may run again before the previous plan's ``update``,
 assuming each sequence of that plan yields a token (the requests' in-flight counters say what is
@@ -33,14 +34,16 @@ for space blocks the ones behind it, and admissions stop while the blocks our re
 no block of growth per running request (a policy on our own holdings; which blocks, and whether
 they fit, the manager decides). Those two flags are the only state one step leaves the next.
 
-Owners: this class holds the policy (what a step does, what an answer means) and the flags;
-``RunningSet`` (worker/running_set.py) owns the queues, the frees and forks owed to the manager
-and the counters; the admission-room and victim estimates are pure functions in
-worker/scheduling_policy.py.
+Owners: this class holds the policy (what a step does, what an answer means), the flags and the
+manager's request ids; ``RunningSet`` (worker/running_set.py) the queues, the frees and forks
+owed and the counters; a request's records change by their own methods (worker/request.py, its
+``kv`` view and ``step`` state); worker/scheduling_policy.py has the admission-room and victim
+estimates. The EOS ids and the pool's size come in (constructor, ``set_pool_size``).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Collection
@@ -55,12 +58,14 @@ from kvpool.shared.step_ops import (
     Free,
     Result,
 )
+from kvpool.worker.kv_view import cdiv
 from kvpool.worker.request import Request
 from kvpool.worker.running_set import RunningSet, SchedulerStats
-from kvpool.worker.scheduling_policy import admission_room, cdiv, choose_victims
-from kvpool.worker.step_plan import Batch, BatchSeq, Output, ScheduledSeq, StepPlan, SubOp
+from kvpool.worker.scheduling_policy import admission_room, choose_victims
+from kvpool.worker.step_plan import Batch, BatchSeq, Output, ScheduledSeq, StepPlan, SubOp, Updated
+from kvpool.worker.step_state import StepState
 
-__all__ = ["Batch", "BatchSeq", "Output", "Scheduler", "SchedulerStats", "StepPlan"]
+__all__ = ["Batch", "BatchSeq", "Output", "Scheduler", "SchedulerStats", "StepPlan", "Updated"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +74,7 @@ class Scheduler:
     def __init__(self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, *, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, static_prealloc: bool = False,
-                 eos_token_ids: Collection[int] = ()) -> None:
+                 eos_token_ids: Collection[int] = (), num_blocks: int | None = None) -> None:
         self.block_size = block_size
         self.token_budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -79,7 +84,8 @@ class Scheduler:
         self.static = static_prealloc
         self.eos_token_ids = frozenset(eos_token_ids)  # any of them ends a request ("stop")
         self.requests = RunningSet()
-        self.num_blocks: int | None = None  # the pool's size, set at registration (admission room)
+        self.num_blocks = num_blocks  # the pool's size, known at registration (admission room)
+        self._rids = itertools.count()  # the manager's request ids (requests, parallel samples)
         self.hold_admissions = False  # a preemption happened: admit nobody next step
         self.head_blocked = False  # the head of the waiting queue was refused for space
         # The manager refused an admission for draining, and none has gone through since (with
@@ -106,6 +112,14 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.requests.add(req)
 
+    def new_rid(self) -> int:
+        """A manager request id no request of this scheduler has had."""
+        return next(self._rids)
+
+    def set_pool_size(self, num_blocks: int) -> None:
+        """The pool registered (again) with ``num_blocks`` blocks."""
+        self.num_blocks = num_blocks
+
     def has_work(self) -> bool:
         return self.requests.has_work()
 
@@ -118,66 +132,66 @@ class Scheduler:
         """Hashes of the blocks full once ``num_tokens`` are computed that the manager lacks."""
         if not self.caching:
             return []
-        return req.hasher.hashes[req.num_hashes_sent : num_tokens // self.block_size]
+        return req.hasher.hashes[req.kv.num_hashes_sent : num_tokens // self.block_size]
 
     def schedule(self) -> StepPlan:
         """The next step: its sub-ops and the sequences it runs (nothing changes but the
-        requests' in-flight counters and the queues of frees and forks it sends)."""
+        requests' in-flight state, their manager views and the queues of frees and forks it sends)."""
         plan = StepPlan()
         forks, frees, computed = self.requests.take_pending()
         for parent, child in forks:
             self._fork(plan, parent, child)
         for rid in frees:
             plan.add(SubOp(Free(rid, computed.get(rid)), "free", None))
-        budget = self.token_budget
-        for req in self.running:
-            n = min(req.num_remaining, budget)
-            if n == 0 or (req.admitting and not req.num_pending_samples) or (req.num_pending_samples and not req.forked):
-                continue  # its next step depends on answers in flight (a chunk's cached count, forks)
-            self._schedule_running(plan, req, n)
-            budget -= n
+        budget = self._schedule_running(plan)
         if not self.hold_admissions:
             self._admit(plan, budget)
         self.hold_admissions = False
+        StepState.launch(plan.seqs)  # each one's next step reads its in-flight counts before this
         return plan
 
-    def _schedule_running(self, plan: StepPlan, req: Request, n: int) -> None:
-        """Schedules ``n`` more tokens of ``req``; an extend only when they need a block it does
-        not hold (lookahead included) or a fork left it sharing a partial block. The hashes of
-        blocks that became full ride along with that extend (PROTOCOL.md, "Sparse steps")."""
-        start = req.num_computed + req.num_scheduled
-        num_tokens = start + n
-        lookahead = self._lookahead(num_tokens)
-        op = -1
-        if req.must_sync or num_tokens + lookahead > req.num_slots:
-            op = self._extend(plan, req, num_tokens, lookahead, n)
-        sample = num_tokens == len(req.tokens) + req.num_pending_samples
-        plan.seqs.append(ScheduledSeq(req, req.generation, n, start, op, sample))
-        req.num_scheduled += n
-        req.num_pending_samples += sample
+    def _schedule_running(self, plan: StepPlan) -> int:
+        """Schedules the running requests, oldest first, within the token budget; returns what
+        is left of it. A request gets an extend only when its tokens need a block it does not
+        hold (lookahead included) or a fork left it sharing a partial block; the hashes of blocks
+        that became full ride along with that extend (PROTOCOL.md, "Sparse steps"). One loop,
+        no call per request: it runs for every running request every step."""
+        budget, seqs, static = self.token_budget, plan.seqs, self.static
+        for req in self.running:
+            st = req.step
+            known = len(req.tokens) + st.num_pending_samples  # the last one may still be sampled
+            start = st.num_computed + st.num_scheduled
+            n = min(known - start, budget)
+            if n == 0 or (st.admitting and not st.num_pending_samples) or \
+                    (st.num_pending_samples and req.holds_all_samples):
+                continue  # its next step depends on answers in flight (a chunk's cached count, forks)
+            num_tokens = start + n
+            lookahead = self._lookahead(num_tokens) if static else 0
+            op = -1
+            kv = req.kv
+            if kv.must_sync or num_tokens + lookahead > kv.num_slots:
+                op = self._extend(plan, req, num_tokens, lookahead, n)
+            seqs.append(ScheduledSeq(req, st, st.generation, n, start, op, num_tokens == known))
+            budget -= n
+        return budget
 
     def _extend(self, plan: StepPlan, req: Request, num_tokens: int, lookahead: int, n: int) -> int:
+        kv = req.kv
         hashes = self._new_hashes(req, num_tokens)
-        undo = (req.num_hashes_sent, req.synced_tokens, req.num_slots)
         # built on a step still in flight (num_scheduled): valid only if that one succeeded
-        op = Extend(req.rid, num_tokens, hashes, lookahead, req.synced_tokens if req.num_scheduled else None)
-        index = plan.add(SubOp(op, "extend" if n else "sync", req, req.generation, n, undo))
-        req.num_hashes_sent += len(hashes)
-        req.synced_tokens = num_tokens
-        req.num_slots = max(req.num_slots, cdiv(num_tokens + lookahead, self.block_size) * self.block_size)
-        return index
+        op = Extend(req.rid, num_tokens, hashes, lookahead, kv.synced_tokens if req.step.num_scheduled else None)
+        slots = cdiv(num_tokens + lookahead, self.block_size) * self.block_size
+        undo = kv.extend_sent(num_tokens, len(hashes), slots)
+        return plan.add(SubOp(op, "extend" if n else "sync", req, req.step.generation, n, undo))
 
     def _fork(self, plan: StepPlan, parent: Request, child: Request) -> None:
         """The child shares the blocks of the parent's computed tokens: the manager's view of the
         parent is brought up to them first, and both must write through the manager next."""
-        tokens = parent.num_computed
-        if parent.synced_tokens != tokens:
+        tokens = parent.step.num_computed
+        if parent.kv.synced_tokens != tokens:
             self._extend(plan, parent, tokens, self._lookahead(tokens), 0)
-        plan.add(SubOp(Fork(parent.rid, child.rid), "fork", child, child.generation))
-        child.synced_tokens = tokens
-        child.num_slots = cdiv(tokens, self.block_size) * self.block_size
-        child.num_hashes_sent = min(parent.num_hashes_sent, tokens // self.block_size)
-        parent.must_sync = child.must_sync = True
+        plan.add(SubOp(Fork(parent.rid, child.rid), "fork", child, child.step.generation))
+        child.kv.fork_sent(parent.kv, tokens, self.block_size)
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         if not self.waiting:
@@ -194,13 +208,10 @@ class Scheduler:
                 break  # an idle pool still tries its head: the manager has the last word
             hashes = list(req.hasher.hashes) if self.caching else []
             alloc = Alloc(req.rid, hashes, len(req.tokens), n, self._lookahead(n), req.params.priority or None)
-            op = plan.add(SubOp(alloc, "alloc", req, req.generation, n))
+            op = plan.add(SubOp(alloc, "alloc", req, req.step.generation, n))
             sample = n == len(req.tokens)  # the whole prompt: computed after it, whatever is cached
-            plan.seqs.append(ScheduledSeq(req, req.generation, n, 0, op, sample))
-            req.num_slots = blocks * self.block_size  # at most what the manager gives
-            req.synced_tokens = n
-            req.num_hashes_sent = len(hashes)
-            req.num_scheduled, req.num_pending_samples = n, int(sample)
+            plan.seqs.append(ScheduledSeq(req, req.step, req.step.generation, n, 0, op, sample))
+            req.kv.alloc_sent(n, blocks * self.block_size, len(hashes))  # at most what the manager gives
             admitted.append(req)
             budget -= n
             slots -= 1
@@ -213,9 +224,9 @@ class Scheduler:
 
     # -- applying the outcome --------------------------------------------------------------
 
-    def update(self, plan: StepPlan, results: list[Result], outputs: list[Output]) -> list[Request]:
-        """Applies the manager's ``results`` for ``plan`` and the tokens sampled from its batch;
-        returns the requests refused as bad input (they end with an error)."""
+    def update(self, plan: StepPlan, results: list[Result], outputs: list[Output]) -> Updated:
+        """Applies the manager's ``results`` for ``plan`` and the tokens sampled from its batch:
+        the requests refused as bad input (they end with an error) and who took each token."""
         if len(results) != len(plan.ops):
             raise RuntimeError(f"manager answered {len(results)} results for {len(plan.ops)} sub-ops")
         errored: list[Request] = []
@@ -225,7 +236,7 @@ class Scheduler:
         head = next((sub.req for sub in plan.subops if sub.kind == "alloc"), None)  # the queue's head
         for sub, res in zip(plan.subops, results):
             req = sub.req
-            if req is not None and req.generation != sub.generation:
+            if req is not None and req.step.generation != sub.generation:
                 continue  # it moved on (finished, aborted, lost) after the plan was made
             if sub.kind == "free":
                 if not res.ok and res.code != "unknown_request":  # type: ignore[union-attr]
@@ -239,21 +250,22 @@ class Scheduler:
             elif not res.ok and res.code == "no_space" and req is head:  # type: ignore[union-attr]
                 self.head_blocked = True
         self.requests.requeue(refused_admissions)
-        ran = [(s.req, start, n) for s, start, n, _ in plan.runnable(results)]
+        ran = [(s.step, start, n) for s, start, n, _ in plan.runnable(results)]
         victims = self._preempt_for(failed) if failed else []
         self.requests.settle(plan, ran)
+        spawned: list[Request] = []
         for out in outputs:
-            self._accept(out)
+            self._accept(out, spawned)
         for req in victims:  # the ones that ran this step: their blocks go back at the next
             if req in self.running:
                 self.requests.preempt(req)
         self.requests.track_usage()
-        return errored
+        return Updated(errored, spawned)
 
     def _apply_fork(self, child: Request, res: Result) -> None:
         if type(res) is Forked:
             self.requests.set_blocks(child, res.blocks)
-            child.num_slots = len(child.block_table) * self.block_size
+            child.kv.forked(self.block_size)
         else:
             logger.warning("fork of %r refused (%s): recomputing it", child, res.msg)  # type: ignore[union-attr]
             self.requests.lose(child)
@@ -262,10 +274,9 @@ class Scheduler:
         req = sub.req
         if type(res) is ExtendResult:
             self.requests.add_blocks(req, res.blocks, [(index, dst) for index, _, dst in res.copies])
-            req.num_slots = max(req.num_slots, len(req.block_table) * self.block_size)
-            req.must_sync = req.must_sync and sub.kind == "sync"  # a write went through: copied
+            req.kv.extended(sub.kind != "sync", self.block_size)  # a write went through: copied
             return
-        req.num_hashes_sent, req.synced_tokens, req.num_slots = sub.undo
+        req.kv.undo(sub.undo)
         if res.code == "no_space":  # type: ignore[union-attr]
             failed.append((req, sub.num_tokens))
         else:
@@ -275,23 +286,22 @@ class Scheduler:
     def _apply_alloc(self, sub: SubOp, res: Result, refused: list[Request]) -> bool:
         """False: refused as bad input."""
         req = sub.req
-        req.admitting = False
         if type(res) is AllocResult:
             self.drain_refused = False  # admissions go through again
             cached = res.cached  # a later step in flight may have moved the counts on: max
-            req.num_computed = cached
+            req.step.admitted(cached)
             self.requests.set_blocks(req, res.blocks)
-            req.num_slots = max(req.num_slots, len(req.block_table) * self.block_size)
-            req.synced_tokens = max(req.synced_tokens, cached + min(len(req.tokens) - cached, sub.num_tokens))
+            req.kv.allocated(len(req.tokens), cached, sub.num_tokens, self.block_size)
             self.requests.count_admission(len(req.tokens), cached)
             return True
+        req.step.refused()
         self.requests.withdraw(req)
         code = res.code  # type: ignore[union-attr]
         if code in ("no_space", "draining"):
             self.drain_refused = self.drain_refused or code == "draining"
             refused.append(req)
             return True
-        req.finish_reason = f"error: {res.msg}"  # type: ignore[union-attr]
+        req.finish(f"error: {res.msg}")  # type: ignore[union-attr]
         return False
 
     def _preempt_for(self, failed: list[tuple[Request, int]]) -> list[Request]:
@@ -304,16 +314,22 @@ class Scheduler:
                 continue
             if req in victims:
                 self.requests.preempt(req)  # it did not run this step: preempt it now
-            elif req.num_scheduled > n:
+            elif req.step.num_scheduled > n:
                 self.requests.rewind(req)
         self.hold_admissions = True
         return victims
 
-    def _accept(self, out: Output) -> None:
+    def _accept(self, out: Output, spawned: list[Request]) -> None:
+        """Appends ``out``'s token to the request it goes to: a new parallel sample becomes a
+        request of its own here (added to ``spawned``); checks whether that request ends."""
         req = out.req
-        if out.parent is not None:
-            self.spawn(out.parent, req)
-        elif req.finish_reason is not None:
+        if out.sample:
+            req = req.new_sample(out.sample, self.new_rid())
+            self.spawn(out.req, req)
+            spawned.append(req)
+        elif req.holds_all_samples:
+            req.split()  # its first token: the other samples are drawn with it
+        if req.finish_reason is not None:
             return  # aborted while its step ran
         req.append(out.token)
         reason = None

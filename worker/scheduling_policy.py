@@ -9,13 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvpool.worker.kv_view import cdiv
 from kvpool.worker.request import Request
 
 UNKNOWN_ROOM = 1 << 62  # before registration the pool's size is unknown: the manager decides
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def admission_room(running: Sequence[Request], num_blocks: int | None, block_size: int, static: bool,
@@ -26,14 +23,14 @@ def admission_room(running: Sequence[Request], num_blocks: int | None, block_siz
     Statically preallocated requests hold their whole max_model_len already and never grow."""
     if num_blocks is None:
         return UNKNOWN_ROOM
-    held += sum(r.num_slots // block_size for r in running if r.admitting)  # answers in flight
+    held += sum(r.kv.num_slots // block_size for r in running if r.step.admitting)  # answers in flight
     growth = 0 if static else len(running)
     return num_blocks - 1 - held - growth
 
 
 def blocks_short(req: Request, num_tokens: int, block_size: int) -> int:
     """Blocks ``req`` lacks to compute ``num_tokens`` more."""
-    return max(0, cdiv(req.num_computed + num_tokens, block_size) - len(req.block_table))
+    return max(0, cdiv(req.step.num_computed + num_tokens, block_size) - len(req.kv.block_table))
 
 
 def choose_victims(running: Sequence[Request], failed: Sequence[tuple[Request, int]], block_size: int) -> list[Request]:
@@ -47,5 +44,5 @@ def choose_victims(running: Sequence[Request], failed: Sequence[tuple[Request, i
         if need <= 0:
             break
         victims.append(victim)
-        need -= len(victim.block_table) + short.get(victim, 0)
+        need -= len(victim.kv.block_table) + short.get(victim, 0)
     return victims

@@ -141,7 +141,7 @@ def build_engine(cfg: WorkerConfig, block_manager: BlockManager) -> Engine:
     sched = Scheduler(cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
                       enable_prefix_caching=cfg.enable_prefix_caching,
                       enable_chunked_prefill=cfg.enable_chunked_prefill,
-                      static_prealloc=cfg.static_prealloc)
+                      static_prealloc=cfg.static_prealloc, eos_token_ids=model.config.eos_token_ids)
     tp = TPLeader(Channel(rank_device(cfg)), cfg.tp_size) if cfg.tp_size > 1 else None
     # the node tier serves single-shard pools (a tensor-parallel rank's slice would need every
     # rank's copies to agree on each failure)

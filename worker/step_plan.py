@@ -5,10 +5,12 @@ shared/step_ops.py), what each one is for (``subops``, aligned with ``ops``) and
 sequence whose tokens fit blocks it already holds points at no sub-op). The manager's answers
 turn the plan into a ``Batch`` (``plan.batch(results)``: no state changes), the plain data the
 runner executes and tensor-parallel rank 0 broadcasts. ``Scheduler.update(plan, results,
-outputs)`` then applies the answers and the sampled tokens (``Output``, one per token).
+outputs)`` then applies the answers and the sampled tokens (``Output``, one per token) and says
+what it did (``Updated``).
 
-A plan entry remembers its request's ``generation``; a request that finished, was aborted or
-lost its KV since (preempted, refused) has moved on, and the entry no longer counts.
+A plan entry remembers its request's ``generation`` (worker/step_state.py); a request that
+finished, was aborted or lost its KV since (preempted, refused) has moved on, and the entry no
+longer counts.
 
 The records built per running request per step (``ScheduledSeq``, ``SubOp``, ``BatchSeq``,
 ``Output``) are slotted dataclasses and not frozen, though nothing changes them once built: a
@@ -24,18 +26,36 @@ from dataclasses import dataclass, field
 from kvpool.shared.node_orders import Order
 from kvpool.shared.step_ops import AllocResult, ExtendResult, Forked, Result
 from kvpool.shared.step_ops import SubOp as StepOp
+from kvpool.worker.kv_view import Undo
 from kvpool.worker.request import Request
+from kvpool.worker.step_state import StepState
 
 
 @dataclass(slots=True)
 class Output:
-    """A sampled token; ``parent``: the request a new parallel sample ``req`` forks from."""
+    """A token sampled for ``req``. ``sample``: which of its n samples the token is: 0, its own;
+    1..n-1 only while ``req`` holds all its samples (its first token): the scheduler's
+    ``update`` then spawns that sample as a request of its own, which the token goes to."""
 
     req: Request
     token: int
-    parent: Request | None = None
+    sample: int = 0
     logprob: float | None = None  # when the request asked for logprobs
     top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class Updated:
+    """What ``Scheduler.update`` did with a step's answers and tokens."""
+
+    errored: list[Request]  # refused as bad input: they end with an error
+    spawned: list[Request]  # the requests spawned for the outputs with a ``sample``, in their order
+
+    def receivers(self, outputs: list[Output]) -> Iterator[Request]:
+        """The request each of ``outputs`` went to: its own, or the one spawned for it."""
+        spawned = iter(self.spawned)
+        for out in outputs:
+            yield next(spawned) if out.sample else out.req
 
 
 @dataclass(slots=True)
@@ -46,6 +66,10 @@ class BatchSeq:
     start: int  # position of token_ids[0] (tokens before it are in the cache)
     block_table: list[int]
     sample: bool  # the step reaches the sequence's last known token: sample the next one
+
+    def start_at(self, start: int, token_ids: list[int]) -> None:
+        """Computes from ``start`` instead (a block of its cached context was never written)."""
+        self.start, self.token_ids = start, token_ids
 
 
 @dataclass
@@ -78,12 +102,16 @@ class SubOp:
     req: Request | None
     generation: int = 0
     num_tokens: int = 0  # extend: tokens it computes; alloc: max_new
-    undo: tuple[int, int, int] = (0, 0, 0)  # extend: (hashes sent, synced tokens, slots) before it
+    undo: Undo = (0, 0, 0)  # extend: the manager's view before it (worker/kv_view.py)
 
 
 @dataclass(slots=True)
 class ScheduledSeq:
+    """One request's share of a step in flight (worker/step_state.py's ``launch`` and ``land``
+    count it in and out of ``step``, its request's step state)."""
+
     req: Request
+    step: StepState
     generation: int
     num_tokens: int  # tokens to compute (an alloc: at most; its cached prefix is skipped)
     start: int  # position of the first (an alloc: the manager's cached count decides)
@@ -106,7 +134,7 @@ class StepPlan:
         """(seq, start, num_tokens, its sub-op's result) of every sequence that runs: its request
         has not moved on and its sub-op, if it needed one, succeeded."""
         for s in self.seqs:
-            if s.req.generation != s.generation:
+            if s.step.generation != s.generation:
                 continue
             res = results[s.op] if s.op >= 0 else None
             if res is not None and not res.ok:
@@ -136,7 +164,7 @@ class StepPlan:
         forked = {id(sub.req): r.blocks for sub, r in zip(self.subops, results) if type(r) is Forked}
         for s, start, n, res in self.runnable(results):
             req = s.req
-            held = forked.get(id(req), req.block_table)  # a child forked by this same message
+            held = forked.get(id(req), req.kv.block_table)  # a child forked by this same message
             if res is None:
                 table = list(held)
             elif type(res) is AllocResult:

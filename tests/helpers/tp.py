@@ -101,7 +101,7 @@ class TPPair:
         self.threads = [threading.Thread(target=f.follow, daemon=True) for f in self.followers]
         for t in self.threads:
             t.start()
-        sched = Scheduler(16, max_num_batched_tokens, 64, max_model_len)
+        sched = Scheduler(16, max_num_batched_tokens, 64, max_model_len, eos_token_ids=models[0].config.eos_token_ids)
         self.channel = channel
         self.engine = Engine(models[0], LocalBlockManager("test", max_blocks=max_blocks), sched, kv,
                              tp=TPLeader(channel, size), overlap=overlap, **host)  # type: ignore[arg-type]

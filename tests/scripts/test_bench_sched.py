@@ -27,3 +27,13 @@ def test_the_walked_baseline_really_walks_and_counts_nothing(monkeypatch):
     d.step()
     assert calls and d.sched.requests.num_held == 0  # the count stayed off: the walk alone decided
     assert d.sched.stats.peak_blocks == walked(d.sched.running)
+
+
+def test_another_checkouts_scheduler_runs_beside_this_one_on_the_same_steps():
+    """--against: a copy of a checkout's worker/ (this one's here) under its own package name,
+    its own classes, the same steps (measure exits when the modes diverge)."""
+    against = bench_sched.load_checkout(str(Path(__file__).resolve().parents[2]))
+    assert against[0].__module__ == "kvpool_against.scheduler"
+    assert against[0] is not importlib.import_module("kvpool.worker.scheduler").Scheduler
+    row = bench_sched.measure(16, 20, 5, seed=2, against=against)
+    assert row["against"]["p50_us"] > 0 and row["against_over_counted"] > 0

@@ -175,7 +175,7 @@ def test_one_manager_message_per_step():
 
 def test_admission_leaves_room_for_running_requests_to_grow():
     sched, pool = make_sched(), Pool(12, BS)  # 11 usable blocks
-    sched.num_blocks = 12
+    sched.set_pool_size(12)
     first = make_req(0, 16)  # 4 blocks
     sched.add(first)
     run(sched, pool)
@@ -228,9 +228,9 @@ def test_a_fork_first_brings_the_managers_view_of_the_parent_up_to_date():
     child = Request(1, "c0", 1, a.tokens[:11], 11, a.params, 0, BS)
     child.append(9)
     sched.spawn(a, child)
-    a.num_computed = 11
+    a.step.num_computed = 11
     pool.requests[("w", 0)].num_tokens = 9  # as if the last chunk had fit blocks it held
-    a.synced_tokens = 9
+    a.kv.synced_tokens = 9
     ops, batch = run(sched, pool)
     assert [(o["op"], o["req"], o.get("num_tokens")) for o in ops] == [
         ("extend", 0, 11), ("fork", 0, None), ("extend", 0, 12), ("extend", 1, 12)]

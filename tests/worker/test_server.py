@@ -22,7 +22,7 @@ def test_abort_reaches_only_the_senders_request():
         assert sent == [(b"A", {"id": "generate-0", "index": 0, "token": None, "finished": True,
                                 "reason": "abort"})]
         assert list(server._clients.values()) == [(b"B", "generate-0")]
-        assert [r.client_id for r in engine.scheduler.waiting] == ["c1"]
+        assert [r.request_id for r in engine.scheduler.waiting] == ["c1"]
     finally:
         server._sock.close()
         server._ctx.term()
