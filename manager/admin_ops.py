@@ -175,11 +175,15 @@ class AdminOps:
     @op(admin=True)
     def cached_hashes(self, call: Call) -> dict:
         """One tier's prefix-cache keys (what a KV-event subscriber holds for that tier's
-        ``medium``), sorted; the device tier unless ``tier`` says "host"."""
+        ``medium``), sorted; the device tier unless ``tier`` says "host", or a level of the
+        pool's node tier ("node_host", "node_disk": its index, landing slots included)."""
         args = call.args
         entry, pool = self.reg.ready_pool(args.get("pool"))
         limit = get_int(args, "limit", 1, MAX_HASHES, default=MAX_HASHES)
-        tier = check_tier(args, pool)
-        cached = pool.host.blocks.cached if tier == "host" else pool.blocks.cached  # type: ignore[union-attr]
+        tier = check_tier(args, pool, node=True)
+        if tier in NODE_LEVELS:
+            cached = pool.node.tier.levels[NODE_LEVELS[tier]].blocks.cached  # type: ignore[union-attr]
+        else:
+            cached = pool.host.blocks.cached if tier == "host" else pool.blocks.cached  # type: ignore[union-attr]
         return {"pool": entry.name, "epoch": entry.epoch, "tier": tier, "total": len(cached),
                 "hashes": sorted(cached)[:limit], "event_batches": self.counters.event_batches}

@@ -27,6 +27,7 @@ from kvpool.manager.metrics import ManagerMetrics
 from kvpool.manager.registry import Registry
 from kvpool.manager.stats import ServerStats
 from kvpool.manager.store.base import EventSink, NullSink
+from kvpool.shared.node_tier import NODE_TOPIC
 from kvpool.shared.notify import Notifier
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,11 @@ class LoopHooks:
 
     def _block_size(self, name: str) -> int:
         """From the shards' spec: a pool that just lost a shard has no Pool, but its events go out.
-        A dropped pool's last batch is only AllBlocksCleared, which has no block size."""
+        A dropped pool's last batch is only AllBlocksCleared, which has no block size. A node
+        tier's topic: its tier's."""
+        if name.startswith(NODE_TOPIC):
+            tier = self.reg.node.tiers.get(name[len(NODE_TOPIC):]) if self.reg.node is not None else None
+            return tier.block_size if tier is not None else 0
         entry = self.reg.pools.get(name)
         return entry.spec.block_size if entry is not None else 0
 

@@ -172,7 +172,8 @@ class Registry(NodeMutations, RegistryState):
         """Registers one shard (idempotent for the same incarnation); see the module docstring.
         Who may (ownership, ``replace``) is checked before, in manager/guards.py."""
         rec = ShardRegistered(sess.sid, name, rank, count, incarnation, spec, available, self.max_blocks,
-                              self.max_pools, serve, host_kv_bytes, host_kv_policy, node_model)
+                              self.max_pools, serve, host_kv_bytes, host_kv_policy, node_model,
+                              self.node_settings(node_model))
         return self._apply(rec, Registry._register, 0.0)
 
     def _register(self, rec: ShardRegistered, now: float) -> PoolEntry:
@@ -231,8 +232,7 @@ class Registry(NodeMutations, RegistryState):
     def _step(self, rec: StepRan, now: float) -> list[dict]:
         sess, entry = self.sessions[rec.sid], self.pools[rec.pool]
         ops = rec.decoded if rec.decoded is not None else decode_ops(rec.ops)  # a replay decodes here
-        results = encode_results(run_step(entry.pool, sess.sid, ops, allow_alloc=not self.draining,  # type: ignore[arg-type]
-                                          batch=rec.msg_id))
+        results = encode_results(run_step(entry.pool, sess.sid, ops, allow_alloc=not self.draining))  # type: ignore[arg-type]
         sess.remember_step(rec.msg_id, results)
         if rec.ops:  # journaled only then (IF_CHANGED: one result per sub-op)
             self.dirty.add(entry.name)

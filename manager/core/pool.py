@@ -65,6 +65,8 @@ class PoolStats:
     freed: int = 0
     forks: int = 0
     cow_copies: int = 0
+    node_host_hit_tokens: int = 0  # prompt tokens taken from the node tier's host level
+    node_disk_hit_tokens: int = 0  # and from its disk level
 
 
 NODE_LEVELS = {"node_host": "host", "node_disk": "disk"}  # admin tier names -> the node tier's levels
@@ -103,7 +105,7 @@ class Pool:
     def set_node(self, tier: NodeTier) -> None:
         """Puts the node tier of the pool's layout behind the device (and host) blocks."""
         if self.blocks.enable_caching:
-            self.node = NodeLink(tier, self.block_size)
+            self.node = NodeLink(tier, self.block_size, self.stats)
             self.blocks.on_reuse = self._demote
 
     def set_host(self, host: HostTier) -> None:
@@ -386,12 +388,16 @@ class Pool:
         ``share`` of the pool's blocks in pins (nothing changed)."""
         if key in self.requests:
             raise PoolError("duplicate_request", "pin {req} exists", key)
-        hits = self.blocks.lookup(hashes)
-        if self.pinned_blocks() + len(hits) > int(share * (self.blocks.num_blocks - 1)):
+        if not self.pin_fits(hashes, share):
             return None
+        hits = self.blocks.lookup(hashes)
         self.blocks.touch(hits)
         self.requests[key] = RequestBlocks(hits, len(hits) * self.block_size, list(hashes[:len(hits)]), len(hits))
         return len(hits)
+
+    def pin_fits(self, hashes: Sequence[bytes], share: float) -> bool:
+        """Whether ``pin`` of ``hashes`` stays within ``share`` (no side effects)."""
+        return self.pinned_blocks() + len(self.blocks.lookup(hashes)) <= int(share * (self.blocks.num_blocks - 1))
 
     def pinned_blocks(self) -> int:
         return sum(len(r.blocks) for k, r in self.requests.items() if type(k) is tuple and k[0] == PIN_OWNER)

@@ -28,21 +28,35 @@ step) and into one of two lists, which the step puts in the sub-op's result
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from kvpool.manager.core.node_tier import Hit, NodeTier
 from kvpool.shared.node_orders import Load, Order, Save
 
 
+class HitCounts(Protocol):
+    """Where a link counts the prompt tokens its pool took from each level (the pool's
+    ``PoolStats``: a snapshot keeps them)."""
+
+    node_host_hit_tokens: int
+    node_disk_hit_tokens: int
+
+
 class NodeLink:
-    def __init__(self, tier: NodeTier, block_size: int) -> None:
+    def __init__(self, tier: NodeTier, block_size: int, stats: HitCounts) -> None:
         self.tier = tier
         self.block_size = block_size
+        self.stats = stats  # the pool's (its node-tier hit counts travel in its snapshot)
         self.owner: object = None  # this step's batch (manager/core/step.py sets it)
         self.pre: list[Order] = []  # this sub-op's orders before the forward pass
         self.post: list[Order] = []  # and after it
         self.posted: dict[int, list[Order]] = {}  # device block -> its post save (+ write-down), this step
         self.priority = 0  # the admitting request's (vLLM's meaning: lower is more important)
-        self.hit_tokens = {"host": 0, "disk": 0}  # prompt tokens this pool took from each level
+
+    @property
+    def hit_tokens(self) -> dict[str, int]:
+        """Prompt tokens this pool took from each level."""
+        return {"host": self.stats.node_host_hit_tokens, "disk": self.stats.node_disk_hit_tokens}
 
     def plan(self, hashes: Sequence[bytes]) -> list[Hit]:
         """The run of ``hashes`` the tier can bring up in this step (no side effects)."""
@@ -67,7 +81,10 @@ class NodeLink:
         self.pre += orders
         landed = {o.key: o.dst for o in orders if type(o) is Load and o.frm == "disk"}
         for hit in hits:
-            self.hit_tokens[hit.level] += self.block_size
+            if hit.level == "host":
+                self.stats.node_host_hit_tokens += self.block_size
+            else:
+                self.stats.node_disk_hit_tokens += self.block_size
         return [hit if hit.level == "host" else Hit("host", landed[hit.key], hit.key) for hit in hits]
 
     def load(self, hits: list[Hit], device_blocks: Sequence[int]) -> None:

@@ -12,8 +12,11 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Protocol, Self
 
+from kvpool.manager.core.node_tier import NodeTier
 from kvpool.manager.state.entries import PoolEntry, Session
 from kvpool.manager.state.mutations import Mutation
+from kvpool.manager.state.pins import Pins
+from kvpool.shared.node_tier import NodeTierInfo
 
 
 class StateView(Protocol):
@@ -43,6 +46,15 @@ class StateView(Protocol):
     @property
     def pools(self) -> Mapping[str, PoolEntry]: ...
 
+    @property
+    def pins(self) -> Pins:
+        """The retention pins (manager/state/pins.py)."""
+        ...
+
+    def node_tier_list(self) -> list[tuple[NodeTierInfo, NodeTier]]:
+        """Each layout's node tier and where it lives (empty: none)."""
+        ...
+
     def total_requests(self) -> int: ...
 
     def apply(self, rec: Mutation, now: float) -> object:
@@ -54,8 +66,9 @@ class StateView(Protocol):
         ...
 
     def restore(self, sessions: list[Session], pools: list[PoolEntry], state_id: str, next_num: int,
-                draining: bool) -> None:
-        """Fills the empty state from a decoded snapshot."""
+                draining: bool, node_tiers: list[tuple[NodeTierInfo, NodeTier]], pins: Pins) -> None:
+        """Fills the empty state from a decoded snapshot; the pools whose shards name a layout
+        are put back in front of its node tier."""
         ...
 
     def take_log(self) -> list[Mutation]:
