@@ -64,7 +64,7 @@ class LoopHooks:
             except zmq.ZMQError as e:
                 raise RuntimeError(f"cannot bind the KV events sockets {cfg.events_endpoint} / "
                                    f"{cfg.events_replay_endpoint}: {e}; change events_endpoint") from None
-            publisher = self.events = LoopPublisher(pub, self._block_size)
+            publisher = self.events = LoopPublisher(pub, self.block_size)
             logger.info("KV events on %s (replay: %s) in the %s format", cfg.events_endpoint,
                         cfg.events_replay_endpoint or "off", cfg.events_format)
             if self.events.replay_socket is not None:
@@ -81,7 +81,7 @@ class LoopHooks:
             logger.info("metrics on http://%s:%d/metrics", cfg.metrics_host, self.metrics.port)
         return publisher
 
-    def _block_size(self, name: str) -> int:
+    def block_size(self, name: str) -> int:
         """From the shards' spec: a pool that just lost a shard has no Pool, but its events go out.
         A dropped pool's last batch is only AllBlocksCleared, which has no block size. A node
         tier's topic: its tier's."""
