@@ -191,3 +191,21 @@ def test_a_client_that_reuses_step_ids_gets_a_batch_per_step(srv):
     (usage,) = ok(call(srv, "stats", sid))["manager"]["node_tiers"].values()
     assert usage["batches"] == 2 and usage["host"]["cached_blocks"] == 6
     assert ok(call(srv, "check", hello(srv, role="admin")))
+
+
+def test_a_reset_refused_for_pins_says_so_and_how_to_unpin(srv):
+    sid, _ = join(srv, "a")
+    admin = hello(srv, role="admin")
+    hashes = hash_blocks(list(range(9)), 4)
+    step(srv, sid, "a", [{"op": "alloc", "req": 1, "hashes": hashes, "prompt_len": 9, "max_new": 9}])
+    step(srv, sid, "a", [{"op": "free", "req": 1}], msg_id=8)
+    pin = ok(call(srv, "pin", admin, pool="a", hashes=hashes, ttl_s=60.0))
+    refused = call(srv, "reset_cache", admin, pool="a")
+    assert refused["status"] == "in_use" and "drain" not in refused["msg"]
+    assert f"held by retention pins [{pin['pin_id']}]" in refused["msg"] and "kvpool unpin" in refused["msg"]
+    step(srv, sid, "a", [{"op": "alloc", "req": 2, "hashes": [], "prompt_len": 3, "max_new": 3}], msg_id=9)
+    refused = call(srv, "reset_cache", admin, pool="a")
+    assert "held by retention pins" in refused["msg"] and "the rest by requests: drain it first" in refused["msg"]
+    step(srv, sid, "a", [{"op": "free", "req": 2}], msg_id=10)
+    ok(call(srv, "unpin", admin, pin_id=pin["pin_id"]))
+    assert ok(call(srv, "reset_cache", admin, pool="a"))["reset"]
