@@ -152,7 +152,10 @@ class Registry(NodeMutations, RegistryState):
         """The entry's Pool is gone: subscribers drop its hashes now, not when it re-forms."""
         if entry.pool is not None and entry.pool.blocks.events_enabled:
             self.orphan_events.append((entry.name, entry.epoch, [*entry.pool.take_events(), AllBlocksCleared()]))
+        layout = entry.node_layout if entry.pool is not None else None
         entry.lose_pool(next_epoch)
+        if layout is not None:
+            self.relink(layout)
 
     def expire(self, now: float) -> list[tuple[Session, int]]:
         """Ends every session silent past the timeout; returns (session, requests freed)."""
@@ -218,6 +221,7 @@ class Registry(NodeMutations, RegistryState):
             layout = entry.node_layout
             if layout is not None and self.node is not None:
                 entry.pool.set_node(self.node.tiers[layout])  # type: ignore[union-attr]
+                self.relink(layout)
             self.dirty.add(entry.name)
 
     # -- pool mutations (each one journaled: replaying the records rebuilds the same state) -----

@@ -52,6 +52,14 @@ class NodeMutations(Base):
                               NodeTierSettings.from_wire(rec.node_tier))
         return layout if info is not None else None
 
+    def relink(self, layout: str) -> None:
+        """``layout``'s tier counts the formed pools in front of it (``NodeTier.links``, which
+        decides whether they save eagerly): exact as pools form and go, as a recovery counts."""
+        tier = self.node.tiers.get(layout) if self.node is not None else None
+        if tier is not None:
+            tier.links = sum(1 for e in self.pools.values()
+                             if e.pool is not None and e.pool.node is not None and e.node_layout == layout)
+
     def node_info(self, entry: PoolEntry) -> NodeTierInfo | None:
         """Where the node tier of ``entry``'s pool lives (register's reply), its files set up
         first (manager/node_tiers.py ``ensure_files``)."""

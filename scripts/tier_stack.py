@@ -69,12 +69,16 @@ def engine(model: str, pool: str, device_blocks: int, max_model_len: int, host_b
 
 
 def serve_stack(model: str, prompts: list[list[int]], device: int, host: int, node_host: int, disk: int,
-                max_tokens: int, run_waves) -> dict:
-    """One row of the stack table: the trace served by one worker with the given levels."""
+                max_tokens: int, run_waves, policy: str = "write_through", eager: bool = False) -> dict:
+    """One row of the stack table: the trace served by one worker with the given levels
+    (``policy``: the node tier's, host -> disk; ``eager``: every computed block saved to the node
+    tier after its forward, as when another pool shares the tier)."""
     max_model_len = 1 << (max(len(p) for p in prompts) + max_tokens - 1).bit_length()
     with stores() as where:
-        tier = node_tier(model, node_host, disk, where, max_model_len) if node_host else None
+        tier = node_tier(model, node_host, disk, where, max_model_len, policy) if node_host else None
         e = engine(model, "bench", device, max_model_len, host, tier)
+        if tier is not None and eager:
+            tier[0].links = 2  # as a second pool of the layout would make it
         params = SamplingParams(max_tokens=max_tokens)
         e.generate([prompts[0][:BLOCK + 1]], params)  # warm-up: nothing of the trace cached
         pool = e.bm.core
@@ -115,12 +119,16 @@ def stack_trace(prefixes: int, prefix_blocks: int, rounds: int, vocab: int, seed
     return out
 
 
-def stack_configs(device: int, set_blocks: int) -> dict[str, tuple[int, int, int]]:
-    """(private host, node host, disk) blocks of each row: each level alone holds a share of the
-    set (the private host as much as the device, the node host half the set), the disk all of it."""
+def stack_configs(device: int, set_blocks: int) -> dict[str, tuple[int, int, int, str, bool]]:
+    """(private host, node host, disk blocks, node policy, eager saves) of each row: each level
+    alone holds a share of the set (the private host as much as the device, the node host half
+    the set), the disk all of it. The last row is the full stack saving every computed block to
+    the node tier at once (what a shared tier does): the policy a single pool no longer runs."""
     host, node_host = device, set_blocks // 2
-    return {"device only": (0, 0, 0), "+ private host": (host, 0, 0), "+ node host": (host, node_host, 0),
-            "+ disk": (host, node_host, 2 * set_blocks)}
+    return {"device only": (0, 0, 0, "demote", False), "+ private host": (host, 0, 0, "demote", False),
+            "+ node host": (host, node_host, 0, "demote", False),
+            "+ disk": (host, node_host, 2 * set_blocks, "write_through", False),
+            "+ disk, eager": (host, node_host, 2 * set_blocks, "demote", True)}
 
 
 def first_token_s(e, prompt: list[int]) -> float:

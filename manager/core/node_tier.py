@@ -96,6 +96,10 @@ class NodeTier(NodeTierAdmin):
         self.expired: set[bytes] = set()  # hashes whose pin expired, not used since
         self.removals: deque[Removal] = deque(maxlen=MAX_REMOVALS)
         self.next_batch = 1  # the number of the next batch (batch_key)
+        # pools in front of the tier (Pool.set_node counts them; the manager's registry keeps the
+        # count exact as pools form and go): with more than one, every block a pool computes is
+        # saved after the forward that fills it (``eager``), so the others find it at once
+        self.links = 0
         self._cleared: dict[str, list[list[bytes]]] = {n: [] for n in self.levels}
         self._restated = False
 
@@ -165,10 +169,12 @@ class NodeTier(NodeTierAdmin):
 
     # -- saves -----------------------------------------------------------------------------
 
-    def save(self, owner: object, device_block: int, h: bytes, parent: bytes | None, priority: int = 0) -> list[Order]:
-        """Orders saving the pool's ``device_block`` (holding ``h``) to host memory: nothing when
-        the tier holds ``h`` in host memory already or every host slot is referenced; a victim's
-        write-down first (demote), the block's own write-down after (write_through)."""
+    def save(self, owner: object, device_block: int, h: bytes, parent: bytes | None, priority: int = 0,
+             source: str = "device") -> list[Order]:
+        """Orders saving the pool's ``device_block`` (holding ``h``; with ``source="private"``
+        its private host tier's block) to host memory: nothing when the tier holds ``h`` in
+        host memory already or every host slot is referenced; a victim's write-down first
+        (demote), the block's own write-down after (write_through)."""
         host, out = self.host, []
         held = host.blocks.cached.get(h)
         if held is not None:
@@ -179,7 +185,7 @@ class NodeTier(NodeTierAdmin):
         batch = self._batch(owner)
         dst = self._place(batch, host, h, parent, priority, out)
         if dst is not None:
-            out.append(Save("host", device_block, dst, h))
+            out.append(Save("host", device_block, dst, h, source))
             if self.policy == "write_through":
                 self._write_down(batch, dst, h, priority, out)
         batch.orders += out
@@ -219,6 +225,14 @@ class NodeTier(NodeTierAdmin):
         return b
 
     # -- batches ---------------------------------------------------------------------------
+
+    @property
+    def eager(self) -> bool:
+        """Whether pools save each block they compute right after its forward pass: only while
+        the tier is shared. A pool alone moves its blocks down as its own tiers hand them out
+        (manager/core/pool_node.py): on one pool an eager copy mostly duplicates what the device
+        and the private host tier hold (README, *The node tier*, measured)."""
+        return self.links > 1
 
     def batch_key(self, owner: object) -> tuple[object, int]:
         """The key of a new batch of ``owner`` (a session, a pool): ``(owner, number)``, the

@@ -106,7 +106,10 @@ class Pool:
         """Puts the node tier of the pool's layout behind the device (and host) blocks."""
         if self.blocks.enable_caching:
             self.node = NodeLink(tier, self.block_size, self.stats)
+            tier.links += 1
             self.blocks.on_reuse = self._demote
+            if self.host is not None:
+                self.host.blocks.on_reuse = self.node.demote_private
 
     def set_host(self, host: HostTier) -> None:
         """Puts ``host`` behind the device blocks: cached blocks reused from now on are demoted
@@ -114,6 +117,8 @@ class Pool:
         self.host = host
         host.blocks.set_events(self.blocks.events_enabled)
         self.blocks.on_reuse = self._demote
+        if self.node is not None:
+            host.blocks.on_reuse = self.node.demote_private
 
     def _demote(self, block: int, h: bytes) -> None:
         host, node = self.host, self.node
@@ -123,11 +128,11 @@ class Pool:
             if node is not None and node.posted:
                 node.withdraw(block)
             return
-        if host is not None:
+        if host is not None:  # and what the host tier hands out moves on to the node tier
             copy = host.demote(block, h, None)
             if copy is not None:
                 self.saves.append(copy)
-        if node is not None:
+        elif node is not None:
             node.demote(block, h)
 
     def take_copies(self) -> tuple[list[Copy], list[Copy], list[Copy]]:
@@ -266,7 +271,7 @@ class Pool:
             if self.host is not None and self.host.policy == "write_through":
                 self._write_through(req, nh, n_full, hashes[nh - 1] if nh else None)
             loaded = k + len(node_hits)  # the blocks after the loaded ones are computed by this step
-            if node is not None and n_full > loaded:
+            if node is not None and n_full > loaded and node.tier.eager:
                 node.write(new[loaded - nh: n_full - nh], hashes[loaded:n_full], hashes[loaded - 1] if loaded else None)
         return num_cached, blocks
 
@@ -468,7 +473,7 @@ class Pool:
                 self.fresh.update(req.blocks[start:n_full])
                 if self.host is not None and self.host.policy == "write_through":
                     self._write_through(req, start, n_full, parent)
-                if self.node is not None:
+                if self.node is not None and self.node.tier.eager:
                     self.node.priority = req.priority
                     self.node.write(req.blocks[start:n_full], req.hashes[start:n_full], parent)
             req.num_cached = n_full

@@ -16,12 +16,17 @@ step) and into one of two lists, which the step puts in the sub-op's result
     refused for space. Every hit is held before the device blocks are taken, since reusing a
     device block may save into the tier.
   * a cached device block handed out again (``demote``, ``pre``): saved to host memory unless
-    the tier holds its hash, before the step overwrites it. A block hashed in this same step
+    the tier holds its hash, before the step overwrites it. A pool with a private host tier
+    saves it there instead (manager/core/host_tier.py), and the node tier takes what *that*
+    tier hands out again (``demote_private``: a ``Save`` with ``source="private"``), so the
+    levels hold different blocks: device, then private host, then the node's host memory, then
+    disk. A block hashed in this same step
     (computed by this step's forward pass) is never saved before it: if it had a save ordered
     after the forward (``write``), that save is withdrawn, since the block now receives other
     tokens.
-  * blocks that become full in this step (``write``, ``post``): saved after the forward pass
-    that computes them, so another pool of the layout finds them at once. The worker saves only
+  * blocks that become full in this step (``write``, ``post``), only while more than one pool
+    shares the tier (``NodeTier.eager``): saved after the forward pass that computes them, so
+    another pool of the layout finds them at once. The worker saves only
     a block its forward pass did fill, and reports the others failed (worker/node_copier.py).
 """
 
@@ -92,6 +97,11 @@ class NodeLink:
 
     def demote(self, device_block: int, h: bytes) -> None:
         self.pre += self.tier.save(self.owner, device_block, h, None, self.priority)
+
+    def demote_private(self, host_block: int, h: bytes) -> None:
+        """The pool's private host tier hands ``host_block`` (holding ``h``) out again: saved
+        down to the node's host memory first (the worker reads it before that tier's saves)."""
+        self.pre += self.tier.save(self.owner, host_block, h, None, self.priority, "private")
 
     def withdraw(self, device_block: int) -> None:
         """``device_block``, hashed in this step, is handed out again within it: the save

@@ -175,6 +175,7 @@ def test_the_files_a_recovered_index_names_are_kept_and_the_rest_dropped(ns, tmp
 def test_snapshot_and_restore_carry_pins_with_their_holdings(ns, tmp_path):
     srv = server(ns[0], tmp_path)
     sid = join(srv, "a")
+    join(srv, "b")  # the layout shared: a's computed blocks are saved at once
     admin = ok(call(srv, "hello", role="admin"))["sid"]
     res = alloc(srv, sid, "a", 1, PREFIXES[0] + [1])
     ok(call(srv, "node_done", sid, pool="a", reports=[{"batch": res["node"]["batch"]}]))

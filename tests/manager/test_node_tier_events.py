@@ -50,6 +50,9 @@ def srv(tmp_path):
                              node_tier_disk_size=64 * 1024, node_tier_policy="write_through"), publisher=sink)
     sink.block_size = s.hooks.block_size
     s.sink = sink
+    sid = hello(s)  # an idle second pool of the layout: the tier is shared, so blocks are saved as computed
+    ok(call(s, "register", sid, pool="z", shard_rank=0, shard_count=1, incarnation="z", spec=SPEC,
+            available_kv_bytes=kv_bytes(16), node_model=MODEL))
     return s
 
 

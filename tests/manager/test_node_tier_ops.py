@@ -20,8 +20,10 @@ MODEL = "preset:test:seed=0"
 
 @pytest.fixture
 def srv(tmp_path):
-    return make_server(node_tier_memory=64 * 1024, node_tier_dir=str(tmp_path), node_tier_disk=str(tmp_path / "d"),
-                       node_tier_disk_size=128 * 1024)
+    s = make_server(node_tier_memory=64 * 1024, node_tier_dir=str(tmp_path), node_tier_disk=str(tmp_path / "d"),
+                    node_tier_disk_size=128 * 1024)
+    join(s, "z")  # an idle second pool of the layout: the tier is shared, so blocks are saved as computed
+    return s
 
 
 def join(srv, pool: str, blocks: int = 16) -> tuple[str, dict]:
