@@ -197,7 +197,8 @@ def stack(args: argparse.Namespace) -> None:
     tier_stack.serve_stack(model, prompts[:4], device, 0, 0, 0, 4, run_waves)  # first forwards: not timed
     runs: dict[str, list[dict]] = {k: [] for k in plan}
     for _ in range(args.repeats):
-        for k, (host, node_host, disk, policy, eager) in plan.items():
+        for k, (host, node_host, disk) in plan.items():
+            policy, eager = tier_stack.STACK_POLICIES.get(k, ("demote", False))
             runs[k].append(tier_stack.serve_stack(model, prompts, device, host, node_host, disk, 4, run_waves,
                                                   policy, eager))
     want = runs["device only"][0]["outputs"]
@@ -206,7 +207,7 @@ def stack(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps({"stack": median, "identical": identical}, indent=2))
         return
-    h, nh, d, _, _ = plan["+ disk"]
+    h, nh, d = plan["+ disk"]
     tier_stack.report_stack(f"the stack, model {model}: {prefixes} prefixes x {prefix_blocks} blocks ({set_blocks} "
                             f"blocks, {set_blocks / device:.1f}x the device pool of {device}) in {rounds} rounds of "
                             f"random order; private host {h}, node host {nh}, disk {d} blocks (write-through; the "

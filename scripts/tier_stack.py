@@ -119,16 +119,19 @@ def stack_trace(prefixes: int, prefix_blocks: int, rounds: int, vocab: int, seed
     return out
 
 
-def stack_configs(device: int, set_blocks: int) -> dict[str, tuple[int, int, int, str, bool]]:
-    """(private host, node host, disk blocks, node policy, eager saves) of each row: each level
-    alone holds a share of the set (the private host as much as the device, the node host half
-    the set), the disk all of it. The last row is the full stack saving every computed block to
-    the node tier at once (what a shared tier does): the policy a single pool no longer runs."""
+def stack_configs(device: int, set_blocks: int) -> dict[str, tuple[int, int, int]]:
+    """(private host, node host, disk) blocks of each row: each level alone holds a share of the
+    set (the private host as much as the device, the node host half the set), the disk all of it.
+    The last row is the full stack again, run as a shared tier runs (``STACK_POLICIES``)."""
     host, node_host = device, set_blocks // 2
-    return {"device only": (0, 0, 0, "demote", False), "+ private host": (host, 0, 0, "demote", False),
-            "+ node host": (host, node_host, 0, "demote", False),
-            "+ disk": (host, node_host, 2 * set_blocks, "write_through", False),
-            "+ disk, eager": (host, node_host, 2 * set_blocks, "demote", True)}
+    return {"device only": (0, 0, 0), "+ private host": (host, 0, 0), "+ node host": (host, node_host, 0),
+            "+ disk": (host, node_host, 2 * set_blocks), "+ disk, eager": (host, node_host, 2 * set_blocks)}
+
+
+# each row's (node policy, eager saves): one pool moves blocks down its levels, write-through to
+# disk; the eager row saves every computed block to the node tier at once, as a tier shared by two
+# pools does (demote to disk, the policy that ran before)
+STACK_POLICIES = {"+ disk": ("write_through", False), "+ disk, eager": ("demote", True)}
 
 
 def first_token_s(e, prompt: list[int]) -> float:
