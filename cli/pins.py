@@ -1,5 +1,5 @@
 """Retention pins: `kvpool pin` keeps a prompt's prefix from eviction in a pool and its node tier
-for a while, `kvpool pins` lists the pins, `kvpool unpin` ends one (manager/pins.py)."""
+for a while, `kvpool pins` lists the pins, `kvpool unpin` ends one (manager/state/pins.py)."""
 
 from __future__ import annotations
 

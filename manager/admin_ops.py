@@ -6,7 +6,7 @@ argument checks and the pool summary both halves use.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from typing import TYPE_CHECKING
 
 from kvpool.manager.core.block_pool import InvariantBroken
@@ -15,6 +15,7 @@ from kvpool.manager.core.pool import NODE_LEVELS, Pool
 from kvpool.manager.health import pool_health
 from kvpool.manager.ops import Call, op
 from kvpool.manager.state.entries import PoolEntry
+from kvpool.manager.state.pins import Pin
 from kvpool.manager.stats import ServerStats
 from kvpool.shared.protocol import MAX_HASHES, POOL_NAME, ManagerError, bad_field, get_int, get_str
 from kvpool.shared.summaries import PoolSummary
@@ -52,6 +53,23 @@ def node_summary(layout: str | None, tier: NodeTier) -> dict:
     """The node tier a pool shares (``pools``): its layout, and per level cached / slots."""
     return {"node_layout": layout, **{f"node_{name}": [len(lv.blocks.cached), lv.num_blocks - 1]
                                       for name, lv in tier.levels.items()}}
+
+
+def reset_refusal(name: str, pool: Pool, tier: str, pins: Iterable[Pin]) -> str:
+    """Why ``reset_cache`` of ``tier`` was refused, and what to do about it."""
+    if tier == "host":
+        return f"pool {name!r}: host blocks are pinned by a step; retry"
+    if tier in NODE_LEVELS:
+        return (f"pool {name!r}: {tier} slots are held by node-tier batches a worker has not reported yet; "
+                "retry once they are (kvpool stats: batches)")
+    pinned = pool.pinned_blocks()
+    used = pool.blocks.num_used
+    if not pinned:
+        return f"pool {name!r} has {used} blocks in use; drain it first (kvpool drain), then reset"
+    ids = sorted(p.pin_id for p in pins if p.pool == name)
+    why = f"pool {name!r}: {pinned} of its {used} blocks in use are held by retention pins {ids} (kvpool pins " \
+          f"lists them; end each with kvpool unpin ID, or wait for its TTL)"
+    return why + ("; the rest by requests: drain it first (kvpool drain)" if used > pinned else "") + ", then reset"
 
 
 def flag(args: dict, key: str) -> bool:
@@ -127,10 +145,7 @@ class AdminOps:
         entry, pool = self.reg.ready_pool(args.get("pool"))
         tier = check_tier(args, pool, node=True)
         if not self.reg.reset_cache(entry, tier):
-            if tier != "device":
-                raise ManagerError("in_use", f"pool {entry.name!r}: {tier} blocks are pinned by a step; retry")
-            raise ManagerError("in_use", f"pool {entry.name!r} has {pool.blocks.num_used} blocks in use; "
-                               "drain it first (kvpool drain), then reset")
+            raise ManagerError("in_use", reset_refusal(entry.name, pool, tier, self.reg.pins.pins.values()))
         return {"reset": True}
 
     @op(admin=True)
@@ -177,11 +192,15 @@ class AdminOps:
     @op(admin=True)
     def cached_hashes(self, call: Call) -> dict:
         """One tier's prefix-cache keys (what a KV-event subscriber holds for that tier's
-        ``medium``), sorted; the device tier unless ``tier`` says "host"."""
+        ``medium``), sorted; the device tier unless ``tier`` says "host", or a level of the
+        pool's node tier ("node_host", "node_disk": its index, landing slots included)."""
         args = call.args
         entry, pool = self.reg.ready_pool(args.get("pool"))
         limit = get_int(args, "limit", 1, MAX_HASHES, default=MAX_HASHES)
-        tier = check_tier(args, pool)
-        cached = pool.host.blocks.cached if tier == "host" else pool.blocks.cached  # type: ignore[union-attr]
+        tier = check_tier(args, pool, node=True)
+        if tier in NODE_LEVELS:
+            cached = pool.node.tier.levels[NODE_LEVELS[tier]].blocks.cached  # type: ignore[union-attr]
+        else:
+            cached = pool.host.blocks.cached if tier == "host" else pool.blocks.cached  # type: ignore[union-attr]
         return {"pool": entry.name, "epoch": entry.epoch, "tier": tier, "total": len(cached),
                 "hashes": sorted(cached)[:limit], "event_batches": self.counters.event_batches}

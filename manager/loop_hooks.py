@@ -27,6 +27,7 @@ from kvpool.manager.metrics import ManagerMetrics
 from kvpool.manager.registry import Registry
 from kvpool.manager.stats import ServerStats
 from kvpool.manager.store.base import EventSink, NullSink
+from kvpool.shared.node_tier import NODE_TOPIC
 from kvpool.shared.notify import Notifier
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class LoopHooks:
             except zmq.ZMQError as e:
                 raise RuntimeError(f"cannot bind the KV events sockets {cfg.events_endpoint} / "
                                    f"{cfg.events_replay_endpoint}: {e}; change events_endpoint") from None
-            publisher = self.events = LoopPublisher(pub, self._block_size)
+            publisher = self.events = LoopPublisher(pub, self.block_size)
             logger.info("KV events on %s (replay: %s) in the %s format", cfg.events_endpoint,
                         cfg.events_replay_endpoint or "off", cfg.events_format)
             if self.events.replay_socket is not None:
@@ -80,9 +81,13 @@ class LoopHooks:
             logger.info("metrics on http://%s:%d/metrics", cfg.metrics_host, self.metrics.port)
         return publisher
 
-    def _block_size(self, name: str) -> int:
+    def block_size(self, name: str) -> int:
         """From the shards' spec: a pool that just lost a shard has no Pool, but its events go out.
-        A dropped pool's last batch is only AllBlocksCleared, which has no block size."""
+        A dropped pool's last batch is only AllBlocksCleared, which has no block size. A node
+        tier's topic: its tier's."""
+        if name.startswith(NODE_TOPIC):
+            tier = self.reg.node.tiers.get(name[len(NODE_TOPIC):]) if self.reg.node is not None else None
+            return tier.block_size if tier is not None else 0
         entry = self.reg.pools.get(name)
         return entry.spec.block_size if entry is not None else 0
 

@@ -54,7 +54,7 @@ class NodeOps:
 
     @op(admin=True)
     def pin(self, call: Call) -> dict:
-        """Keeps a prefix's blocks from eviction for ``ttl_s`` seconds (manager/pins.py)."""
+        """Keeps a prefix's blocks from eviction for ``ttl_s`` seconds (manager/state/pins.py)."""
         args = call.args
         entry, _ = self.reg.ready_pool(args.get("pool"))
         hashes = get_hashes(args)

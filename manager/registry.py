@@ -155,7 +155,10 @@ class Registry(NodeMutations, RegistryState):
         """The entry's Pool is gone: subscribers drop its hashes now, not when it re-forms."""
         if entry.pool is not None and entry.pool.blocks.events_enabled:
             self.orphan_events.append((entry.name, entry.epoch, [*entry.pool.take_events(), AllBlocksCleared()]))
+        layout = entry.node_layout if entry.pool is not None else None
         entry.lose_pool(next_epoch)
+        if layout is not None:
+            self.relink(layout)
 
     def expire(self, now: float) -> list[tuple[Session, int]]:
         """Ends every session silent past the timeout; returns (session, requests freed)."""
@@ -175,7 +178,8 @@ class Registry(NodeMutations, RegistryState):
         """Registers one shard (idempotent for the same incarnation); see the module docstring.
         Who may (ownership, ``replace``) is checked before, in manager/guards.py."""
         rec = ShardRegistered(sess.sid, name, rank, count, incarnation, spec, available, self.max_blocks,
-                              self.max_pools, serve, host_kv_bytes, host_kv_policy, node_model)
+                              self.max_pools, serve, host_kv_bytes, host_kv_policy, node_model,
+                              self.node_settings(node_model))
         return self._apply(rec, Registry._register, 0.0)
 
     def _register(self, rec: ShardRegistered, now: float) -> PoolEntry:
@@ -220,6 +224,7 @@ class Registry(NodeMutations, RegistryState):
             layout = entry.node_layout
             if layout is not None and self.node is not None:
                 entry.pool.set_node(self.node.tiers[layout])  # type: ignore[union-attr]
+                self.relink(layout)
             self.dirty.add(entry.name)
 
     # -- pool mutations (each one journaled: replaying the records rebuilds the same state) -----
@@ -234,8 +239,7 @@ class Registry(NodeMutations, RegistryState):
     def _step(self, rec: StepRan, now: float) -> list[dict]:
         sess, entry = self.sessions[rec.sid], self.pools[rec.pool]
         ops = rec.decoded if rec.decoded is not None else decode_ops(rec.ops)  # a replay decodes here
-        results = encode_results(run_step(entry.pool, sess.sid, ops, allow_alloc=not self.draining,  # type: ignore[arg-type]
-                                          batch=rec.msg_id))
+        results = encode_results(run_step(entry.pool, sess.sid, ops, allow_alloc=not self.draining))  # type: ignore[arg-type]
         sess.remember_step(rec.msg_id, results)
         if rec.ops:  # journaled only then (IF_CHANGED: one result per sub-op)
             self.dirty.add(entry.name)

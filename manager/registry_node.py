@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.core.pool import PIN_OWNER
 from kvpool.manager.core.retention import PinRefused
-from kvpool.manager.pins import DEFAULT_SHARE, Pin
+from kvpool.manager.node_tiers import NodeTiers, NodeTierSettings
 from kvpool.manager.state.entries import GLOBAL, PoolEntry, Session
 from kvpool.manager.state.mutations import NodeFinished, PinAdded, PinRemoved, ShardRegistered
+from kvpool.manager.state.pins import DEFAULT_SHARE, Pin
 from kvpool.shared.node_orders import order_from_wire
 from kvpool.shared.node_tier import NodeTierInfo, layout_id
 from kvpool.shared.protocol import ManagerError
@@ -30,19 +32,42 @@ class NodeMutations(Base):
 
     # -- the node tier ----------------------------------------------------------------------
 
+    def node_settings(self, node_model: str | None) -> list | None:
+        """The node-tier settings a registration offering ``node_model`` joins under (journaled
+        with it: manager/node_tiers.py ``NodeTierSettings``); None: it joins none."""
+        if node_model is None or self.node is None or self.node.settings is None:
+            return None
+        return self.node.settings.to_wire()
+
     def _node_layout(self, rec: ShardRegistered) -> str | None:
         """The layout of the node tier a single-shard pool's worker offered to map, created on
-        first use (None: no node tier, or none for it)."""
-        if self.node is None or rec.node_model is None or rec.count != 1:
+        first use under the settings journaled with the registration (None: no node tier, or
+        none for it)."""
+        if rec.node_tier is None or rec.node_model is None or rec.count != 1:
             return None
+        if self.node is None:  # a replay on a manager that runs none: the live one did
+            self.node = NodeTiers(None, self.kv_events)
         layout = layout_id(rec.spec, rec.node_model, rec.rank, rec.count).hex()
-        info = self.node.join(layout, rec.spec.block_size, rec.spec.block_bytes)
+        info = self.node.join(layout, rec.spec.block_size, rec.spec.block_bytes,
+                              NodeTierSettings.from_wire(rec.node_tier))
         return layout if info is not None else None
 
+    def relink(self, layout: str) -> None:
+        """``layout``'s tier counts the formed pools in front of it (``NodeTier.links``, which
+        decides whether they save eagerly): exact as pools form and go, as a recovery counts."""
+        tier = self.node.tiers.get(layout) if self.node is not None else None
+        if tier is not None:
+            tier.links = sum(1 for e in self.pools.values()
+                             if e.pool is not None and e.pool.node is not None and e.node_layout == layout)
+
     def node_info(self, entry: PoolEntry) -> NodeTierInfo | None:
-        """Where the node tier of ``entry``'s pool lives (register's reply)."""
+        """Where the node tier of ``entry``'s pool lives (register's reply), its files set up
+        first (manager/node_tiers.py ``ensure_files``)."""
         layout = entry.node_layout
-        return self.node.info.get(layout) if self.node is not None and layout is not None else None
+        if self.node is None or layout is None:
+            return None
+        self.node.ensure_files(layout)
+        return self.node.info.get(layout)
 
     def node_finish(self, sess: Session, entry: PoolEntry, batch: int, failed: list) -> bool:
         """A worker ran its step ``batch``'s node-tier orders; ``failed`` (wire maps, checked by
@@ -58,35 +83,38 @@ class NodeMutations(Base):
         self.dirty.add(rec.pool)
         return True
 
-    # -- retention pins (manager/pins.py) ------------------------------------------------------
+    # -- retention pins (manager/state/pins.py) ------------------------------------------------------
 
     def pin(self, entry: PoolEntry, hashes: list[bytes], ttl_s: float, now: float) -> Pin:
         """A retention pin of ``hashes`` in ``entry``'s pool and node tier (``now``: wall-clock
         seconds); ManagerError ``pin_refused`` (nothing changed) past a tier's pinned share."""
-        return self._apply(PinAdded(entry.name, hashes, ttl_s, now), type(self)._pin, 0.0)
+        settings = self.node.settings if self.node is not None else None
+        share = settings.pin_share if settings is not None else DEFAULT_SHARE
+        return self._apply(PinAdded(entry.name, hashes, ttl_s, now, share), type(self)._pin, 0.0)
 
     def _pin(self, rec: PinAdded, now: float) -> Pin:
         entry = self.pools[rec.pool]
         pool = entry.pool
         if pool is None:
             raise ManagerError("pool_not_ready", f"pool {rec.pool!r} is not ready")
-        pin_id = self.pins.next_id
+        pin_id, share = self.pins.next_id, rec.share
+        # every refusal is decided before anything changes: a refused pin is not journaled, so
+        # it must leave no trace (not even a pin id taken in the tier) a replay would lack
+        if not pool.pin_fits(rec.hashes, share):
+            limit = int(share * (pool.blocks.num_blocks - 1))
+            raise ManagerError("pin_refused", f"pin refused: its {len(pool.blocks.lookup(rec.hashes))} cached device "
+                               f"blocks join the {pool.pinned_blocks()} pinned in pool {rec.pool!r}, which keeps at "
+                               f"most {limit} pinned ({share:.0%} of {pool.blocks.num_blocks - 1} blocks): unpin some "
+                               "or pin a shorter prefix")
         node_pin = None
         if pool.node is not None:
             got = pool.node.tier.pin(rec.hashes, rec.ttl_s, rec.now)
             if isinstance(got, PinRefused):
                 raise ManagerError("pin_refused", f"node tier: {got.message}")
             node_pin = got
-        share = self.node.settings.pin_share if self.node is not None else DEFAULT_SHARE
         held = pool.pin((PIN_OWNER, pin_id), rec.hashes, share)
-        if held is None:
-            if node_pin is not None:
-                pool.node.tier.unpin(node_pin)  # type: ignore[union-attr]
-            limit = int(share * (pool.blocks.num_blocks - 1))
-            raise ManagerError("pin_refused", f"pin refused: its {len(pool.blocks.lookup(rec.hashes))} cached device "
-                               f"blocks join the {pool.pinned_blocks()} pinned in pool {rec.pool!r}, which keeps at "
-                               f"most {limit} pinned ({share:.0%} of {pool.blocks.num_blocks - 1} blocks): unpin some "
-                               "or pin a shorter prefix")
+        if held is None:  # pin_fits said it fits
+            raise InvariantBroken(f"pin {pin_id}: refused by the pool after it fit")
         pin = self.pins.pins[self.pins.take_id()] = Pin(pin_id, rec.pool, tuple(rec.hashes), rec.now + rec.ttl_s,
                                                         node_pin, entry.node_layout, held)
         self.dirty.add(rec.pool)

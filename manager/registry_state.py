@@ -15,12 +15,15 @@ from contextlib import contextmanager
 from typing import Self
 
 from kvpool.manager.core.kv_events import AllBlocksCleared, KVEvent
+from kvpool.manager.core.node_tier import NodeTier
 from kvpool.manager.core.pool import Pool
+from kvpool.manager.core.snapshot import CorruptState
 from kvpool.manager.node_tiers import NodeTiers
-from kvpool.manager.pins import Pins
 from kvpool.manager.state.attachment import Attachment
 from kvpool.manager.state.entries import PoolEntry, Session, check_pools
 from kvpool.manager.state.mutations import Mutation
+from kvpool.manager.state.pins import Pins, check_pins
+from kvpool.shared.node_tier import NodeTierInfo, node_topic
 from kvpool.shared.protocol import ManagerError, bad_field, short_repr
 
 UNLIMITED = 1 << 62
@@ -40,7 +43,7 @@ class RegistryState:
     ) -> None:
         self.incarnation = incarnation
         self.node = node_tiers  # the node tier of each KV layout (manager/node_tiers.py); None: off
-        self.pins = Pins()  # retention pins (manager/pins.py)
+        self.pins = Pins()  # retention pins (manager/state/pins.py)
         # Whether new pools queue KV events: False when nothing can ever receive them (the manager
         # publishes to no socket), which saves a third of a prefill step's CPU. What a subscriber
         # sees is unchanged: there is none. A pool recovered from a store queues them regardless.
@@ -96,12 +99,24 @@ class RegistryState:
         self.orphan_events = []
         return events
 
+    def take_node_events(self) -> list[tuple[str, list[KVEvent]]]:
+        """Each node tier's KV events queued this iteration, (topic, events); its removals
+        drained too (the levels' stats count them)."""
+        out = []
+        for info, tier in self.node_tier_list():
+            tier.take_removals()
+            events = tier.take_events()
+            if events:
+                out.append((node_topic(info.layout), events))
+        return out
+
     def discard_uncommitted(self) -> None:
         """A commit failed: nothing of this iteration is kept for a commit or published (the
         state itself is no longer trusted; the recovery reloads it)."""
         for entry in self.pools.values():
             if entry.pool is not None:
                 entry.pool.take_events()
+        self.take_node_events()
         self.log, self.dirty = [], set()
 
     def rename(self, state_id: str) -> None:
@@ -109,16 +124,37 @@ class RegistryState:
         self.state_id = state_id
 
     def start_over(self, state_id: str) -> None:
-        """An empty state under a new id, instead of one that went back in time (the store)."""
+        """An empty state under a new id, instead of one that went back in time (the store):
+        no pool, so no node-tier index and no pin either (their files are dropped as a new
+        tier's are)."""
         self.sessions, self.pools, self.draining, self.attachments = {}, {}, False, {}
+        self.pins = Pins()
+        if self.node is not None:
+            self.node.clear()
         self.state_id = state_id
 
     def restore(self, sessions: list[Session], pools: list[PoolEntry], state_id: str, next_num: int,
-                draining: bool, attachments: list[Attachment] = ()) -> None:
-        """Fills this empty registry with a decoded state (manager/store/state_file.py)."""
+                draining: bool, node_tiers: list[tuple[NodeTierInfo, NodeTier]] | None = None,
+                pins: Pins | None = None, attachments: list[Attachment] = ()) -> None:
+        """Fills this empty registry with a decoded state (manager/store/state_file.py); each
+        pool whose shard names a layout is put back in front of that layout's node tier."""
+        if node_tiers:
+            if self.node is None:  # this manager runs none: the recovered ones serve their pools on
+                self.node = NodeTiers(None, self.kv_events)
+            for info, tier in node_tiers:
+                self.node.adopt_tier(info, tier)
+        for e in pools:
+            layout = e.node_layout
+            if e.pool is None or layout is None:
+                continue
+            tier = self.node.tiers.get(layout) if self.node is not None else None
+            if tier is None:
+                raise CorruptState(f"pool {e.name!r}: its node tier (layout {layout}) is not in the snapshot")
+            e.pool.set_node(tier)
         self.sessions = {s.sid: s for s in sessions}
         self.pools = {e.name: e for e in pools}
         self.attachments = {a.name: a for a in attachments}
+        self.pins = pins if pins is not None else Pins()
         self.state_id, self.next_num, self.draining = state_id, next_num, bool(draining)
 
     @contextmanager
@@ -152,6 +188,11 @@ class RegistryState:
         self.attachments = other.attachments
         self.next_num, self.state_id, self.durable = other.next_num, other.state_id, other.durable
         self.node, self.pins = other.node, other.pins  # the tiers the adopted pools use, their pins
+        if self.node is not None:
+            self.node.set_events(self.kv_events)
+            self.node.ensure_files()  # the files of the adopted index (node_tiers.py): before anything is served
+            for _, tier in self.node.pairs():
+                tier.restate_events()
         self.seq = other.seq
         self.log, self.dirty = other.log, set()
         self.orphan_events = [(name, epoch, [AllBlocksCleared()]) for name, epoch in vanished]
@@ -198,6 +239,9 @@ class RegistryState:
                     counts[key[0]] = counts.get(key[0], 0) + 1  # type: ignore[index]
         return counts
 
+    def node_tier_list(self) -> list[tuple[NodeTierInfo, NodeTier]]:
+        return self.node.pairs() if self.node is not None else []
+
     def total_requests(self) -> int:
         return sum(len(e.pool.requests) for e in self.pools.values() if e.pool is not None)
 
@@ -207,3 +251,4 @@ class RegistryState:
         check_pools(self.pools.values(), self.sessions)
         if self.node is not None:
             self.node.check_invariants()
+        check_pins(self.pins, self.pools, self.node.tiers if self.node is not None else {})

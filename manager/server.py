@@ -101,7 +101,7 @@ class Server:
         settings = cfg.node_tier_settings()
         return Registry(incarnation, session_timeout_s=cfg.session_timeout_s, max_sessions=cfg.max_sessions,
                         max_pools=cfg.max_pools, max_blocks=cfg.max_blocks, kv_events=self._kv_events,
-                        node_tiers=NodeTiers(settings) if settings is not None else None)
+                        node_tiers=NodeTiers(settings, self._kv_events) if settings is not None else None)
 
     @property
     def incarnation(self) -> str:
@@ -324,6 +324,7 @@ class Server:
             events = entry.pool.take_events() if entry.pool is not None else []
             if events:
                 batches.append((name, entry.epoch, events))
+        batches += [(topic, 0, events) for topic, events in reg.take_node_events()]
         for name, epoch, events in batches:
             self.publisher.publish(name, epoch, events)
             self.stats.event_batches += 1

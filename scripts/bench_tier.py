@@ -168,6 +168,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each configuration (median tokens/CPU-s)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over the prefixes in the stack's trace (the first "
+                    "is all misses, so it bounds what any tier can save)")
     ap.add_argument("--only", default="policies,stack,share",
                     help="comma-separated parts: policies (the host tier's), stack, share (the node tier's)")
     args = ap.parse_args()
@@ -187,7 +189,7 @@ def main() -> None:
 
 def stack(args: argparse.Namespace) -> None:
     model = "tiny" if args.quick else "small"
-    prefixes, prefix_blocks, rounds = (9, 6, 3) if args.quick else (8, 12, 3)
+    prefixes, prefix_blocks, rounds = (9, 6, args.rounds) if args.quick else (8, 12, args.rounds)
     set_blocks = prefixes * prefix_blocks
     device = max(set_blocks // 3, 2 * (prefix_blocks + 2))
     prompts = tier_stack.stack_trace(prefixes, prefix_blocks, rounds, PRESETS[model].vocab_size)
@@ -196,7 +198,9 @@ def stack(args: argparse.Namespace) -> None:
     runs: dict[str, list[dict]] = {k: [] for k in plan}
     for _ in range(args.repeats):
         for k, (host, node_host, disk) in plan.items():
-            runs[k].append(tier_stack.serve_stack(model, prompts, device, host, node_host, disk, 4, run_waves))
+            policy, eager = tier_stack.STACK_POLICIES.get(k, ("demote", False))
+            runs[k].append(tier_stack.serve_stack(model, prompts, device, host, node_host, disk, 4, run_waves,
+                                                  policy, eager))
     want = runs["device only"][0]["outputs"]
     identical = {k: all(r.pop("outputs") == want for r in rs) for k, rs in runs.items()}
     median = {k: sorted(rs, key=lambda r: r["tokens_per_cpu_s"])[len(rs) // 2] for k, rs in runs.items()}
@@ -206,7 +210,8 @@ def stack(args: argparse.Namespace) -> None:
     h, nh, d = plan["+ disk"]
     tier_stack.report_stack(f"the stack, model {model}: {prefixes} prefixes x {prefix_blocks} blocks ({set_blocks} "
                             f"blocks, {set_blocks / device:.1f}x the device pool of {device}) in {rounds} rounds of "
-                            f"random order; private host {h}, node host {nh}, disk {d} blocks; hit rate by level "
+                            f"random order; private host {h}, node host {nh}, disk {d} blocks (write-through; the "
+                            f"eager row: demote, every computed block saved at once); hit rate by level "
                             f"(dev, host: the private tier; n-host, n-disk: the node tier's); load average "
                             f"{os.getloadavg()[0]:.1f}", median, identical)
 

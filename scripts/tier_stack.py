@@ -69,12 +69,16 @@ def engine(model: str, pool: str, device_blocks: int, max_model_len: int, host_b
 
 
 def serve_stack(model: str, prompts: list[list[int]], device: int, host: int, node_host: int, disk: int,
-                max_tokens: int, run_waves) -> dict:
-    """One row of the stack table: the trace served by one worker with the given levels."""
+                max_tokens: int, run_waves, policy: str = "write_through", eager: bool = False) -> dict:
+    """One row of the stack table: the trace served by one worker with the given levels
+    (``policy``: the node tier's, host -> disk; ``eager``: every computed block saved to the node
+    tier after its forward, as when another pool shares the tier)."""
     max_model_len = 1 << (max(len(p) for p in prompts) + max_tokens - 1).bit_length()
     with stores() as where:
-        tier = node_tier(model, node_host, disk, where, max_model_len) if node_host else None
+        tier = node_tier(model, node_host, disk, where, max_model_len, policy) if node_host else None
         e = engine(model, "bench", device, max_model_len, host, tier)
+        if tier is not None and eager:
+            tier[0].links = 2  # as a second pool of the layout would make it
         params = SamplingParams(max_tokens=max_tokens)
         e.generate([prompts[0][:BLOCK + 1]], params)  # warm-up: nothing of the trace cached
         pool = e.bm.core
@@ -117,10 +121,17 @@ def stack_trace(prefixes: int, prefix_blocks: int, rounds: int, vocab: int, seed
 
 def stack_configs(device: int, set_blocks: int) -> dict[str, tuple[int, int, int]]:
     """(private host, node host, disk) blocks of each row: each level alone holds a share of the
-    set (the private host as much as the device, the node host half the set), the disk all of it."""
+    set (the private host as much as the device, the node host half the set), the disk all of it.
+    The last row is the full stack again, run as a shared tier runs (``STACK_POLICIES``)."""
     host, node_host = device, set_blocks // 2
     return {"device only": (0, 0, 0), "+ private host": (host, 0, 0), "+ node host": (host, node_host, 0),
-            "+ disk": (host, node_host, 2 * set_blocks)}
+            "+ disk": (host, node_host, 2 * set_blocks), "+ disk, eager": (host, node_host, 2 * set_blocks)}
+
+
+# each row's (node policy, eager saves): one pool moves blocks down its levels, write-through to
+# disk; the eager row saves every computed block to the node tier at once, as a tier shared by two
+# pools does (demote to disk, the policy that ran before)
+STACK_POLICIES = {"+ disk": ("write_through", False), "+ disk, eager": ("demote", True)}
 
 
 def first_token_s(e, prompt: list[int]) -> float:

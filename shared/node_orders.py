@@ -7,7 +7,9 @@ the writer records it beside the bytes and their checksum, and the reader compar
 a block is used, so an order that reaches a recycled or torn slot is a verify failure, never
 wrong K/V served.
 
-  * ``Save(to="host")``: the pool's device block ``src`` -> node host slot ``dst``;
+  * ``Save(to="host")``: the pool's device block ``src`` -> node host slot ``dst``; with
+    ``source="private"``, block ``src`` of the pool's *private* host tier instead (a block that
+    tier is handing out again moves down: manager/core/pool_node.py);
   * ``Save(to="disk")``: node host slot ``src`` -> disk slot ``dst`` (a write-down; the worker
     reads the host slot verified, like any load, so a torn host block is never written down
     as whole: it reports the write-down failed);
@@ -16,7 +18,8 @@ wrong K/V served.
     is loaded to the device by a later step, once it landed in host memory).
 
 On the wire each is a map ``{op, level, src, dst, key}`` (``op`` "save" or "load"; ``level`` the
-destination of a save, the source of a load); ``order_from_wire`` validates one.
+destination of a save, the source of a load; a save from the private host tier adds
+``source: "private"``); ``order_from_wire`` validates one.
 """
 
 from __future__ import annotations
@@ -30,17 +33,25 @@ LEVELS = ("host", "disk")  # the node tier's levels, fastest first
 MAX_SLOT = (1 << 40) - 1
 
 
+SOURCES = ("device", "private")  # where a save to the host level reads: the pool's device blocks, its private host tier
+
+
 @dataclass(frozen=True, slots=True)
 class Save:
-    """A copy down: device -> host (``to="host"``) or host -> disk (``to="disk"``)."""
+    """A copy down: device (or the private host tier) -> host (``to="host"``), or host -> disk
+    (``to="disk"``)."""
 
     to: str
     src: int
     dst: int
     key: bytes
+    source: str = "device"  # of a save to "host": "device", or "private" (the pool's private host tier)
 
     def to_wire(self) -> dict:
-        return {"op": "save", "level": self.to, "src": self.src, "dst": self.dst, "key": self.key}
+        out = {"op": "save", "level": self.to, "src": self.src, "dst": self.dst, "key": self.key}
+        if self.source != "device":
+            out["source"] = self.source
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +85,12 @@ def order_from_wire(m: object) -> Order:
             raise bad_field(f"order.{field}", f"an int in [1, {MAX_SLOT}]", v)
     if type(key) is not bytes or len(key) != HASH_BYTES:
         raise bad_field("order.key", f"a {HASH_BYTES}-byte bin", key)
-    cls = Save if op == "save" else Load
-    return cls(level, m["src"], m["dst"], key)
+    source = m.get("source", "device")
+    if source not in SOURCES or (source != "device" and (op, level) != ("save", "host")):
+        raise bad_field("order.source", f"one of {SOURCES}, and not 'device' only on a save to 'host'", source)
+    if op == "save":
+        return Save(level, m["src"], m["dst"], key, source)
+    return Load(level, m["src"], m["dst"], key)
 
 
 MAX_ORDERS = 1 << 16  # orders of one sub-op's result, or failed orders of one report

@@ -58,6 +58,14 @@ def disk_slots(block_bytes: int, budget_bytes: int) -> int:
     return budget_bytes // (HEADER_BYTES + block_bytes) + 1
 
 
+NODE_TOPIC = "node/"  # KV-event topics of the node tiers: never a pool name (those have no "/")
+
+
+def node_topic(layout: str) -> str:
+    """The KV-event topic of ``layout``'s node tier (PROTOCOL.md section 9)."""
+    return NODE_TOPIC + layout
+
+
 def host_file(directory: str, layout: str) -> str:
     """The shared-memory file of ``layout``'s host level."""
     return f"{directory.rstrip('/')}/kvpool-node-{layout}.host"

@@ -11,7 +11,6 @@ longer holds this worker's requests: the engine then re-registers and recomputes
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import uuid
 from collections.abc import Iterator, Sequence
@@ -79,7 +78,6 @@ class LocalBlockManager:
         self.node_tier = node_tier
         self.node_tier_capable = node_tier is not None
         self._pool: Pool | None = None
-        self._batches = itertools.count(1)
 
     def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0,
                  host_kv_policy: str = "demote", node_model: str | None = None) -> dict:
@@ -104,7 +102,7 @@ class LocalBlockManager:
     def step(self, ops: list[SubOp]) -> list[Result]:
         if self._pool is None:
             raise ManagerReset(f"pool {self.pool!r} is not registered (manager restarted)")
-        return run_step(self._pool, self.pool, ops, allow_alloc=not self.draining, batch=next(self._batches))
+        return run_step(self._pool, self.pool, ops, allow_alloc=not self.draining)
 
     def send_step(self, ops: list[SubOp], node_done: Sequence[NodeReport] = ()) -> object:
         """In process the answer is ready at once (the caller's overlap then costs nothing)."""

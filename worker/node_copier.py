@@ -5,12 +5,15 @@ The manager hands the orders out (manager/core/pool_node.py) and keeps the bookk
 bytes live in the stores every worker of the layout maps (worker/node_store.py). A step's orders
 come in two lists (shared/node_orders.py ``NodeOrders``), run in the order given:
 
-  * ``pre``, before the forward pass: saves of device blocks being reused (device -> host),
+  * ``pre``, before the forward pass: saves of the private host tier's blocks it is handing out
+    again (private host -> node host), saves of device blocks being reused (device -> host),
     write-downs (host -> disk: the host slot is read verified first), prefetches (disk -> host,
     verified) and loads (host -> device, verified). Device blocks are read before any is
     written: every save's block is gathered first (a save never reads a block a load of the
     same step writes: the manager saves a block before it is handed out again, and never saves
-    a block handed out in the same step), and the loads are scattered last.
+    a block handed out in the same step), and the loads are scattered last: after the host
+    tier's own saves, which read device blocks too and overwrite private host blocks these
+    orders read first (worker/runner.py, ``land_loads``).
   * ``post``, after it: saves of the blocks the forward pass filled. A save of a block the
     forward did not fill (its sequence left the batch: finished, aborted, preempted) is not run
     and reported failed, so no other tokens are ever stored under its hash.
@@ -72,6 +75,7 @@ class NodeCopier:
             if self.disk.num_slots != info.disk_slots:
                 raise NodeStoreError(f"disk level: {self.disk.num_slots} slots here, {info.disk_slots} at the manager")
         self.stats = NodeCopyStats()
+        self._staged: tuple[torch.Tensor | None, list[tuple[int, int]]] = (None, [])  # loads not yet landed
 
     def close(self) -> None:
         self.host.close()
@@ -81,14 +85,18 @@ class NodeCopier:
         self.stats.recomputed_tokens += num_tokens
 
     @torch.inference_mode()
-    def run(self, orders: list[Order], covered: set[int] | None = None) -> tuple[list[Order], set[int]]:
+    def run(self, orders: list[Order], covered: set[int] | None = None, private: list[torch.Tensor] | None = None,
+            defer_loads: bool = False) -> tuple[list[Order], set[int]]:
         """Runs ``orders``; returns those that failed and the device blocks a failed load left
-        unwritten. ``covered`` (post orders): the device blocks the forward pass filled."""
+        unwritten. ``covered`` (post orders): the device blocks the forward pass filled.
+        ``private``: the private host tier's tensors, which saves of ``source="private"`` read.
+        ``defer_loads``: the loads' device writes wait for ``land_loads`` (the host tier's saves
+        read those device blocks in between)."""
         if not orders:
             return [], set()
         start = time.perf_counter()
         saves = [o for o in orders if type(o) is Save and o.to == "host"]
-        gathered = dict(zip((o.src for o in saves), self._gather([o.src for o in saves]))) if saves else {}
+        gathered = self._gather_saves(saves, private)
         loads = {id(o): row for row, o in enumerate(o for o in orders if type(o) is Load and o.frm == "host")}
         staging = torch.empty((len(loads), *self.layout.block_shape), dtype=self.layout.dtype)
         failed: list[Order] = []
@@ -105,19 +113,43 @@ class NodeCopier:
                 if type(o) is Load and o.frm == "disk":
                     bad_slots.add(o.dst)
                 logger.info("node tier: %s failed (%s: %s)", o, f.reason, f.detail)
-        self._scatter(staging, landed)
+        self._staged = (staging, landed)
+        if not defer_loads:
+            self.land_loads()
         self.stats.wall_s += time.perf_counter() - start
         unwritten = {o.dst for o in failed if type(o) is Load and o.frm == "host"}
         return failed, unwritten
 
-    def _one(self, o: Order, gathered: dict[int, torch.Tensor], staging: torch.Tensor, loads: dict[int, int],
+    def land_loads(self) -> None:
+        """The device writes of the last ``run``'s loads that verified."""
+        staging, landed = self._staged
+        self._staged = (None, [])
+        if landed:
+            start = time.perf_counter()
+            self._scatter(staging, landed)  # type: ignore[arg-type]
+            self.stats.wall_s += time.perf_counter() - start
+
+    def _gather_saves(self, saves: list[Save], private: list[torch.Tensor] | None) -> dict[tuple[str, int], torch.Tensor]:
+        """The blocks ``saves`` read, by (source, block): device blocks, and the private host
+        tier's blocks for saves of ``source="private"``."""
+        out: dict[tuple[str, int], torch.Tensor] = {}
+        for source, caches in (("device", self.device_caches), ("private", private)):
+            blocks = [o.src for o in saves if o.source == source]
+            if not blocks:
+                continue
+            if caches is None:
+                raise NodeStoreError("the manager ordered a save from the private host tier but this worker has none")
+            out.update(zip(((source, b) for b in blocks), self._gather(blocks, caches)))
+        return out
+
+    def _one(self, o: Order, gathered: dict[tuple[str, int], torch.Tensor], staging: torch.Tensor, loads: dict[int, int],
              bad_slots: set[int], fresh: dict[int, tuple[bytes, torch.Tensor]], covered: set[int] | None,
              landed: list[tuple[int, int]]) -> Failure | None:
         if type(o) is Save:
             if o.to == "host":
                 if covered is not None and o.src not in covered:
                     return Failure("not_computed", f"device block {o.src} was not filled by this step")
-                f = self.host.write(o.dst, o.key, gathered[o.src])
+                f = self.host.write(o.dst, o.key, gathered[(o.source, o.src)])
             else:
                 block = self.layout.empty_block()
                 f = self._read_host(o.src, o.key, block, bad_slots) or self._disk().write(o.dst, o.key, block)
@@ -151,11 +183,12 @@ class NodeCopier:
             raise NodeStoreError("the manager ordered a disk copy but this layout's node tier has no disk level")
         return self.disk
 
-    def _gather(self, blocks: list[int]) -> list[torch.Tensor]:
-        """Device blocks as contiguous CPU blocks [layers, 2, block_size, heads, head_size]."""
-        idx = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+    def _gather(self, blocks: list[int], caches: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Blocks of ``caches`` (the device's, or the private host tier's) as contiguous CPU
+        blocks [layers, 2, block_size, heads, head_size]."""
+        idx = torch.tensor(blocks, dtype=torch.int64, device=caches[0].device)
         # per layer [2, n, ...] -> [n, layers, 2, ...]
-        out = torch.stack([c.index_select(1, idx) for c in self.device_caches]).permute(2, 0, 1, 3, 4, 5)
+        out = torch.stack([c.index_select(1, idx) for c in caches]).permute(2, 0, 1, 3, 4, 5)
         out = out.to("cpu").contiguous()
         return list(out.unbind(0))
 

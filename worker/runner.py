@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.kernels import AttentionMetadata, copy_blocks, paged_attention, reshape_and_cache
-from kvpool.shared.node_orders import NodeReport
+from kvpool.shared.node_orders import NodeReport, Save
 from kvpool.worker.host_kv import HostCopier, HostCopyStats
 from kvpool.worker.kv_cache import allocate_kv_caches
 from kvpool.worker.model import LlamaForCausalLM
@@ -107,16 +107,22 @@ class ModelRunner:
         ``sample`` (a tensor-parallel follower only writes its KV slice and joins the all-reduces)."""
         if plan.node_batch is not None and self.node is None:
             raise RuntimeError("the manager ordered node-tier copies but this worker has no node tier mapped")
+        pre, failed, unwritten = plan.node_pre, [], set()
+        if pre:  # in order; its loads into device blocks land below, after the host tier's saves
+            # read them. It reads device blocks (and private host blocks) first: before any
+            # device write of the step, and before the host tier's saves overwrite host blocks
+            # it moves down (worker/node_copier.py)
+            if self.host is not None and any(type(o) is Save and o.source == "private" for o in pre):
+                self.host.settle()  # the private host blocks' last writes have landed
+            private = self.host.host_caches if self.host is not None else None
+            failed, unwritten = self.node.run(pre, private=private, defer_loads=True)  # type: ignore[union-attr]
         if self.host is not None:  # every step: the last step's saves and writes land (HostCopier.settle)
-            # before anything overwrites or reads their blocks; the node tier's device reads come
-            # before any device write of the step (its loads and these: worker/node_copier.py)
-            self.host.run(plan.saves, [] if plan.node_pre else plan.loads)
+            # before anything overwrites or reads their blocks
+            self.host.run(plan.saves, [] if pre else plan.loads)
         elif plan.saves or plan.loads or plan.writes:
             raise RuntimeError("the manager ordered host-tier copies but this worker has no host KV tensors")
-        failed: list = []
-        unwritten: set[int] = set()
-        if plan.node_pre:
-            failed, unwritten = self.node.run(plan.node_pre)  # type: ignore[union-attr]
+        if pre:
+            self.node.land_loads()  # type: ignore[union-attr]
             if self.host is not None and plan.loads:
                 self.host.run([], plan.loads)
         if unwritten:  # never served: the forward pass computes them instead

@@ -6,12 +6,15 @@ path; it reads the tier's levels, batches and pins and records removals through 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, replace
 
 from kvpool.manager.core.block_pool import InvariantBroken
 from kvpool.manager.core.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
 from kvpool.manager.core.node_level import NodeLevel
 from kvpool.manager.core.retention import PinTable
+
+MAX_REMOVALS = 4096  # removals kept for take_removals (a caller that never takes them holds no more)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +36,9 @@ class NodeTierAdmin:
     pins: PinTable
     batches: dict
     expired: set[bytes]
-    removals: list[Removal]
+    removals: deque[Removal]
     _cleared: dict[str, list[list[bytes]]]
+    _restated: bool
 
     def _removed(self, lv: NodeLevel, h: bytes, reason: str) -> None:
         if reason == "evicted" and h in self.expired:
@@ -44,8 +48,15 @@ class NodeTierAdmin:
         lv.stats.removed[reason] += 1
         self.removals.append(Removal(lv.name, h, reason))
 
+    def set_events(self, enabled: bool) -> None:
+        """Whether the levels queue KV events (a tier recovered from a store is loaded with them on)."""
+        for lv in self.levels.values():
+            lv.blocks.set_events(enabled)
+
     def take_removals(self) -> list[Removal]:
-        out, self.removals = self.removals, []
+        """The removals since the last call (the last ``MAX_REMOVALS``: the stats count them all)."""
+        out = list(self.removals)
+        self.removals.clear()
         return out
 
     def evict(self, level: str, n: int) -> int:
@@ -78,10 +89,22 @@ class NodeTierAdmin:
             raise ValueError(f"the node tier has no {level!r} level (levels: {sorted(self.levels)})")
         return lv
 
+    def restate_events(self) -> None:
+        """Replaces the queued events with what a subscriber needs to match the tier whatever it
+        saw before (a recovered state): one AllBlocksCleared, then every hash of each level."""
+        if not self.host.blocks.events_enabled:
+            return
+        self._restated = True
+        for name, lv in self.levels.items():
+            self._cleared[name] = [[]]  # the level's own clear names no hash: the tier's one clears all
+            lv.blocks.restate_events()
+
     def take_events(self) -> list[KVEvent]:
         """Each level's KV events with its medium ("CPU", "DISK"); a level's reset is the
-        removal of its hashes (vLLM's AllBlocksCleared names no medium)."""
-        out: list[KVEvent] = []
+        removal of its hashes (vLLM's AllBlocksCleared names no medium, so it would clear the
+        other level too); a restatement starts with one AllBlocksCleared."""
+        out: list[KVEvent] = [AllBlocksCleared()] if self._restated else []
+        self._restated = False
         for name, lv in self.levels.items():
             for ev in lv.blocks.take_events():
                 if isinstance(ev, AllBlocksCleared):

@@ -41,11 +41,12 @@ expired_pin (its pin expired and it was evicted before being used again), failed
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpool.manager.core.block_pool import InvariantBroken
-from kvpool.manager.core.node_admin import NodeTierAdmin, Removal
+from kvpool.manager.core.node_admin import MAX_REMOVALS, NodeTierAdmin, Removal
 from kvpool.manager.core.node_level import NodeLevel
 from kvpool.manager.core.retention import PinInfo, PinRefused, PinTable
 from kvpool.shared.node_orders import Load, Order, Save
@@ -66,7 +67,9 @@ class Hit:
 
 
 @dataclass
-class _Batch:
+class TierBatch:
+    """The orders of one batch and the slots it references until it is finished."""
+
     refs: dict[tuple[str, int], int] = field(default_factory=dict)  # (level, slot) -> references until finish
     orders: list[Order] = field(default_factory=list)
 
@@ -89,10 +92,16 @@ class NodeTier(NodeTierAdmin):
         self.disk = NodeLevel("disk", "DISK", disk_blocks, block_bytes, enable_events) if disk_blocks >= 2 else None
         self.levels = {lv.name: lv for lv in (self.host, self.disk) if lv is not None}
         self.pins = PinTable({n: lv.num_blocks - 1 for n, lv in self.levels.items()}, pin_share)
-        self.batches: dict[object, _Batch] = {}
+        self.batches: dict[object, TierBatch] = {}
         self.expired: set[bytes] = set()  # hashes whose pin expired, not used since
-        self.removals: list[Removal] = []
+        self.removals: deque[Removal] = deque(maxlen=MAX_REMOVALS)
+        self.next_batch = 1  # the number of the next batch (batch_key)
+        # pools in front of the tier (Pool.set_node counts them; the manager's registry keeps the
+        # count exact as pools form and go): with more than one, every block a pool computes is
+        # saved after the forward that fills it (``eager``), so the others find it at once
+        self.links = 0
         self._cleared: dict[str, list[list[bytes]]] = {n: [] for n in self.levels}
+        self._restated = False
 
     # -- lookups and loads -----------------------------------------------------------------
 
@@ -160,10 +169,12 @@ class NodeTier(NodeTierAdmin):
 
     # -- saves -----------------------------------------------------------------------------
 
-    def save(self, owner: object, device_block: int, h: bytes, parent: bytes | None, priority: int = 0) -> list[Order]:
-        """Orders saving the pool's ``device_block`` (holding ``h``) to host memory: nothing when
-        the tier holds ``h`` in host memory already or every host slot is referenced; a victim's
-        write-down first (demote), the block's own write-down after (write_through)."""
+    def save(self, owner: object, device_block: int, h: bytes, parent: bytes | None, priority: int = 0,
+             source: str = "device") -> list[Order]:
+        """Orders saving the pool's ``device_block`` (holding ``h``; with ``source="private"``
+        its private host tier's block) to host memory: nothing when the tier holds ``h`` in
+        host memory already or every host slot is referenced; a victim's write-down first
+        (demote), the block's own write-down after (write_through)."""
         host, out = self.host, []
         held = host.blocks.cached.get(h)
         if held is not None:
@@ -174,13 +185,13 @@ class NodeTier(NodeTierAdmin):
         batch = self._batch(owner)
         dst = self._place(batch, host, h, parent, priority, out)
         if dst is not None:
-            out.append(Save("host", device_block, dst, h))
+            out.append(Save("host", device_block, dst, h, source))
             if self.policy == "write_through":
                 self._write_down(batch, dst, h, priority, out)
         batch.orders += out
         return out
 
-    def _write_down(self, batch: _Batch, slot: int, h: bytes, priority: int, out: list[Order]) -> None:
+    def _write_down(self, batch: TierBatch, slot: int, h: bytes, priority: int, out: list[Order]) -> None:
         """host ``slot`` (referenced by ``batch``) -> a disk slot, unless the disk holds ``h``."""
         disk = self.disk
         if disk is None:
@@ -192,7 +203,7 @@ class NodeTier(NodeTierAdmin):
         if q is not None:
             out.append(Save("disk", slot, q, h))
 
-    def _place(self, batch: _Batch, lv: NodeLevel, h: bytes, parent: bytes | None, priority: int,
+    def _place(self, batch: TierBatch, lv: NodeLevel, h: bytes, parent: bytes | None, priority: int,
                out: list[Order]) -> int | None:
         """A slot of ``lv`` for ``h``, landing and referenced by ``batch``; the write-down of
         the hash it held, when the policy keeps that, goes into ``out`` first."""
@@ -215,10 +226,25 @@ class NodeTier(NodeTierAdmin):
 
     # -- batches ---------------------------------------------------------------------------
 
-    def _batch(self, owner: object) -> _Batch:
+    @property
+    def eager(self) -> bool:
+        """Whether pools save each block they compute right after its forward pass: only while
+        the tier is shared. A pool alone moves its blocks down as its own tiers hand them out
+        (manager/core/pool_node.py): on one pool an eager copy mostly duplicates what the device
+        and the private host tier hold (README, *The node tier*, measured)."""
+        return self.links > 1
+
+    def batch_key(self, owner: object) -> tuple[object, int]:
+        """The key of a new batch of ``owner`` (a session, a pool): ``(owner, number)``, the
+        number the tier's own, so no two batches of one tier share one whatever a client
+        numbers its steps (a client that reuses step ids never merges two batches)."""
+        n, self.next_batch = self.next_batch, self.next_batch + 1
+        return owner, n
+
+    def _batch(self, owner: object) -> TierBatch:
         batch = self.batches.get(owner)
         if batch is None:
-            batch = self.batches[owner] = _Batch()
+            batch = self.batches[owner] = TierBatch()
         return batch
 
     def finish(self, owner: object, failed: Sequence[Order] = ()) -> None:
@@ -285,7 +311,7 @@ class NodeTier(NodeTierAdmin):
         if lv.blocks.block_hash[b] == key:
             self._removed(lv, lv.drop(b), "failed")
 
-    def _release(self, batch: _Batch) -> None:
+    def _release(self, batch: TierBatch) -> None:
         for (name, b), n in batch.refs.items():
             lv = self.levels[name]
             if lv.landing.get(b) is batch:

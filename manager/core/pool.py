@@ -65,6 +65,8 @@ class PoolStats:
     freed: int = 0
     forks: int = 0
     cow_copies: int = 0
+    node_host_hit_tokens: int = 0  # prompt tokens taken from the node tier's host level
+    node_disk_hit_tokens: int = 0  # and from its disk level
 
 
 NODE_LEVELS = {"node_host": "host", "node_disk": "disk"}  # admin tier names -> the node tier's levels
@@ -103,8 +105,11 @@ class Pool:
     def set_node(self, tier: NodeTier) -> None:
         """Puts the node tier of the pool's layout behind the device (and host) blocks."""
         if self.blocks.enable_caching:
-            self.node = NodeLink(tier, self.block_size)
+            self.node = NodeLink(tier, self.block_size, self.stats)
+            tier.links += 1
             self.blocks.on_reuse = self._demote
+            if self.host is not None:
+                self.host.blocks.on_reuse = self.node.demote_private
 
     def set_host(self, host: HostTier) -> None:
         """Puts ``host`` behind the device blocks: cached blocks reused from now on are demoted
@@ -112,6 +117,8 @@ class Pool:
         self.host = host
         host.blocks.set_events(self.blocks.events_enabled)
         self.blocks.on_reuse = self._demote
+        if self.node is not None:
+            host.blocks.on_reuse = self.node.demote_private
 
     def _demote(self, block: int, h: bytes) -> None:
         host, node = self.host, self.node
@@ -121,11 +128,11 @@ class Pool:
             if node is not None and node.posted:
                 node.withdraw(block)
             return
-        if host is not None:
+        if host is not None:  # and what the host tier hands out moves on to the node tier
             copy = host.demote(block, h, None)
             if copy is not None:
                 self.saves.append(copy)
-        if node is not None:
+        elif node is not None:
             node.demote(block, h)
 
     def take_copies(self) -> tuple[list[Copy], list[Copy], list[Copy]]:
@@ -264,7 +271,7 @@ class Pool:
             if self.host is not None and self.host.policy == "write_through":
                 self._write_through(req, nh, n_full, hashes[nh - 1] if nh else None)
             loaded = k + len(node_hits)  # the blocks after the loaded ones are computed by this step
-            if node is not None and n_full > loaded:
+            if node is not None and n_full > loaded and node.tier.eager:
                 node.write(new[loaded - nh: n_full - nh], hashes[loaded:n_full], hashes[loaded - 1] if loaded else None)
         return num_cached, blocks
 
@@ -386,12 +393,16 @@ class Pool:
         ``share`` of the pool's blocks in pins (nothing changed)."""
         if key in self.requests:
             raise PoolError("duplicate_request", "pin {req} exists", key)
-        hits = self.blocks.lookup(hashes)
-        if self.pinned_blocks() + len(hits) > int(share * (self.blocks.num_blocks - 1)):
+        if not self.pin_fits(hashes, share):
             return None
+        hits = self.blocks.lookup(hashes)
         self.blocks.touch(hits)
         self.requests[key] = RequestBlocks(hits, len(hits) * self.block_size, list(hashes[:len(hits)]), len(hits))
         return len(hits)
+
+    def pin_fits(self, hashes: Sequence[bytes], share: float) -> bool:
+        """Whether ``pin`` of ``hashes`` stays within ``share`` (no side effects)."""
+        return self.pinned_blocks() + len(self.blocks.lookup(hashes)) <= int(share * (self.blocks.num_blocks - 1))
 
     def pinned_blocks(self) -> int:
         return sum(len(r.blocks) for k, r in self.requests.items() if type(k) is tuple and k[0] == PIN_OWNER)
@@ -462,7 +473,7 @@ class Pool:
                 self.fresh.update(req.blocks[start:n_full])
                 if self.host is not None and self.host.policy == "write_through":
                     self._write_through(req, start, n_full, parent)
-                if self.node is not None:
+                if self.node is not None and self.node.tier.eager:
                     self.node.priority = req.priority
                     self.node.write(req.blocks[start:n_full], req.hashes[start:n_full], parent)
             req.num_cached = n_full

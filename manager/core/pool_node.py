@@ -16,33 +16,52 @@ step) and into one of two lists, which the step puts in the sub-op's result
     refused for space. Every hit is held before the device blocks are taken, since reusing a
     device block may save into the tier.
   * a cached device block handed out again (``demote``, ``pre``): saved to host memory unless
-    the tier holds its hash, before the step overwrites it. A block hashed in this same step
+    the tier holds its hash, before the step overwrites it. A pool with a private host tier
+    saves it there instead (manager/core/host_tier.py), and the node tier takes what *that*
+    tier hands out again (``demote_private``: a ``Save`` with ``source="private"``), so the
+    levels hold different blocks: device, then private host, then the node's host memory, then
+    disk. A block hashed in this same step
     (computed by this step's forward pass) is never saved before it: if it had a save ordered
     after the forward (``write``), that save is withdrawn, since the block now receives other
     tokens.
-  * blocks that become full in this step (``write``, ``post``): saved after the forward pass
-    that computes them, so another pool of the layout finds them at once. The worker saves only
+  * blocks that become full in this step (``write``, ``post``), only while more than one pool
+    shares the tier (``NodeTier.eager``): saved after the forward pass that computes them, so
+    another pool of the layout finds them at once. The worker saves only
     a block its forward pass did fill, and reports the others failed (worker/node_copier.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from kvpool.manager.core.node_tier import Hit, NodeTier
 from kvpool.shared.node_orders import Load, Order, Save
 
 
+class HitCounts(Protocol):
+    """Where a link counts the prompt tokens its pool took from each level (the pool's
+    ``PoolStats``: a snapshot keeps them)."""
+
+    node_host_hit_tokens: int
+    node_disk_hit_tokens: int
+
+
 class NodeLink:
-    def __init__(self, tier: NodeTier, block_size: int) -> None:
+    def __init__(self, tier: NodeTier, block_size: int, stats: HitCounts) -> None:
         self.tier = tier
         self.block_size = block_size
+        self.stats = stats  # the pool's (its node-tier hit counts travel in its snapshot)
         self.owner: object = None  # this step's batch (manager/core/step.py sets it)
         self.pre: list[Order] = []  # this sub-op's orders before the forward pass
         self.post: list[Order] = []  # and after it
         self.posted: dict[int, list[Order]] = {}  # device block -> its post save (+ write-down), this step
         self.priority = 0  # the admitting request's (vLLM's meaning: lower is more important)
-        self.hit_tokens = {"host": 0, "disk": 0}  # prompt tokens this pool took from each level
+
+    @property
+    def hit_tokens(self) -> dict[str, int]:
+        """Prompt tokens this pool took from each level."""
+        return {"host": self.stats.node_host_hit_tokens, "disk": self.stats.node_disk_hit_tokens}
 
     def plan(self, hashes: Sequence[bytes]) -> list[Hit]:
         """The run of ``hashes`` the tier can bring up in this step (no side effects)."""
@@ -67,7 +86,10 @@ class NodeLink:
         self.pre += orders
         landed = {o.key: o.dst for o in orders if type(o) is Load and o.frm == "disk"}
         for hit in hits:
-            self.hit_tokens[hit.level] += self.block_size
+            if hit.level == "host":
+                self.stats.node_host_hit_tokens += self.block_size
+            else:
+                self.stats.node_disk_hit_tokens += self.block_size
         return [hit if hit.level == "host" else Hit("host", landed[hit.key], hit.key) for hit in hits]
 
     def load(self, hits: list[Hit], device_blocks: Sequence[int]) -> None:
@@ -75,6 +97,11 @@ class NodeLink:
 
     def demote(self, device_block: int, h: bytes) -> None:
         self.pre += self.tier.save(self.owner, device_block, h, None, self.priority)
+
+    def demote_private(self, host_block: int, h: bytes) -> None:
+        """The pool's private host tier hands ``host_block`` (holding ``h``) out again: saved
+        down to the node's host memory first (the worker reads it before that tier's saves)."""
+        self.pre += self.tier.save(self.owner, host_block, h, None, self.priority, "private")
 
     def withdraw(self, device_block: int) -> None:
         """``device_block``, hashed in this step, is handed out again within it: the save

@@ -17,7 +17,7 @@ removal says ``expired_pin`` rather than plain ``evicted``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 MAX_TTL_S = 30 * 24 * 3600.0  # a pin longer than a month is a mistake, not a retention policy
@@ -118,6 +118,27 @@ class PinTable:
     def listing(self, now: float) -> list[PinInfo]:
         return [PinInfo(pid, len(p.hashes), p.expires_at, max(0.0, p.expires_at - now))
                 for pid, p in self.pins.items()]
+
+    def to_wire(self) -> dict:
+        """The pins as a snapshot keeps them (manager/core/node_snapshot.py)."""
+        return {"next_id": self._next_id,
+                "pins": [[pid, b"".join(p.hashes), p.expires_at] for pid, p in self.pins.items()]}
+
+    def restore(self, d: dict, split: Callable[[bytes], list[bytes]]) -> None:
+        """Fills this empty table from ``to_wire`` output (``split``: concatenated hashes ->
+        hashes); TypeError or ValueError when it is not whole. The counts follow from the pins."""
+        next_id = d["next_id"]
+        if type(next_id) is not int or next_id < 1:
+            raise TypeError(f"pin table next_id {next_id!r:.20}")
+        for pid, hashes, expires_at in d["pins"]:
+            if type(pid) is not int or not 0 < pid < next_id or pid in self.pins or type(expires_at) not in (int, float):
+                raise ValueError(f"pin row {pid!r:.20}: a repeated or out-of-range id, or no expiry")
+            pin = self.pins[pid] = _Pin(tuple(split(hashes)), float(expires_at))
+            if not pin.hashes:
+                raise ValueError(f"pin {pid} names no hash")
+            for h in pin.hashes:
+                self.count[h] = self.count.get(h, 0) + 1
+        self._next_id = next_id
 
     def check(self) -> list[str]:
         """What is wrong with the table (empty when nothing is): counts and the share bound."""

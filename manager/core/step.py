@@ -73,20 +73,19 @@ def _extend(pool: Pool, owner: object, op: Extend) -> ExtendResult | Refused:
     return ExtendResult(res[0], [list(c) for c in copies] if copies else [])
 
 
-def run_step(pool: Pool, owner: object, ops: list[SubOp | Refused], allow_alloc: bool = True,
-             batch: int = 0) -> list[Result]:
+def run_step(pool: Pool, owner: object, ops: list[SubOp | Refused], allow_alloc: bool = True) -> list[Result]:
     """Runs ``ops`` in order for requests owned by ``owner``; one result per sub-op. A
     ``Refused`` among them (a sub-op that failed to decode, shared/step_ops.decode_ops) is its
     own answer.
 
     ``allow_alloc=False`` (a draining manager) refuses alloc and fork with code "draining".
-    ``batch``: the number of this step's node-tier batch (the caller's step id: the node tier's
-    batch is ``(owner, batch)``, and the worker reports it by that number).
+    With a node tier the step's orders form one batch, ``(owner, n)``, ``n`` numbered by the
+    tier (``NodeTier.batch_key``); its result carries ``n`` and the worker reports the batch by it.
     """
     results: list[Result] = []
     append, host = results.append, pool.tiered
     if pool.node is not None:
-        pool.node.owner = (owner, batch)
+        pool.node.owner = pool.node.tier.batch_key(owner)
     for op in ops:
         kind = type(op)
         try:

@@ -17,9 +17,11 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
                                                              only when > 0 or a policy follows;
                                                              + host_kv_policy, only when not "demote")
                                                             (+ node_model, only when the worker offered one)
+                                                            (+ node_tier, the node-tier settings it joined
+                                                             under, only when the manager ran one)
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
     ["node_done", sid, pool, batch, failed]                 NodeFinished: a node-tier batch ran
-    ["pin", pool, hashes, ttl_s, now]   ["unpin", pin_id, expired]   retention pins (manager/pins.py)
+    ["pin", pool, hashes, ttl_s, now, share]   ["unpin", pin_id, expired]   retention pins (manager/state/pins.py)
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]   ["drop", pool] (PoolDropped)
     (reset and evict + tier "host" for the host tier)
     ["attach", {name, model, url, block_size, topic, events, replay}]   ExternalAttached (the attach op)
@@ -67,6 +69,7 @@ class ShardRegistered:
     host_kv_bytes: int = 0  # host memory offered for the pool's host tier (0: none)
     host_kv_policy: str = "demote"  # or "write_through"
     node_model: str | None = None  # the weights' identity: the pool may use its layout's node tier
+    node_tier: list | None = None  # the node-tier settings it joins under (manager/node_tiers.py; None: none)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ class PinAdded:
     hashes: list
     ttl_s: float
     now: float
+    share: float = 0.25  # the pinned share of the pool's device blocks in force (the node tier keeps its own)
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,9 @@ def to_wire(rec: Mutation) -> list:
         wire[1] = rec.spec.to_wire()
     if type(rec) is ShardRegistered:
         wire[6] = rec.spec.to_wire()
-        if rec.node_model is None:  # the layout of journals from before the node tier
+        if rec.node_tier is None:  # the manager ran no node tier
+            wire.pop()
+        if rec.node_model is None and rec.node_tier is None:  # the layout of journals from before the node tier
             wire.pop()
             if rec.host_kv_policy == "demote":  # the layout of journals from before the choice
                 wire.pop()

@@ -2,8 +2,10 @@
 
 A state snapshot is what a Redis store keeps under its ``snap`` key and what ``kvpool snapshot``
 writes to a file: sessions (with their last step's reply, for retried steps), pools with their
-shards, epochs and ``manager/core/snapshot.py`` pool dumps, the draining flag, the state id and
-``seq``, the number of the last journal batch (manager/store/journal.py) the snapshot includes.
+shards, epochs and ``manager/core/snapshot.py`` pool dumps, each layout's node tier (where it
+lives and its ``manager/core/node_snapshot.py`` dump), the retention pins, the draining flag,
+the state id and ``seq``, the number of the last journal batch (manager/store/journal.py) the
+snapshot includes.
 
 Layout: ``MAGIC (12 bytes) || SHA-256(payload) (32 bytes) || payload (msgpack map)``. Decoding
 checks the magic, the checksum, the format and every field: anything else raises
@@ -16,10 +18,14 @@ from __future__ import annotations
 
 import hashlib
 
+from kvpool.manager.core.node_snapshot import dump_tier, load_tier
+from kvpool.manager.core.node_tier import NodeTier
 from kvpool.manager.core.snapshot import CorruptState, dump_pool, load_pool
 from kvpool.manager.state.attachment import Attachment
 from kvpool.manager.state.entries import PoolEntry, Session, Shard
+from kvpool.manager.state.pins import Pins
 from kvpool.manager.store.view import StateView
+from kvpool.shared.node_tier import NodeTierInfo
 from kvpool.shared.protocol import HOST_POLICIES, KVSpec, ManagerError, pack, unpack
 
 MAGIC = b"KVPOOL-STATE"
@@ -38,6 +44,11 @@ def dump_registry(reg: StateView, seq: int) -> dict:
          "draining": reg.draining, "sessions": sessions, "pools": pools}
     if reg.attachments:  # (absent in snapshots from before external pools were kept)
         d["attach"] = [a.to_wire() for a in reg.attachments.values()]
+    tiers = reg.node_tier_list()
+    if tiers:  # absent: the layout of snapshots from before the node tier
+        d["node_tiers"] = [[info.to_wire(), dump_tier(tier)] for info, tier in tiers]
+    if reg.pins.pins or reg.pins.next_id > 1:
+        d["pins"] = reg.pins.to_wire()
     return d
 
 
@@ -73,14 +84,25 @@ def load_registry(d: dict, reg: StateView, now: float) -> int:
         state_id, seq, next_num, draining = d["state_id"], d["seq"], d["next_num"], d["draining"]
         if type(state_id) is not str or type(seq) is not int or type(next_num) is not int:
             raise TypeError("state_id, seq or next_num has the wrong type")
+        tiers = [_node_tier(row) for row in d.get("node_tiers", [])]
+        pins = Pins.from_wire(d["pins"]) if "pins" in d else Pins()
     except CorruptState:
         raise
     except ManagerError as e:
-        raise CorruptState(f"state snapshot: an attachment: {e}") from None
+        raise CorruptState(f"state snapshot is not loadable: {e.message}") from None
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise CorruptState(f"state snapshot is not loadable: {type(e).__name__}: {e}") from None
-    reg.restore(sessions, pools, state_id, next_num, bool(draining), attachments)
+    reg.restore(sessions, pools, state_id, next_num, bool(draining), tiers, pins, attachments)
     return seq
+
+
+def _node_tier(row: list) -> tuple[NodeTierInfo, NodeTier]:
+    info_wire, dump = row
+    info = NodeTierInfo.from_wire(info_wire)
+    tier = load_tier(dump, enable_events=True)
+    if tier.host.num_blocks != info.host_slots or (tier.disk.num_blocks if tier.disk else 0) != info.disk_slots:
+        raise CorruptState(f"node tier of layout {info.layout}: its slots differ from where it lives")
+    return info, tier
 
 
 def _sessions(rows: list, now: float) -> list[Session]:
@@ -95,8 +117,8 @@ def _sessions(rows: list, now: float) -> list[Session]:
 def _shard_row(s: Shard) -> list:
     """A shard as a list; trailing defaults are left off (the layouts of older snapshots)."""
     row = [s.rank, s.incarnation, s.spec.to_wire(), s.available_kv_bytes, s.num_blocks, s.sid,
-           s.serve, s.host_kv_bytes, s.host_kv_policy]
-    for default in ("demote", 0, None):
+           s.serve, s.host_kv_bytes, s.host_kv_policy, s.node_layout]
+    for default in (None, "demote", 0, None):
         if row[-1] != default:
             break
         row.pop()
@@ -109,16 +131,20 @@ def _pool(row: list) -> PoolEntry:
     for rank, inc, spec, available, num_blocks, sid, *rest in shard_rows:
         serve = rest[0] if rest else None
         host_kv_bytes = rest[1] if len(rest) > 1 else 0  # absent in snapshots from before the host tier
-        if type(host_kv_bytes) is not int or host_kv_bytes < 0 or len(rest) > 3:
+        if type(host_kv_bytes) is not int or host_kv_bytes < 0 or len(rest) > 4:
             raise TypeError(f"shard row {rank!r:.10}: host_kv_bytes {host_kv_bytes!r:.40}")
         policy = rest[2] if len(rest) > 2 else "demote"  # absent in snapshots from before the choice
         if policy not in HOST_POLICIES:
             raise TypeError(f"shard row {rank!r:.10}: host_kv_policy {policy!r:.40}")
+        node_layout = rest[3] if len(rest) > 3 else None  # absent in snapshots from before the node tier
+        if node_layout is not None and type(node_layout) is not str:
+            raise TypeError(f"shard row {rank!r:.10}: node_layout {node_layout!r:.40}")
         try:
             kv_spec = KVSpec.from_wire(spec)
         except ManagerError as e:
             raise CorruptState(f"pool {name!r:.40}, shard {rank!r:.10}: {e}") from None
-        shards[rank] = Shard(rank, inc, kv_spec, available, num_blocks, sid, serve, host_kv_bytes, policy)
+        shards[rank] = Shard(rank, inc, kv_spec, available, num_blocks, sid, serve, host_kv_bytes, policy,
+                             node_layout)
     # verify=False: every caller checks the whole registry's invariants once it is complete
     # (journal.recover after the replay, kvpool snapshot/restore), instead of each pool twice
     pool = load_pool(dump, enable_events=True, verify=False) if dump is not None else None

@@ -12,9 +12,12 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Protocol, Self
 
+from kvpool.manager.core.node_tier import NodeTier
 from kvpool.manager.state.attachment import Attachment
 from kvpool.manager.state.entries import PoolEntry, Session
 from kvpool.manager.state.mutations import Mutation
+from kvpool.manager.state.pins import Pins
+from kvpool.shared.node_tier import NodeTierInfo
 
 
 class StateView(Protocol):
@@ -47,6 +50,15 @@ class StateView(Protocol):
     @property
     def attachments(self) -> Mapping[str, Attachment]: ...
 
+    @property
+    def pins(self) -> Pins:
+        """The retention pins (manager/state/pins.py)."""
+        ...
+
+    def node_tier_list(self) -> list[tuple[NodeTierInfo, NodeTier]]:
+        """Each layout's node tier and where it lives (empty: none)."""
+        ...
+
     def total_requests(self) -> int: ...
 
     def apply(self, rec: Mutation, now: float) -> object:
@@ -58,8 +70,10 @@ class StateView(Protocol):
         ...
 
     def restore(self, sessions: list[Session], pools: list[PoolEntry], state_id: str, next_num: int,
-                draining: bool, attachments: list[Attachment] = ()) -> None:
-        """Fills the empty state from a decoded snapshot."""
+                draining: bool, node_tiers: list[tuple[NodeTierInfo, NodeTier]], pins: Pins,
+                attachments: list[Attachment] = ()) -> None:
+        """Fills the empty state from a decoded snapshot; the pools whose shards name a layout
+        are put back in front of its node tier."""
         ...
 
     def take_log(self) -> list[Mutation]:

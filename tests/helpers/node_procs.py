@@ -82,13 +82,13 @@ class NodeCluster:
     and workers started one by one."""
 
     def __init__(self, tmp: Path, host: str = "1MiB", disk: str = "2MiB", policy: str = "write_through",
-                 session_timeout_s: float = 3.0) -> None:
+                 session_timeout_s: float = 3.0, manager_args: tuple[str, ...] = ()) -> None:
         self.cluster = DevCluster(prefix="kvpool-nt-")
         self.shm, self.disk = tmp / "shm", tmp / "disk"
         self.shm.mkdir(exist_ok=True)
         self.args = ["--node-tier-memory", host, "--node-tier-dir", str(self.shm), "--node-tier-disk", str(self.disk),
                      "--node-tier-disk-size", disk, "--node-tier-policy", policy,
-                     "--session-timeout", str(session_timeout_s)]
+                     "--session-timeout", str(session_timeout_s), *manager_args]
         self.endpoint = self.cluster.manager("manager", *self.args)
         self.eps: dict[str, str] = {}
 
@@ -118,7 +118,7 @@ class NodeCluster:
         return ep
 
     def restart_manager(self) -> None:
-        """SIGKILL, then the same manager (no persistent store: it starts empty)."""
+        """SIGKILL, then the same manager (without a persistent store it starts empty)."""
         self.cluster.kill("manager")
         self.cluster.manager("manager", *self.args)
 
@@ -141,6 +141,20 @@ class NodeCluster:
             if usage["batches"] == 0 or time.monotonic() > deadline:
                 return usage
             time.sleep(0.1)
+
+    def index(self, pool: str) -> dict:
+        """What the manager's node tier holds, as ``pool`` sees it: each level's hashes (landing
+        ones included), the tier's open batches, pins and retained slots, the pins' table."""
+        admin = self.admin
+        out: dict = {tier: admin.call("cached_hashes", pool=pool, tier=tier)["hashes"]
+                     for tier in ("node_host", "node_disk")}
+        usage = self.tier()
+        out["tier"] = [usage["batches"], usage["pins"]] + [
+            [usage[lv][k] for k in ("cached_blocks", "retained_blocks", "saves", "loads", "hits")]
+            for lv in ("host", "disk")]
+        out["pins"] = [(p["pin_id"], p["num_hashes"], p["device_blocks"], p["expires_at"])
+                       for p in admin.call("pins")["pins"]]
+        return out
 
     def disk_files(self, keys: list[bytes]) -> dict[bytes, Path]:
         """The disk level's file of each of ``keys`` it holds (read from the slots' headers)."""

@@ -20,8 +20,10 @@ MODEL = "preset:test:seed=0"
 
 @pytest.fixture
 def srv(tmp_path):
-    return make_server(node_tier_memory=64 * 1024, node_tier_dir=str(tmp_path), node_tier_disk=str(tmp_path / "d"),
-                       node_tier_disk_size=128 * 1024)
+    s = make_server(node_tier_memory=64 * 1024, node_tier_dir=str(tmp_path), node_tier_disk=str(tmp_path / "d"),
+                    node_tier_disk_size=128 * 1024)
+    join(s, "z")  # an idle second pool of the layout: the tier is shared, so blocks are saved as computed
+    return s
 
 
 def join(srv, pool: str, blocks: int = 16) -> tuple[str, dict]:
@@ -32,7 +34,7 @@ def join(srv, pool: str, blocks: int = 16) -> tuple[str, dict]:
 
 
 def step(srv, sid, pool, ops, epoch=1, node_done=None, msg_id=7):
-    """A step with message id ``msg_id``: its node-tier batch's number."""
+    """A step with message id ``msg_id`` (the tier numbers its batch: 1, 2, ... in its order)."""
     args = {"pool": pool, "epoch": epoch, "ops": ops}
     if node_done is not None:
         args["node_done"] = node_done
@@ -50,12 +52,12 @@ def test_pools_of_one_layout_share_a_tier_and_a_step_carries_its_orders(srv, tmp
     hashes = hash_blocks(tokens, 4)
     (res,) = step(srv, sid_a, "a", [{"op": "alloc", "req": 1, "hashes": hashes, "prompt_len": 17, "max_new": 17}])
     post = res["node"]["post"]
-    assert res["node"]["batch"] == 7 and [o["op"] for o in post] == ["save"] * 4
+    assert res["node"]["batch"] == 1 and [o["op"] for o in post] == ["save"] * 4
     assert [o["src"] for o in post] == res["blocks"][:4] and [o["key"] for o in post] == hashes
     # b finds nothing until a reports the batch; then it loads 4 blocks
     (res_b,) = step(srv, sid_b, "b", [{"op": "alloc", "req": 1, "hashes": hashes, "prompt_len": 17, "max_new": 17}])
     assert res_b["cached"] == 0
-    assert ok(call(srv, "node_done", sid_a, pool="a", reports=[{"batch": 7}]))["finished"] == 1
+    assert ok(call(srv, "node_done", sid_a, pool="a", reports=[{"batch": 1}]))["finished"] == 1
     (res_b,) = step(srv, sid_b, "b", [{"op": "free", "req": 1, "computed": 0},  # never ran: b's hashes go
                                       {"op": "alloc", "req": 2, "hashes": hashes, "prompt_len": 17, "max_new": 17}],
                     msg_id=8)[1:]
@@ -72,7 +74,7 @@ def test_a_bad_report_is_refused_and_changes_nothing(srv):
     hashes = hash_blocks(list(range(9)), 4)
     step(srv, sid, "a", [{"op": "alloc", "req": 1, "hashes": hashes, "prompt_len": 9, "max_new": 9}])
     stranger = {"op": "save", "level": "host", "src": 1, "dst": 1, "key": b"\x01" * 32}
-    for bad in ([{"batch": 7, "failed": [stranger]}], [{"batch": "x"}], "no", [{"batch": 7, "failed": [{"op": 1}]}]):
+    for bad in ([{"batch": 1, "failed": [stranger]}], [{"batch": "x"}], "no", [{"batch": 1, "failed": [{"op": 1}]}]):
         reply = call(srv, "node_done", sid, pool="a", reports=bad)
         assert reply["status"] == "bad_field", reply
     (usage,) = ok(call(srv, "stats", sid))["manager"]["node_tiers"].values()
@@ -85,7 +87,7 @@ def test_a_failed_save_leaves_the_tier_and_a_session_end_abandons_its_batches(sr
     hashes = hash_blocks(list(range(9)), 4)
     (res,) = step(srv, sid, "a", [{"op": "alloc", "req": 1, "hashes": hashes, "prompt_len": 9, "max_new": 9}])
     first = res["node"]["post"][0]
-    assert ok(call(srv, "node_done", sid, pool="a", reports=[{"batch": 7, "failed": [first]}]))["finished"] == 1
+    assert ok(call(srv, "node_done", sid, pool="a", reports=[{"batch": 1, "failed": [first]}]))["finished"] == 1
     (usage,) = ok(call(srv, "stats", sid))["manager"]["node_tiers"].values()
     assert usage["host"]["save_failures"] == 1 and usage["host"]["cached_blocks"] == 1
     assert usage["host"]["removed"]["failed"] == 1
@@ -124,7 +126,7 @@ def test_evict_and_reset_reach_the_node_levels(srv):
     hashes = hash_blocks(list(range(9)), 4)
     step(srv, sid, "a", [{"op": "alloc", "req": 1, "hashes": hashes, "prompt_len": 9, "max_new": 9}])
     assert call(srv, "reset_cache", admin, pool="a", tier="node_host")["status"] == "in_use"  # a batch holds them
-    ok(call(srv, "node_done", sid, pool="a", reports=[{"batch": 7}]))
+    ok(call(srv, "node_done", sid, pool="a", reports=[{"batch": 1}]))
     assert ok(call(srv, "evict", admin, pool="a", n=1, tier="node_host"))["evicted"] == 1
     assert ok(call(srv, "reset_cache", admin, pool="a", tier="node_host"))["reset"]
     (usage,) = ok(call(srv, "stats", admin))["manager"]["node_tiers"].values()
@@ -155,8 +157,8 @@ def test_the_config_says_what_to_change(tmp_path):
         ManagerConfig(node_tier_memory=1 << 20, node_tier_policy="lru")
     with pytest.raises(ValueError, match="must be a directory"):
         ManagerConfig(node_tier_memory=1 << 20, node_tier_dir=str(tmp_path / "missing"))
-    with pytest.raises(ValueError, match="not persisted in Redis yet"):
-        ManagerConfig(node_tier_memory=1 << 20, redis_url="redis://127.0.0.1:6379/0")
+    # durable: the node tier's index is journaled and snapshotted with the rest (test_node_tier_durable.py)
+    ManagerConfig(node_tier_memory=1 << 20, node_tier_dir=str(tmp_path), redis_url="redis://127.0.0.1:6379/0")
 
 
 def test_prometheus_renders_the_levels_and_the_pools_hits_by_level(srv):
@@ -166,7 +168,7 @@ def test_prometheus_renders_the_levels_and_the_pools_hits_by_level(srv):
     sid, _ = join(srv, "a")
     hashes = hash_blocks(list(range(9)), 4)
     step(srv, sid, "a", [{"op": "alloc", "req": 1, "hashes": hashes, "prompt_len": 9, "max_new": 9}])
-    ok(call(srv, "node_done", sid, pool="a", reports=[{"batch": 7}]))
+    ok(call(srv, "node_done", sid, pool="a", reports=[{"batch": 1}]))
     text = render(srv.registry, srv.stats, 1.0)
     samples = parse_text(text)
     layout = next(iter(srv.registry.node.tiers))
@@ -174,3 +176,38 @@ def test_prometheus_renders_the_levels_and_the_pools_hits_by_level(srv):
     assert samples[("kvpool_node_tier_blocks_cached", (("layout", layout), ("level", "host")))] == 2
     assert samples[("kvpool_node_tier_batches", (("layout", layout),))] == 0
     assert samples[("kvpool_pool_node_hit_tokens_total", (("level", "disk"), ("pool", "a")))] == 0
+
+
+def test_a_client_that_reuses_step_ids_gets_a_batch_per_step(srv):
+    """Batches are numbered by the tier, not by the client's step ids: a step id used again
+    (not a retry: another step came between) opens its own batch, and a report finishes one."""
+    sid, _ = join(srv, "a")
+    batches = []
+    for k, msg_id in enumerate((7, 8, 7)):
+        tokens = list(range(300 + 20 * k, 309 + 20 * k))
+        (res,) = step(srv, sid, "a", [{"op": "alloc", "req": k, "hashes": hash_blocks(tokens, 4), "prompt_len": 9,
+                                       "max_new": 9}], msg_id=msg_id)
+        batches.append(res["node"]["batch"])
+    assert len(set(batches)) == 3
+    assert ok(call(srv, "node_done", sid, pool="a", reports=[{"batch": batches[0]}]))["finished"] == 1
+    (usage,) = ok(call(srv, "stats", sid))["manager"]["node_tiers"].values()
+    assert usage["batches"] == 2 and usage["host"]["cached_blocks"] == 6
+    assert ok(call(srv, "check", hello(srv, role="admin")))
+
+
+def test_a_reset_refused_for_pins_says_so_and_how_to_unpin(srv):
+    sid, _ = join(srv, "a")
+    admin = hello(srv, role="admin")
+    hashes = hash_blocks(list(range(9)), 4)
+    step(srv, sid, "a", [{"op": "alloc", "req": 1, "hashes": hashes, "prompt_len": 9, "max_new": 9}])
+    step(srv, sid, "a", [{"op": "free", "req": 1}], msg_id=8)
+    pin = ok(call(srv, "pin", admin, pool="a", hashes=hashes, ttl_s=60.0))
+    refused = call(srv, "reset_cache", admin, pool="a")
+    assert refused["status"] == "in_use" and "drain" not in refused["msg"]
+    assert f"held by retention pins [{pin['pin_id']}]" in refused["msg"] and "kvpool unpin" in refused["msg"]
+    step(srv, sid, "a", [{"op": "alloc", "req": 2, "hashes": [], "prompt_len": 3, "max_new": 3}], msg_id=9)
+    refused = call(srv, "reset_cache", admin, pool="a")
+    assert "held by retention pins" in refused["msg"] and "the rest by requests: drain it first" in refused["msg"]
+    step(srv, sid, "a", [{"op": "free", "req": 2}], msg_id=10)
+    ok(call(srv, "unpin", admin, pin_id=pin["pin_id"]))
+    assert ok(call(srv, "reset_cache", admin, pool="a"))["reset"]

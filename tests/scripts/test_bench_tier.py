@@ -29,8 +29,9 @@ def test_every_configuration_reports_its_copies_and_the_same_output():
 
 def test_the_stack_serves_the_trace_with_the_same_output_and_hits_by_level():
     tier_stack = importlib.import_module("tier_stack")
-    prompts = tier_stack.stack_trace(prefixes=4, prefix_blocks=3, rounds=3, vocab=500)
-    plan = tier_stack.stack_configs(device=8, set_blocks=12)
+    # a set past device + private host + node host: blocks moving down reach the disk
+    prompts = tier_stack.stack_trace(prefixes=10, prefix_blocks=3, rounds=3, vocab=500)
+    plan = tier_stack.stack_configs(device=8, set_blocks=24)
     runs = {k: tier_stack.serve_stack("tiny", prompts, 8, *levels, 3, bench_tier.run_waves) for k, levels in plan.items()}
     want = runs["device only"]["outputs"]
     assert all(r["outputs"] == want for r in runs.values())

@@ -82,3 +82,31 @@ def test_loads_name_the_blocks_they_fill(tmp_path):
     res = b.bm.step(plan.ops)
     orders = res[0].node.pre
     assert [type(o) for o in orders] == [Load, Load] and [o.dst for o in orders] == res[0].blocks[:2]
+
+
+def test_one_pool_moves_blocks_down_its_private_host_tier_into_the_node_tier(tmp_path):
+    """A pool alone on its tier saves nothing eagerly: the device hands blocks to its private
+    host tier, that tier hands what it drops to the node tier (read from the private host
+    tensors before that tier's saves overwrite them), and a prefix gone from both comes back
+    from the node tier with the reference's greedy output."""
+    from helpers.worker import BLOCK_BYTES
+
+    tier = node_tier(tmp_path, host_blocks=64)
+    a = node_engine(tier, "a", device_blocks=12, host_kv_memory=8 * BLOCK_BYTES, max_model_len=96)
+    prompts = [make_prompt(70, 10 + i) for i in range(6)]  # 4 full blocks each; 24 in all
+    want = [reference(a, p, 4) for p in prompts]
+    assert a.generate([prompts[0]], greedy(4)) == [[want[0]]]
+    settle(a)
+    assert tier[0].host.stats.saves == 0 and a.stats()["node_saves"]["host"] == 0  # nothing eager
+    for p, w in zip(prompts[1:], want[1:]):
+        assert a.generate([p], greedy(4)) == [[w]]
+    settle(a)
+    saved = a.stats()["node_saves"]["host"]
+    assert saved >= 4 and tier[0].host.stats.saves == saved  # every one from the private host tier
+    assert a.bm.core.host.blocks.cached.keys().isdisjoint(tier[0].host.blocks.cached.keys())
+    before = a.stats()["node_loads"]["host"]
+    assert a.generate([prompts[0]], greedy(4)) == [[want[0]]]  # gone from device and private host
+    assert a.stats()["node_loads"]["host"] - before == 4 and a.stats()["node_failures"] == {}
+    settle(a)
+    tier[0].check_invariants()
+    assert not tier[0].batches

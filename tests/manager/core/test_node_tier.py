@@ -406,3 +406,16 @@ class SelectiveMachine(NodeTierMachine):
 
 SelectiveMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
 TestSelectiveMachine = SelectiveMachine.TestCase
+
+
+def test_a_save_from_the_private_host_tier_says_so_on_the_wire_and_nothing_else_may():
+    save = Save("host", 3, 5, h(1), "private")
+    assert save.to_wire()["source"] == "private" and order_from_wire(save.to_wire()) == save
+    assert "source" not in Save("host", 3, 5, h(1)).to_wire()
+    for bad in ({"op": "load", "level": "host", "src": 1, "dst": 1, "key": h(1), "source": "private"},
+                {"op": "save", "level": "disk", "src": 1, "dst": 1, "key": h(1), "source": "private"},
+                {"op": "save", "level": "host", "src": 1, "dst": 1, "key": h(1), "source": "nvme"}):
+        with pytest.raises(ManagerError, match="order.source"):
+            order_from_wire(bad)
+    t = make_tier()
+    assert t.save("a", 3, h(1), None, source="private") == [save.__class__("host", 3, 1, h(1), "private")]

@@ -19,6 +19,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvpool.manager.core.node_snapshot import dump_tier, load_tier
 from kvpool.manager.core.node_tier import NodeTier
 from kvpool.manager.core.pool import Pool
 from kvpool.shared.hashing import hash_blocks
@@ -170,6 +171,14 @@ class NodePoolMachine(RuleBasedStateMachine):
     def evict_level(self, level, n):
         self.tier.evict(level, n)
 
+    @rule(prefix=prefix_st.filter(bool), ttl=st.integers(1, 30))
+    def pin(self, prefix, ttl):
+        self.tier.pin(self._hashes(prefix), ttl, self.step_no)  # refused past the share: no change
+
+    @rule()
+    def expire_pins(self):
+        self.tier.expire(self.step_no)
+
     # -- invariants -------------------------------------------------------------------------
 
     @invariant()
@@ -177,6 +186,14 @@ class NodePoolMachine(RuleBasedStateMachine):
         for p in self.pools:
             p.check_invariants()
         self.tier.check_invariants()
+
+    @invariant()
+    def the_tier_survives_its_snapshot(self):
+        """What a state snapshot keeps of the tier loads back whole and dumps the same."""
+        dump = dump_tier(self.tier)
+        back = load_tier(dump)
+        back.check_invariants()
+        assert dump_tier(back) == dump
 
     @invariant()
     def every_request_reads_its_own_tokens(self):
