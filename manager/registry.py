@@ -39,8 +39,12 @@ from kvpool.manager.state.mutations import (
     BlocksEvicted,
     CacheReset,
     DrainingSet,
+    EngineFinished,
+    EngineLoaded,
+    EngineSaved,
     Mutation,
     NodeFinished,
+    NodeJoined,
     PinAdded,
     PinRemoved,
     PoolDropped,
@@ -291,6 +295,10 @@ _TABLE: dict[type, tuple[Callable[[Registry, Any, float], object], str]] = {
     NodeFinished: (Registry._node_finish, IF_CHANGED),
     PinAdded: (Registry._pin, AFTER),
     PinRemoved: (Registry._unpin, IF_CHANGED),
+    NodeJoined: (Registry._node_join, AFTER),
+    EngineLoaded: (Registry._engine_load, AFTER),
+    EngineSaved: (Registry._engine_save, AFTER),
+    EngineFinished: (Registry._engine_finish, IF_CHANGED),
 }
 _RUN = {kind: run for kind, (run, _) in _TABLE.items()}
 _WHEN = {kind: when for kind, (_, when) in _TABLE.items()}

@@ -20,6 +20,10 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
     ["node_done", sid, pool, batch, failed]                 NodeFinished: a node-tier batch ran
     ["pin", pool, hashes, ttl_s, now]   ["unpin", pin_id, expired]   retention pins (manager/pins.py)
+    ["node_join", sid, spec, model, rank, world]            NodeJoined: an engine joins a layout's node tier
+    ["node_load", sid, layout, batch, hashes, priority]     EngineLoaded: an engine's load batch
+    ["node_save", sid, layout, batch, blocks, hashes, parents, priority]   EngineSaved: its save batch
+    ["node_engine_done", sid, layout, batch, failed]        EngineFinished: an engine's batch ran
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]   ["drop", pool] (PoolDropped)
     (reset and evict + tier "host" for the host tier)
 """
@@ -125,8 +129,55 @@ class PinRemoved:
     expired: bool = False  # its time ran out (else: unpinned)
 
 
+@dataclass(frozen=True)
+class NodeJoined:
+    """An engine that owns its device blocks (vLLM's connector) joins the node tier of its layout
+    (manager/core/engine_node.py); ``spec`` as on the wire (shared/protocol.py KVSpec)."""
+
+    sid: str
+    spec: dict
+    model: str
+    rank: int
+    world: int
+
+
+@dataclass(frozen=True)
+class EngineLoaded:
+    """An engine's lookup held for its batch ``batch``: the run of ``hashes`` the tier brings up."""
+
+    sid: str
+    layout: str
+    batch: int
+    hashes: list
+    priority: int
+
+
+@dataclass(frozen=True)
+class EngineSaved:
+    """An engine's computed ``blocks`` (its own block ids), each holding the hash beside it."""
+
+    sid: str
+    layout: str
+    batch: int
+    blocks: list
+    hashes: list
+    parents: list
+    priority: int
+
+
+@dataclass(frozen=True)
+class EngineFinished:
+    """An engine ran its batch ``batch``; ``failed``: the orders that did not land (wire maps)."""
+
+    sid: str
+    layout: str
+    batch: int
+    failed: list
+
+
 Mutation = (SessionOpened | SessionEnded | ShardRegistered | StepRan | CacheReset | BlocksEvicted | DrainingSet
-            | PoolDropped | NodeFinished | PinAdded | PinRemoved)
+            | PoolDropped | NodeFinished | PinAdded | PinRemoved | NodeJoined | EngineLoaded | EngineSaved
+            | EngineFinished)
 
 KINDS: dict[str, type] = {
     "open": SessionOpened,
@@ -140,6 +191,10 @@ KINDS: dict[str, type] = {
     "node_done": NodeFinished,
     "pin": PinAdded,
     "unpin": PinRemoved,
+    "node_join": NodeJoined,
+    "node_load": EngineLoaded,
+    "node_save": EngineSaved,
+    "node_engine_done": EngineFinished,
 }
 _LAYOUT = {cls: (kind, tuple(f.name for f in fields(cls) if f.compare)) for kind, cls in KINDS.items()}
 
