@@ -122,7 +122,7 @@ def run_pair(args, ckpt: Path, tmp: Path, connector: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefixes", type=int, default=4)
-    ap.add_argument("--prefix-words", type=int, default=1000, help="words per shared prefix (about 2k tokens)")
+    ap.add_argument("--prefix-words", type=int, default=1700, help="words per shared prefix (about 2k tokens)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--burst", type=int, default=16)
     ap.add_argument("--blocks", type=int, default=512, help="each server's KV blocks of 32 tokens")
