@@ -22,6 +22,7 @@ from kvpool.cli.common import (
     table,
 )
 from kvpool.cli.layered import explicit_flags, load_service, manager_ops_options, summary
+from kvpool.cli.node_view import hits_by_level, print_node_tiers
 from kvpool.client.retry import RetryPolicy
 from kvpool.shared.summaries import PoolSummary
 
@@ -155,6 +156,12 @@ def pools(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool)
             r["host"] = f"{r['host_cached_blocks']}/{r['host_num_blocks']}" if tier else "-"
             r["host_policy"] = r.get("host_policy", "-") if tier else "-"
         cols[7:7] = [("HOST_CACHED", "host"), ("HOST_POLICY", "host_policy")]
+    if any("node_layout" in r for r in rows):  # a node tier: the layout it shares, each level's cached/slots
+        for r in rows:
+            r["node"] = r.get("node_layout") or "-"
+            r["node_levels"] = " ".join(f"{lv} {r[f'node_{lv}'][0]}/{r[f'node_{lv}'][1]}" for lv in ("host", "disk")
+                                        if f"node_{lv}" in r) or "-"
+        cols += [("NODE_TIER", "node"), ("NODE_CACHED", "node_levels")]
     emit(rows, as_json, lambda: table(rows, cols))
 
 
@@ -193,9 +200,15 @@ def _print_stats(body: dict) -> None:
     for r in rows:
         r["usage"] = f"{r.get('usage', 0):.1%}"
         r["hit_rate"] = f"{r.get('prefix_hit_rate', 0):.1%}"
-    table(rows, [("POOL", "pool"), ("EPOCH", "epoch"), ("USAGE", "usage"), ("HIT_RATE", "hit_rate"),
-                 ("REQUESTS", "requests"), ("ALLOCS", "allocations"), ("NO_SPACE", "no_space"),
-                 ("EVICTIONS", "evictions"), ("FORKS", "forks")])
+    cols = [("POOL", "pool"), ("EPOCH", "epoch"), ("USAGE", "usage"), ("HIT_RATE", "hit_rate"),
+            ("REQUESTS", "requests"), ("ALLOCS", "allocations"), ("NO_SPACE", "no_space"),
+            ("EVICTIONS", "evictions"), ("FORKS", "forks")]
+    if any("host_hit_tokens" in r or "node_hit_tokens" in r for r in rows):
+        for r in rows:
+            r["by_level"] = hits_by_level(r)
+        cols.append(("HITS device/host/node-host/node-disk", "by_level"))
+    table(rows, cols)
+    print_node_tiers(m.get("node_tiers") or {})
 
 
 @click.command("stats")

@@ -95,6 +95,9 @@ def worker_service_options(f):
 @click.option("--host-kv-policy", type=click.Choice(["demote", "write_through"]), default="demote",
               show_default=True, help="When blocks reach the host tier: demote at eviction, or write "
               "through when a block becomes full (docs/operating.md).")
+@click.option("--node-tier/--no-node-tier", "node_tier", default=None,
+              help="Use the manager's node tier of this model's layout when it runs one (the default; "
+              "single-shard pools; docs/operating.md, \"The node tier\").")
 @click.option("--no-prefix-caching", is_flag=True, help="Send no block hashes (no prefix reuse).")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", "enable_prefix_caching", default=None,
               help="vLLM's names: prefix caching on (the default) or off.")
@@ -292,9 +295,11 @@ def _finish_report(reasons: list[str], counts: list[int], max_tokens: int) -> in
 @click.option("--seed", default=0, show_default=True)
 @click.option("--host-kv-memory", default="0", callback=_bytes,
               help="Host KV tier per worker (e.g. 4MiB); the report shows hits by tier.")
+@click.option("--node-tier-memory", default="0", callback=_bytes,
+              help="The manager's node tier both workers share (e.g. 8MiB); the report shows hits by level.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def demo(num_requests: int, max_inflight: int, kv_blocks: int, tenants: int, policy: str, seed: int,
-         host_kv_memory: int, as_json: bool) -> None:
+         host_kv_memory: int, node_tier_memory: int, as_json: bool) -> None:
     """A manager, two CPU workers and the HTTP front door serving a multi-tenant chat trace."""
     from kvpool.devcluster.demo import TextDemoConfig, format_report, run_text_demo
     from kvpool.devcluster.loadgen import ChatTraceConfig
@@ -302,7 +307,7 @@ def demo(num_requests: int, max_inflight: int, kv_blocks: int, tenants: int, pol
     try:
         cfg = TextDemoConfig(ChatTraceConfig(num_requests=num_requests, num_tenants=tenants, seed=seed),
                              max_inflight=max_inflight, kv_blocks=kv_blocks, policy=policy,
-                             host_kv_memory=host_kv_memory)
+                             host_kv_memory=host_kv_memory, node_tier_memory=node_tier_memory)
         result = run_text_demo(cfg, progress=not as_json)
     except (RuntimeError, ValueError) as e:
         raise click.ClickException(str(e)) from None

@@ -36,6 +36,7 @@ class TextDemoConfig:
     policy: str = "kv-aware"
     model: str = "tiny"
     host_kv_memory: int = 0  # bytes of host tier per worker (--host-kv-memory); 0: none
+    node_tier_memory: int = 0  # bytes of the manager's node tier the workers share (--node-tier-memory); 0: none
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.max_inflight < 1 or self.kv_blocks < 8:
@@ -62,8 +63,10 @@ def host_tier_stats(manager: str) -> dict:
         pools = client.stats()["pools"]
     finally:
         client.close()
-    return {name: {k: p.get(k, 0) for k in ("hit_tokens", "host_hit_tokens", "lookup_tokens", "host_num_blocks",
-                                            "host_cached_blocks", "host_saves", "host_loads")}
+    return {name: {**{k: p.get(k, 0) for k in ("hit_tokens", "host_hit_tokens", "lookup_tokens", "host_num_blocks",
+                                               "host_cached_blocks", "host_saves", "host_loads",
+                                               "node_host_hit_tokens", "node_disk_hit_tokens")},
+                   "node": "node_hit_tokens" in p}
             for name, p in sorted(pools.items())}
 
 
@@ -82,7 +85,8 @@ def run_text_demo(cfg: TextDemoConfig, progress: bool = True) -> dict:
     t0 = time.monotonic()
     previous = _quiet_on_interrupt()
     try:
-        manager = cluster.manager()
+        node = ("--node-tier-memory", str(cfg.node_tier_memory), "--node-tier-dir", cluster.dir)
+        manager = cluster.manager("manager", *(node if cfg.node_tier_memory else ()))
         for k in range(cfg.num_workers):
             cluster.worker(manager, f"demo-{k}", model=cfg.model, kv_blocks=cfg.kv_blocks,
                            max_model_len=cfg.max_model_len, seed=cfg.trace.seed,
@@ -99,7 +103,7 @@ def run_text_demo(cfg: TextDemoConfig, progress: bool = True) -> dict:
         results, elapsed = asyncio.run(drive(fd.url, cfg.model, trace, max_inflight=cfg.max_inflight,
                                              progress=progress))
         out = report(cfg, trace, results, elapsed, fd)
-        if cfg.host_kv_memory:
+        if cfg.host_kv_memory or cfg.node_tier_memory:
             out["host_tier"] = host_tier_stats(manager)
         return out
     finally:
@@ -168,11 +172,22 @@ def format_report(r: dict) -> str:
                      f"{p['peak_running']} running (static max-length preallocation: {p['static_blocks']} blocks, "
                      f"{ratio:.1f}x); {p['preemptions']} preemptions")
     for name, t in r.get("host_tier", {}).items():
-        look = t["lookup_tokens"] or 1
-        lines.append(f"pool {name:<10} host tier {t['host_cached_blocks']}/{t['host_num_blocks'] - 1} blocks cached; "
-                     f"hits {(t['hit_tokens'] - t['host_hit_tokens']) / look:.1%} device + "
-                     f"{t['host_hit_tokens'] / look:.1%} host; {t['host_saves']} saves, {t['host_loads']} loads")
+        lines.append(tier_line(name, t))
     return "\n".join(lines + ["", *EXPLAIN])
+
+
+def tier_line(name: str, t: dict) -> str:
+    """A pool's hits by tier (and by node-tier level, with a node tier)."""
+    look = t["lookup_tokens"] or 1
+    node = t["node_host_hit_tokens"] + t["node_disk_hit_tokens"]
+    device = t["hit_tokens"] - t["host_hit_tokens"] - node
+    held = f"host tier {t['host_cached_blocks']}/{t['host_num_blocks'] - 1} blocks cached; " if t["host_num_blocks"] else ""
+    if not t["node"]:
+        return (f"pool {name:<10} {held}hits {device / look:.1%} device + {t['host_hit_tokens'] / look:.1%} host; "
+                f"{t['host_saves']} saves, {t['host_loads']} loads")
+    return (f"pool {name:<10} {held}hits {device / look:.1%} device + {t['host_hit_tokens'] / look:.1%} host + "
+            f"{t['node_host_hit_tokens'] / look:.1%} node host + {t['node_disk_hit_tokens'] / look:.1%} node disk; "
+            f"{t['host_saves']} host saves, {t['host_loads']} host loads")
 
 
 EXPLAIN = [
@@ -186,4 +201,6 @@ EXPLAIN = [
     "  preemptions         requests paused and recomputed later because their pool ran out of free blocks",
     "  host tier           (--host-kv-memory) blocks evicted from the device kept in host memory: hits by tier,",
     "                      device blocks saved to host and prefix blocks loaded back instead of recomputed",
+    "  node host/disk      (--node-tier-memory) the manager's node tier both workers share: a prefix one",
+    "                      worker computed, loaded by the other instead of recomputed",
 ]

@@ -10,6 +10,7 @@ from collections.abc import Callable, Container
 from typing import TYPE_CHECKING
 
 from kvpool.manager.core.block_pool import InvariantBroken
+from kvpool.manager.core.node_tier import NodeTier
 from kvpool.manager.core.pool import NODE_LEVELS, Pool
 from kvpool.manager.health import pool_health
 from kvpool.manager.ops import Call, op
@@ -47,6 +48,12 @@ def pool_summary(entry: PoolEntry, sessions: Container[str]) -> PoolSummary:
                        host.num_blocks if host is not None else None, host.policy if host is not None else None)
 
 
+def node_summary(layout: str | None, tier: NodeTier) -> dict:
+    """The node tier a pool shares (``pools``): its layout, and per level cached / slots."""
+    return {"node_layout": layout, **{f"node_{name}": [len(lv.blocks.cached), lv.num_blocks - 1]
+                                      for name, lv in tier.levels.items()}}
+
+
 def flag(args: dict, key: str) -> bool:
     value = args.get(key, False)
     if type(value) is not bool:
@@ -73,6 +80,7 @@ class AdminOps:
                 cached_blocks=len(pool.blocks.cached) if pool else 0,
                 requests=len(pool.requests) if pool else 0,
                 **({"host_cached_blocks": len(pool.host.blocks.cached)} if pool and pool.host else {}),
+                **(node_summary(entry.node_layout, pool.node.tier) if pool and pool.node else {}),
                 shards=[{"rank": s.rank, "incarnation": s.incarnation, "num_blocks": s.num_blocks,
                          "num_kv_heads": s.spec.num_kv_heads, "session": live[s.sid].num if s.sid in live else None,
                          **({"host_num_blocks": s.host_num_blocks} if s.host_kv_bytes else {})}

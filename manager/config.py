@@ -149,6 +149,12 @@ class ManagerConfig:
             raise ValueError(f"node tier: {e}") from None
         if not self.node_tier_memory:
             return
+        if self.redis_url is not None:
+            # A snapshot does not carry the tier's index yet, and a recovery that replays a step
+            # against another index than the live one would admit other prefixes: refused, not
+            # half-durable (the journal alone would replay it exactly).
+            raise ValueError("the node tier is not persisted in Redis yet: run the manager with node_tier_memory "
+                             "or with redis_url, not both")
         if not os.path.isdir(self.node_tier_dir) or not os.access(self.node_tier_dir, os.W_OK):
             raise ValueError(f"node_tier_dir {self.node_tier_dir!r} must be a directory this user can write "
                              "(the host level's shared-memory files: /dev/shm, or a tmpfs mount)")

@@ -82,7 +82,7 @@ class Dispatcher:
         op = msg.get("op")
         spec = OPS.get(op) if type(op) is str else None
         if spec is None:
-            raise ManagerError("unknown_op", f"unknown op {short_repr(op, 40)}; known: {sorted(OPS)}")
+            raise ManagerError("unknown_op", f"unknown op {short_repr(op, 40)}; known: {', '.join(sorted(OPS))}")
         args = msg.get("args", {})
         if type(args) is not dict:
             raise ManagerError("bad_message", f"field 'args' must be a map, got {type(args).__name__}")

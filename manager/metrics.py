@@ -45,6 +45,20 @@ HOST_COUNTERS = (
     ("kvpool_pool_host_loads_total", "host_loads", "Host-to-device block loads ordered"),
     ("kvpool_pool_host_writes_total", "host_writes", "Device-to-host block writes ordered (write-through policy)"),
 )
+NODE_GAUGES = (  # per node-tier layout and level (manager/node_tiers.py)
+    ("kvpool_node_tier_blocks_total", "num_blocks", "Slots of the level (slot 0 included)"),
+    ("kvpool_node_tier_blocks_cached", "cached_blocks", "Block hashes the level holds"),
+    ("kvpool_node_tier_blocks_retained", "retained_blocks", "Of those, kept by retention pins"),
+)
+NODE_COUNTERS = (
+    ("kvpool_node_tier_hits_total", "hits", "Blocks served from the level (to a device, or prefetched up)"),
+    ("kvpool_node_tier_saves_total", "saves", "Blocks written into the level"),
+    ("kvpool_node_tier_saves_skipped_total", "saves_skipped", "Saves of a hash the level held already"),
+    ("kvpool_node_tier_saves_dropped_total", "saves_dropped", "Saves with every slot referenced (not kept)"),
+    ("kvpool_node_tier_save_failures_total", "save_failures", "Saves the worker reported failed (full disk, I/O)"),
+    ("kvpool_node_tier_loads_total", "loads", "Orders reading the level"),
+    ("kvpool_node_tier_verify_failures_total", "verify_failures", "Loads that did not verify (recomputed, never served)"),
+)
 MANAGER_COUNTERS = (
     ("kvpool_messages_total", "messages", "Request payloads received (bad ones included)"),
     ("kvpool_replies_total", "replies", "Replies handed to the socket"),
@@ -103,6 +117,7 @@ def render(reg: Registry, stats: ServerStats, uptime_s: float, externals: list[d
     for kind, table in (("gauge", HOST_GAUGES), ("counter", HOST_COUNTERS)):
         for metric, key, help_text in table if tiered else ():
             parts.append(family(metric, kind, help_text, [({"pool": n}, s[key]) for n, s in tiered]))
+    parts += node_families(reg, ready)
     for metric, attr, help_text in MANAGER_COUNTERS:
         parts.append(family(metric, "counter", help_text, [({}, getattr(stats, attr))]))
     parts.append(family("kvpool_ops_total", "counter", "Valid requests by op",
@@ -121,6 +136,27 @@ def render(reg: Registry, stats: ServerStats, uptime_s: float, externals: list[d
             parts.append(family(metric, "counter", help_text,
                                 [({"pool": r["name"]}, r.get(key, 0)) for r in externals]))
     return "".join(parts)
+
+
+def node_families(reg: Registry, ready: list[tuple[str, dict]]) -> list[str]:
+    """The node tiers' metrics, by layout and level, and each pool's tokens served from them."""
+    if reg.node is None:
+        return []
+    usage = reg.node.usage()
+    rows = [(layout, name, u[name]) for layout, u in usage.items() for name in ("host", "disk") if name in u]
+    parts = [family("kvpool_node_tier_batches", "gauge", "Batches of copy orders given out and not yet reported",
+                    [({"layout": layout}, u["batches"]) for layout, u in usage.items()])]
+    for kind, table in (("gauge", NODE_GAUGES), ("counter", NODE_COUNTERS)):
+        for metric, key, help_text in table:
+            parts.append(family(metric, kind, help_text, [({"layout": la, "level": lv}, s[key]) for la, lv, s in rows]))
+    parts.append(family("kvpool_node_tier_removed_total", "counter", "Hashes that left the level, by why",
+                        [({"layout": la, "level": lv, "reason": r}, n) for la, lv, s in rows
+                         for r, n in sorted(s["removed"].items())]))
+    tiered = [(n, s) for n, s in ready if "node_hit_tokens" in s]
+    parts.append(family("kvpool_pool_node_hit_tokens_total", "counter", "Prompt tokens a pool took from the node tier",
+                        [({"pool": n, "level": lv}, s[f"node_{lv}_hit_tokens"]) for n, s in tiered
+                         for lv in ("host", "disk")]))
+    return parts
 
 
 class ManagerMetrics:

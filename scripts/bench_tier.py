@@ -24,8 +24,14 @@ Each configuration runs --repeats times, interleaved, on --threads torch threads
 the median tokens per CPU-second of each is reported. Targets (the default policy, demote): hit
 rate >= 2x device-only, tokens/s >= 1.3x, identical greedy output.
 
+Then the node tier (scripts/tier_stack.py): the stack (device only, + private host, + node host,
++ disk) on one trace, and two pools sharing the node tier (pool B's time to first token on a
+2k-token prefix pool A computed, against recomputing it). Targets: the full stack >= 2x device
+only's tokens/s, identical greedy output; pool B <= 0.5x the recompute's TTFT.
+
     python scripts/bench_tier.py            # small preset
     python scripts/bench_tier.py --quick    # tiny preset, fewer rounds
+    python scripts/bench_tier.py --only stack,share
     python scripts/bench_tier.py --json
 """
 
@@ -37,6 +43,7 @@ import os
 import random
 import time
 
+import tier_stack
 import torch
 
 from kvpool.worker.block_manager import LocalBlockManager
@@ -161,9 +168,50 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each configuration (median tokens/CPU-s)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--only", default="policies,stack,share",
+                    help="comma-separated parts: policies (the host tier's), stack, share (the node tier's)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    parts = set(args.only.split(","))
+    if "policies" in parts:
+        policies(args)
+    if "stack" in parts:
+        stack(args)
+    if "share" in parts:
+        r = tier_stack.shared_ttft("small", 1024 if args.quick else 2048, args.repeats, PRESETS["small"].vocab_size)
+        print(json.dumps({"share": r}, indent=2) if args.json else "", end="")
+        if not args.json:
+            tier_stack.report_share(r)
+
+
+def stack(args: argparse.Namespace) -> None:
+    model = "tiny" if args.quick else "small"
+    prefixes, prefix_blocks, rounds = (9, 6, 3) if args.quick else (8, 12, 3)
+    set_blocks = prefixes * prefix_blocks
+    device = max(set_blocks // 3, 2 * (prefix_blocks + 2))
+    prompts = tier_stack.stack_trace(prefixes, prefix_blocks, rounds, PRESETS[model].vocab_size)
+    plan = tier_stack.stack_configs(device, set_blocks)
+    tier_stack.serve_stack(model, prompts[:4], device, 0, 0, 0, 4, run_waves)  # first forwards: not timed
+    runs: dict[str, list[dict]] = {k: [] for k in plan}
+    for _ in range(args.repeats):
+        for k, (host, node_host, disk) in plan.items():
+            runs[k].append(tier_stack.serve_stack(model, prompts, device, host, node_host, disk, 4, run_waves))
+    want = runs["device only"][0]["outputs"]
+    identical = {k: all(r.pop("outputs") == want for r in rs) for k, rs in runs.items()}
+    median = {k: sorted(rs, key=lambda r: r["tokens_per_cpu_s"])[len(rs) // 2] for k, rs in runs.items()}
+    if args.json:
+        print(json.dumps({"stack": median, "identical": identical}, indent=2))
+        return
+    h, nh, d = plan["+ disk"]
+    tier_stack.report_stack(f"the stack, model {model}: {prefixes} prefixes x {prefix_blocks} blocks ({set_blocks} "
+                            f"blocks, {set_blocks / device:.1f}x the device pool of {device}) in {rounds} rounds of "
+                            f"random order; private host {h}, node host {nh}, disk {d} blocks; hit rate by level "
+                            f"(dev, host: the private tier; n-host, n-disk: the node tier's); load average "
+                            f"{os.getloadavg()[0]:.1f}", median, identical)
+
+
+def policies(args: argparse.Namespace) -> None:
     model = "tiny" if args.quick else "small"
     prefixes, prefix_blocks, rounds = (9, 6, 2) if args.quick else (8, 12, 3)
     set_blocks = prefixes * prefix_blocks

@@ -39,12 +39,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1: off; logits of prompt and output tokens divided (> 0) or multiplied
     min_p: float = 0.0  # 0: off; drop tokens below min_p times the top token's probability
-    stop_token_ids: tuple[int, ...] = ()  # end the sample (finish reason "stop"), EOS aside
-    logprobs: int | None = None  # None: none; k: the sampled token's and the top k alternatives
-    stop: tuple[str, ...] = ()  # stop strings: applied to text by the front door and the offline LLM
     # vLLM's request priority (lower is more important): the node tier keeps the blocks of the more
     # important requests longer (manager/core/node_level.py); the worker schedules FCFS regardless
     priority: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # end the sample (finish reason "stop"), EOS aside
+    logprobs: int | None = None  # None: none; k: the sampled token's and the top k alternatives
+    stop: tuple[str, ...] = ()  # stop strings: applied to text by the front door and the offline LLM
 
     def __post_init__(self) -> None:
         """Every field's type and range (bools are not ints, ints are not floats here: a client

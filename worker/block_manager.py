@@ -40,6 +40,7 @@ def spec_num_blocks(spec: KVSpec, available_kv_bytes: int) -> int:
 
 class BlockManager(Protocol):
     pool: str
+    node_tier_capable: bool  # a node tier may come with registration (the engine then offers its model)
 
     def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0,
                  host_kv_policy: str = "demote", node_model: str | None = None) -> dict: ...
@@ -76,6 +77,7 @@ class LocalBlockManager:
         # a node tier shared with other in-process pools (tests, benchmarks): its bookkeeping and
         # where its stores live, as the daemon's registration hands them out
         self.node_tier = node_tier
+        self.node_tier_capable = node_tier is not None
         self._pool: Pool | None = None
         self._batches = itertools.count(1)
 
@@ -171,6 +173,7 @@ class RemoteBlockManager:
         self.replace = replace  # take the shard over from a live session (the first registration only)
         self.epoch = 0
         self._fresh_session = False
+        self.node_tier_capable = True  # the manager decides (it may run none)
 
     def register(self, spec: KVSpec, available_kv_bytes: int, host_kv_bytes: int = 0,
                  host_kv_policy: str = "demote", node_model: str | None = None) -> dict:

@@ -107,8 +107,11 @@ class Engine:
         """(Re-)registers with the manager; allocates the KV tensors when their size changes."""
         if self.tp is not None:
             self.tp.register()  # the other shards register alongside: the pool needs them all
-        info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes, self.host_kv_policy,
-                                node_model=self.node_model)
+        if self.node_model is not None and getattr(self.bm, "node_tier_capable", False):
+            info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes, self.host_kv_policy,
+                                    node_model=self.node_model)
+        else:  # the call as before the node tier
+            info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes, self.host_kv_policy)
         num_blocks = int(info["num_blocks"])
         self.host_num_blocks = int(info.get("host_num_blocks", 0))
         check_fits(num_blocks, self.block_size, self.scheduler.max_model_len)

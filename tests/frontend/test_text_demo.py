@@ -96,3 +96,23 @@ def test_kvpool_demo_with_a_host_tier_reports_hits_by_tier() -> None:
     assert [t[0] for t in tiers] == ["demo-0", "demo-1"], out.output
     assert sum(int(t[4]) for t in tiers) > 0 and sum(int(t[5]) for t in tiers) > 0
     assert sum(float(t[3]) for t in tiers) > 0  # prompt tokens served by loads from host memory
+
+
+@pytest.mark.slow
+def test_kvpool_demo_with_a_node_tier_reports_hits_by_level():
+    """Two workers sharing the manager's node tier: the report splits each pool's hits by level,
+    and a tenant's prefix one worker computed is loaded by the other at least once."""
+    import re
+
+    from click.testing import CliRunner
+
+    from kvpool.cli.main import cli
+
+    assert "--node-tier-memory" in CliRunner().invoke(cli, ["demo", "--help"]).output
+    out = CliRunner().invoke(cli, ["demo", "--requests", "40", "--tenants", "4", "--max-inflight", "4",
+                                   "--kv-blocks", "40", "--node-tier-memory", "8MiB"])
+    assert out.exit_code == 0, out.output
+    levels = re.findall(r"pool (demo-\d) +hits ([\d.]+)% device \+ ([\d.]+)% host \+ ([\d.]+)% node host \+ "
+                        r"([\d.]+)% node disk", out.output)
+    assert [lv[0] for lv in levels] == ["demo-0", "demo-1"], out.output
+    assert sum(float(lv[3]) for lv in levels) > 0, out.output  # prompt tokens loaded from the node tier

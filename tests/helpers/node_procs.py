@@ -59,6 +59,24 @@ def worker_stats(endpoint: str) -> dict:
         client.close()
 
 
+class Admin:
+    """Admin calls, each in a session of its own: the cluster's short session timeout (for the
+    kill test) would expire one kept idle between calls."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+
+    def call(self, op: str, **args: object) -> dict:
+        client = ManagerClient(self.endpoint, role="admin", timeout_s=30.0)
+        try:
+            return client.call(op, **args)
+        finally:
+            client.close()
+
+    def stats(self) -> dict:
+        return self.call("stats")
+
+
 class NodeCluster:
     """A manager with a node tier (host level under ``tmp/shm``, disk level under ``tmp/disk``)
     and workers started one by one."""
@@ -73,7 +91,6 @@ class NodeCluster:
                      "--session-timeout", str(session_timeout_s)]
         self.endpoint = self.cluster.manager("manager", *self.args)
         self.eps: dict[str, str] = {}
-        self._admin: ManagerClient | None = None
 
     def worker(self, pool: str, fsize_limit: int | None = None, **kw: object) -> str:
         """Starts a worker of pool ``pool`` and waits for it; ``fsize_limit``: the most bytes it
@@ -103,16 +120,11 @@ class NodeCluster:
     def restart_manager(self) -> None:
         """SIGKILL, then the same manager (no persistent store: it starts empty)."""
         self.cluster.kill("manager")
-        if self._admin is not None:
-            self._admin.close()
-            self._admin = None
         self.cluster.manager("manager", *self.args)
 
     @property
-    def admin(self) -> ManagerClient:
-        if self._admin is None:
-            self._admin = ManagerClient(self.endpoint, role="admin", timeout_s=30.0)
-        return self._admin
+    def admin(self) -> Admin:
+        return Admin(self.endpoint)
 
     def tier(self) -> dict:
         (usage,) = self.admin.stats()["manager"]["node_tiers"].values()
@@ -141,6 +153,4 @@ class NodeCluster:
         return out
 
     def stop(self) -> None:
-        if self._admin is not None:
-            self._admin.close()
         self.cluster.stop()

@@ -164,7 +164,7 @@ def test_admin_ops_without_a_key_are_open_to_everyone():
     srv, sid = ready_server()
     assert {name for name, (_, _, admin) in OPS.items() if admin} == {
         "pools", "sessions", "requests", "reset_cache", "evict", "drain", "shutdown", "check", "cached_hashes",
-        "drop_pool", "attach", "detach"}
+        "drop_pool", "attach", "detach", "pin", "unpin", "pins"}
     ok(call(srv, "step", sid, pool="p", epoch=1, ops=[alloc(1, 32)]))
     assert call(srv, "reset_cache", sid, pool="p")["status"] == "in_use"
     assert ok(call(srv, "sessions", sid))["sessions"][0]["requests"] == 1

@@ -155,3 +155,22 @@ def test_the_config_says_what_to_change(tmp_path):
         ManagerConfig(node_tier_memory=1 << 20, node_tier_policy="lru")
     with pytest.raises(ValueError, match="must be a directory"):
         ManagerConfig(node_tier_memory=1 << 20, node_tier_dir=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="not persisted in Redis yet"):
+        ManagerConfig(node_tier_memory=1 << 20, redis_url="redis://127.0.0.1:6379/0")
+
+
+def test_prometheus_renders_the_levels_and_the_pools_hits_by_level(srv):
+    from kvpool.manager.metrics import render
+    from kvpool.shared.metrics import parse_text
+
+    sid, _ = join(srv, "a")
+    hashes = hash_blocks(list(range(9)), 4)
+    step(srv, sid, "a", [{"op": "alloc", "req": 1, "hashes": hashes, "prompt_len": 9, "max_new": 9}])
+    ok(call(srv, "node_done", sid, pool="a", reports=[{"batch": 7}]))
+    text = render(srv.registry, srv.stats, 1.0)
+    samples = parse_text(text)
+    layout = next(iter(srv.registry.node.tiers))
+    assert samples[("kvpool_node_tier_saves_total", (("layout", layout), ("level", "host")))] == 2
+    assert samples[("kvpool_node_tier_blocks_cached", (("layout", layout), ("level", "host")))] == 2
+    assert samples[("kvpool_node_tier_batches", (("layout", layout),))] == 0
+    assert samples[("kvpool_pool_node_hit_tokens_total", (("level", "disk"), ("pool", "a")))] == 0

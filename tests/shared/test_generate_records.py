@@ -55,7 +55,7 @@ def as_doc(value: object) -> str:
 
 def test_section_12_documents_every_sampling_parameter_with_its_default():
     wire = [f for f in fields(SamplingParams) if f.name not in TEXT_ONLY]
-    assert len(wire) == 14  # the 12 of the first version, repetition_penalty and min_p
+    assert len(wire) == 15  # the 12 of the first version, repetition_penalty, min_p and priority
     assert doc_params() == [(f.name, as_doc(f.default)) for f in wire]
 
 

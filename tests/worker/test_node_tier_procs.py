@@ -6,13 +6,16 @@ the disk level still there) ends in recompute with the same greedy output, never
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import time
 
 import pytest
 from helpers.node_procs import NodeCluster, generate, hashes, prompt_of, truth, worker_stats
 
 from kvpool.client.generate import GenerateClient
+from kvpool.shared.procs import CLI
 
 pytestmark = pytest.mark.slow
 N = 8  # tokens generated
@@ -102,3 +105,33 @@ def test_a_worker_killed_mid_save_and_a_restarted_manager_leave_nothing_loadable
     assert generate(c, p, N) == truth(p, N)
     assert nodes.pool("c")["node_hit_tokens"] == 0
     assert generate(b, p, N) == truth(p, N)  # b re-registered with the new manager and serves on
+
+
+def test_operators_see_the_levels_and_pin_through_the_cli(nodes, tmp_path):
+    a, b = nodes.worker("a"), nodes.worker("b")
+    p = prompt_of(96, 40)
+    assert generate(a, p, N) == truth(p, N)
+    nodes.settled()
+    assert generate(b, p, N) == truth(p, N)
+
+    def cli(*args: str) -> str:
+        out = subprocess.run([*CLI, *args, "-m", nodes.endpoint], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    stats = cli("stats")
+    assert "node tiers:" in stats and "HITS device/host/node-host/node-disk" in stats
+    b_row = next(line for line in stats.splitlines() if line.startswith("b "))
+    assert "0.0%/0.0%/83.3%/0.0%" in b_row  # 80 of b's 96 prompt tokens from the node tier's host level
+    assert "NODE_CACHED" in cli("pools")
+    pools = json.loads(cli("pools", "--json"))
+    assert {r["pool"]: r["node_host"][0] for r in pools} == {"a": 6, "b": 6}
+    (tmp_path / "prompt.json").write_text(json.dumps(p))
+    pin = json.loads(cli("pin", "--pool", "b", "--prompt-file", str(tmp_path / "prompt.json"), "--ttl", "1h", "--json"))
+    assert pin["num_hashes"] == 6 and pin["device_blocks"] == 6 and 3590 < pin["remaining_s"] <= 3600
+    assert [r["pin_id"] for r in json.loads(cli("pins", "--json"))["pins"]] == [pin["pin_id"]]
+    assert nodes.tier()["host"]["retained_blocks"] == 6
+    cli("unpin", str(pin["pin_id"]))
+    assert json.loads(cli("pins", "--json"))["pins"] == [] and nodes.tier()["host"]["retained_blocks"] == 0
+    metrics = nodes.admin.stats()  # the same counters Prometheus renders (manager/metrics.py)
+    assert metrics["pools"]["b"]["node_host_hit_tokens"] == 80
