@@ -71,25 +71,23 @@ class ManagerLink:
 
     def _call(self, op: str, **args: object) -> dict:
         """One op on the layout's tier; ManagerError when there is no answer to use (the link
-        then rests ``retry_s``). A restarted manager or a lost session gets one new join."""
+        then rests ``retry_s``)."""
         self.stats.calls += 1
         try:
-            for attempt in (0, 1):
-                try:
-                    info = self._join()
-                    return self._client.call(op, layout=info.layout, **args)  # type: ignore[union-attr]
-                except ManagerRestarted:
-                    self.info = None
-                    if attempt:
-                        raise
-                except ManagerError as e:
-                    if e.code != "unknown_layout" or attempt:
-                        raise
-                    self.info = None
-            raise AssertionError("unreachable")
+            try:
+                return self._joined_call(op, args)
+            except ManagerError as e:
+                if not isinstance(e, ManagerRestarted) and e.code != "unknown_layout":
+                    raise
+            self.info = None  # a restarted manager, a lost session: one new join
+            return self._joined_call(op, args)
         except ManagerError as e:
             self._fail(op, e)
             raise
+
+    def _joined_call(self, op: str, args: dict) -> dict:
+        layout = self._join().layout
+        return self._client.call(op, layout=layout, **args)  # type: ignore[union-attr]
 
     def _join(self) -> NodeTierInfo:
         if self.info is None:

@@ -7,11 +7,14 @@ back (a failed load recomputed) saves those blocks again; a manager that is gone
 
 from __future__ import annotations
 
+import re
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from kvpool.integrations.vllm.link import ManagerLink
-from kvpool.integrations.vllm.records import NodeStepReport
+from kvpool.integrations.vllm.records import ConnectorSettings, NodeStepReport
 from kvpool.integrations.vllm.scheduler import KvpoolScheduler
 from kvpool.shared.hashing import hash_blocks
 from kvpool.shared.node_orders import Load, Save
@@ -96,3 +99,12 @@ def test_a_missing_manager_costs_one_timeout_then_nothing_until_it_is_back(live_
     m = live_server(node_tier_memory=1 << 20, node_tier_dir=str(tmp_path))
     time.sleep(1.1)
     assert m.endpoint == endpoint and s.lookup(req, 0) == 0 and s.link.info is not None  # joined
+
+
+def test_the_extra_config_is_checked_with_what_to_write():
+    assert ConnectorSettings.from_extra({"manager": "ipc:///tmp/m.sock", "timeout_s": 1}).timeout_s == 1
+    for extra, says in (({}, '"manager": the kvpool manager'), ({"manager": "localhost:5555"}, "tcp://HOST:PORT"),
+                        ({"manager": "ipc:///m", "retry": 3}, "unknown keys ['retry']"),
+                        ({"manager": "ipc:///m", "timeout_s": 0}, "seconds in (0, 3600]")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            ConnectorSettings.from_extra(extra)
