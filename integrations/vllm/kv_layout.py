@@ -54,16 +54,37 @@ def block_view(cache: torch.Tensor, kind: str, block_size: int, num_kv_heads: in
 
 def gather(views: Sequence[torch.Tensor], blocks: Sequence[int]) -> torch.Tensor:
     """vLLM ``blocks`` as contiguous CPU node-tier blocks ``[n, layers, 2, N, H, D]``."""
+    if views[0].device.type == "cpu":
+        out = torch.empty((len(blocks), len(views), *views[0].shape[1:]), dtype=views[0].dtype)
+        dst = _np(out)
+        for layer, v in enumerate(views):
+            src = _np(v)
+            for i, b in enumerate(blocks):
+                dst[i, layer] = src[b]  # numpy: a strided copy on this thread
+        return out
     idx = torch.tensor(list(blocks), dtype=torch.int64, device=views[0].device)
-    out = torch.stack([v.index_select(0, idx) for v in views], dim=1)  # [n, L, 2, N, H, D]
-    return out.to("cpu").contiguous()
+    return torch.stack([v.index_select(0, idx) for v in views], dim=1).to("cpu").contiguous()
 
 
-def scatter(views: Sequence[torch.Tensor], blocks: Sequence[int], data: torch.Tensor) -> None:
-    """Writes node-tier blocks ``data`` ``[n, layers, 2, N, H, D]`` into vLLM ``blocks``."""
+def scatter(views: Sequence[torch.Tensor], blocks: Sequence[int], data: Sequence[torch.Tensor]) -> None:
+    """Writes node-tier blocks ``data`` (each ``[layers, 2, N, H, D]``, on the CPU) into vLLM
+    ``blocks``."""
     if not len(blocks):
         return
+    if views[0].device.type == "cpu":
+        for layer, v in enumerate(views):
+            dst = _np(v)
+            for b, block in zip(blocks, data):
+                dst[b] = _np(block)[layer]
+        return
     idx = torch.tensor(list(blocks), dtype=torch.int64, device=views[0].device)
-    moved = data.to(views[0].device)
+    moved = torch.stack(list(data)).to(views[0].device)
     for layer, v in enumerate(views):
         v[idx] = moved[:, layer]
+
+
+def _np(t: torch.Tensor):
+    """A numpy view of a CPU tensor's memory (bfloat16 as int16: numpy has no bfloat16). The
+    copies go through numpy because torch's CPU copies run on its thread pool, which on a loaded
+    machine spin-waits for cores vLLM's own threads need (worker/node_store.py measured 100x)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()

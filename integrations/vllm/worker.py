@@ -117,7 +117,7 @@ class KvpoolWorker:
                 failed.append(o)
                 self._failure(o, f)
         if staged:
-            scatter(self.views, [b for b, _ in staged], torch.stack([t for _, t in staged]))
+            scatter(self.views, [b for b, _ in staged], [t for _, t in staged])
             self._count("loaded_blocks", len(staged))
         return failed
 

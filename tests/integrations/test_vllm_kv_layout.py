@@ -57,7 +57,7 @@ def test_a_block_moves_between_the_cpu_and_the_gpu_layouts_unchanged():
     before = [k.clone() for _, k, _ in layers_dst]
     blocks = gather(src, [5, 2])
     assert blocks.shape == (2, 2, 2, N, H, D) and blocks.is_contiguous()  # [n, layers, 2, N, H, D]
-    scatter(dst, [1, 6], blocks)
+    scatter(dst, [1, 6], list(blocks))
     for (_, k_src, v_src), (_, k_dst, v_dst), k_before in zip(layers_src, layers_dst, before):
         for s, d in ((5, 1), (2, 6)):
             torch.testing.assert_close(k_dst[d], k_src[s], rtol=0, atol=0)
