@@ -79,12 +79,13 @@ class KvpoolScheduler:
 
     def lookup(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` (vLLM's own, block-aligned) the tier brings up."""
+        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+            self.reqs.pop(request.request_id, None)  # neither loaded nor saved: its keys are not its token ids
+            return 0
         st = self.reqs.get(request.request_id)
         if st is None or st.request is not request:
             st = self.reqs[request.request_id] = _Req(request)
         st.local, st.promised = num_computed_tokens // self.block_size, 0
-        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
-            return 0
         limit = (request.num_tokens - 1) // self.block_size  # the last token's block is computed
         if limit <= st.local or not self.link.usable():
             return 0

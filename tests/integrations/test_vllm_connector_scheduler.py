@@ -67,6 +67,10 @@ def test_one_servers_saves_are_found_and_held_by_another(live_server, tmp_path):
     assert b.lookup(request("y", TOKENS[:16]), 0) == 3 * BS  # the last token's block is computed
     assert b.lookup(req_b, 2 * BS) == 2 * BS  # after the blocks vLLM holds itself
     assert b.lookup(request("z", salt="tenant"), 0) == 0  # another tenant's chain
+    image = request("i")
+    image.mm_features = [object()]
+    assert b.lookup(image, 0) == 0  # an image's placeholder tokens are not its key: never loaded
+    assert b.plan(new_step("i", [31, 32, 33, 34, 35], 0, 18)).save is None  # nor saved
     b.lookup(req_b, BS)
     b.allocated(req_b, [21, 22, 23, 24, 25], 3 * BS)
     (job,) = b.plan(new_step("x", [21, 22, 23, 24, 25], 4 * BS, 2)).loads
