@@ -21,6 +21,7 @@ from kvpool.cli.common import (
     emit,
     table,
 )
+from kvpool.cli.external import human_row
 from kvpool.cli.layered import explicit_flags, load_service, manager_ops_options, summary
 from kvpool.cli.node_view import hits_by_level, print_node_tiers
 from kvpool.client.retry import RetryPolicy
@@ -141,7 +142,8 @@ def health_problems(stats_body: dict, required: tuple[str, ...] = ()) -> list[st
 @client_options
 def pools(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool) -> None:
     """Pools with their epoch, shards and block usage."""
-    rows = ask(endpoint, timeout_s, admin_key, "pools")["pools"]
+    body = ask(endpoint, timeout_s, admin_key, "pools")
+    rows, externals = body["pools"], body.get("externals", [])
     for r in rows:
         summary = PoolSummary.from_wire(r)
         r["shards_up"] = f"{summary.registered}/{summary.shard_count}"
@@ -162,7 +164,15 @@ def pools(endpoint: str, timeout_s: float, admin_key: str | None, as_json: bool)
             r["node_levels"] = " ".join(f"{lv} {r[f'node_{lv}'][0]}/{r[f'node_{lv}'][1]}" for lv in ("host", "disk")
                                         if f"node_{lv}" in r) or "-"
         cols += [("NODE_TIER", "node"), ("NODE_CACHED", "node_levels")]
-    emit(rows, as_json, lambda: table(rows, cols))
+
+    def human() -> None:
+        table(rows, cols)
+        if externals:  # attached vLLM servers (kvpool externals has the rest)
+            click.echo()
+            table([human_row(r) for r in externals],
+                  [("EXTERNAL", "name"), ("MODEL", "model"), ("BLOCKS", "device_blocks"), ("RUNNING", "running"),
+                   ("WAITING", "waiting"), ("KV_USAGE", "kv"), ("HEALTH", "health")])
+    emit(rows, as_json, human)  # (--json: the pools; `kvpool externals --json` has the servers)
 
 
 @click.command("sessions")

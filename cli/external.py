@@ -47,9 +47,20 @@ def externals(endpoint: str, timeout_s: float, admin_key: str | None, as_json: b
     """Attached servers: their mirrors' blocks, batches, gaps, replays and staleness."""
     rows = ask(endpoint, timeout_s, admin_key, "externals")["externals"]
     for r in rows:
-        r["device_blocks"] = r["blocks"].get("GPU", 0)
-        r["health"] = "ok" if r["stale"] is None else f"stale: {r['stale']}"
+        human_row(r)
     cols = [("NAME", "name"), ("MODEL", "model"), ("URL", "url"), ("BLOCKS", "device_blocks"),
             ("BATCHES", "applied"), ("GAPS", "gaps"), ("REPLAYS", "replays"), ("LOST", "lost"),
-            ("HEALTH", "health")]
+            ("RUNNING", "running"), ("WAITING", "waiting"), ("KV_USAGE", "kv"), ("HEALTH", "health")]
     emit(rows, as_json, lambda: table(rows, cols))
+
+
+def human_row(r: dict) -> dict:
+    """An ``externals`` row's table cells: device blocks, health, the server's own load."""
+    r["device_blocks"] = r.get("blocks", {}).get("GPU", 0)
+    r["health"] = "ok" if r.get("stale") is None else f"stale: {r['stale']}"
+    if r.get("http"):
+        r["health"] += f"; /metrics: {r['http']}"
+    r.setdefault("running", "-")
+    r.setdefault("waiting", "-")
+    r["kv"] = f"{r['kv_usage']:.0%}" if isinstance(r.get("kv_usage"), (int, float)) else "-"
+    return r

@@ -7,6 +7,12 @@ request turns into a clean error) when its socket disconnects (the process died:
 monitor sees it at once), or when it stayed silent for ``silence_s`` while requests were open
 (it is pinged every ``PING_S`` meanwhile, and answers between steps).
 
+Nothing is dropped on the way out: a message the socket does not take now (ZeroMQ's pipe to a
+worker that reads slower than requests come, a burst, a paused worker) waits in the link's
+outbox and goes out in order as the pipe drains; requests and pings keep their order, which the
+pings' reconciliation relies on. (pyzmq's asyncio ``send`` never raises for a full pipe: its
+future holds the error, so a send that is not awaited loses the message silently.)
+
 CURVE (shared/curve.py): with ``curve`` keys the socket is a CURVE client of the worker. A
 handshake the worker refuses (it does not allow this key, this client runs no CURVE while the
 worker does, or the worker's public key is wrong) is seen at once by the socket monitor: the
@@ -21,6 +27,7 @@ import asyncio
 import logging
 import struct
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -81,12 +88,14 @@ class WorkerLink:
         self._submitted: dict[str, int] = {}
         self.last_heard = time.monotonic()
         self.lost: str | None = None
+        self._outbox: deque[bytes] = deque()  # what the socket did not take yet, in order
+        self._outbox_ready = asyncio.Event()
         if refused is None:
             self.sock.connect(endpoint)
         else:
             self.fail(refused)
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch()),
-                       asyncio.create_task(self._ping())]
+                       asyncio.create_task(self._ping()), asyncio.create_task(self._flush())]
 
     @property
     def running(self) -> int:
@@ -130,10 +139,26 @@ class WorkerLink:
             q.put_nowait(Lost(f"the worker at {self.endpoint} is gone ({self.lost})"))
 
     def _send(self, payload: bytes) -> None:
-        try:
-            self.sock.send(payload, zmq.NOBLOCK)
-        except zmq.Again:
-            self.fail("its socket does not take messages")
+        """Sends now, or queues behind what is already waiting (the order is the protocol's)."""
+        if not self._outbox:
+            sent = self.sock.send(payload, zmq.NOBLOCK)  # a done future: the error, if any, is in it
+            error = sent.exception() if sent.done() else None
+            if error is None:
+                return
+            if not isinstance(error, zmq.Again):
+                self.fail(f"its socket refused a message ({error})")
+                return
+        self._outbox.append(payload)
+        self._outbox_ready.set()
+
+    async def _flush(self) -> None:
+        """Sends the outbox in order, each message as soon as the pipe takes it."""
+        while True:
+            await self._outbox_ready.wait()
+            while self._outbox:  # not empty while a send waits: _send's fast path never overtakes it
+                await self.sock.send(self._outbox[0])
+                self._outbox.popleft()
+            self._outbox_ready.clear()
 
     async def _read(self) -> None:
         while True:

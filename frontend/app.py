@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -26,11 +27,12 @@ from starlette.requests import ClientDisconnect
 
 from kvpool.frontend.auth import APIKeyMiddleware
 from kvpool.frontend.body import BODY_TIMEOUT_S, read_json
-from kvpool.frontend.errors import APIError, WorkerLost
+from kvpool.frontend.errors import RETRY_AFTER_S, APIError, WorkerLost
 from kvpool.frontend.generation import Delta
-from kvpool.frontend.params import parse_request
+from kvpool.frontend.params import GenRequest, parse_request
 from kvpool.frontend.responses import ResponseBuilder, usage
-from kvpool.frontend.service import FrontDoor, Run
+from kvpool.frontend.run import Forward, Run
+from kvpool.frontend.service import FrontDoor
 from kvpool.frontend.tokenize_api import add_utility_routes
 from kvpool.shared.metrics import CONTENT_TYPE
 
@@ -126,6 +128,12 @@ async def _generate(fd: FrontDoor, request: Request, chat: bool):
             return reply
         req = parse_request(raw, chat)
         run = await fd.start_run(req)
+        if isinstance(run, Forward):  # a mixed fleet's vLLM server took it: the body goes there as it came
+            reply = await _forward(fd, run, req, raw, chat)
+            if isinstance(reply, Response):
+                fd.metrics.finished(endpoint, str(reply.status_code))
+                return reply
+            run = reply  # routed again, to a worker
     except ClientDisconnect:  # the client left before its whole body arrived: nothing started
         fd.metrics.finished(endpoint, "disconnected")
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
@@ -174,6 +182,21 @@ async def _collect(events: AsyncIterator[Delta], request: Request) -> list[Delta
 
 async def _drain(events: AsyncIterator[Delta]) -> list[Delta]:
     return [d async for d in events]
+
+
+async def _forward(fd: FrontDoor, fwd: Forward, req: GenRequest, raw: dict, chat: bool) -> Response | Run:
+    """Sends a mixed fleet's request to the vLLM server chosen for it; one that refuses the
+    connection is taken out and the request routed again: the reply, or the run on a worker."""
+    for _ in range(3):
+        try:
+            return await fd.proxy.send(fwd.decision, raw, chat, fwd.chain)
+        except httpx.ConnectError as e:
+            fd.proxy.failed(fwd.decision.worker, e)  # type: ignore[arg-type]
+        again = await fd.start_run(req)
+        if not isinstance(again, Forward):
+            return again
+        fwd = again
+    raise APIError(503, f"no server of {req.model!r} answered; retry shortly", None, "no_worker", RETRY_AFTER_S)
 
 
 def _usage(run: Run) -> dict:

@@ -3,7 +3,8 @@
 Every ``poll_s`` the directory asks each manager's ``workers`` op (PROTOCOL.md section 5) which
 ready pools announced a generate endpoint, opens a ``WorkerLink`` to each new endpoint and fails
 the open requests of a worker that dropped out (its session ended: killed, stopped, expired).
-``locate`` asks a manager how many leading blocks of a hash chain each of its pools holds.
+``locate_all`` asks a manager how many leading blocks of a hash chain each of its pools and
+attached vLLM servers holds.
 
 Manager calls are coroutines on the event loop (``AsyncManagerClient``, one call in flight per
 manager): no thread, and the loop never blocks on a manager.
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import zmq.asyncio
 
@@ -68,6 +70,7 @@ class External:
     block_size: int
     stale: str | None  # the manager's mirror of its cache is not exact: no prefix credit
     failed_at: float = 0.0  # monotonic time it last failed a request here (taken out a while)
+    polled: Polled | None = None  # its own /metrics as the manager last read it (None: not yet)
 
     @property
     def key(self) -> tuple[int, str]:
@@ -76,6 +79,41 @@ class External:
     def take_out(self, now: float) -> None:
         """It failed a request: no new one for a while (frontend/vllm_proxy.py TAKE_OUT_S)."""
         self.failed_at = now
+
+
+@dataclass(frozen=True)
+class Polled:
+    """An external server's load as its /metrics said (manager/external/probe.py), in this
+    process's monotonic time."""
+
+    at: float  # when the manager read it
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of its device blocks that running requests hold
+    num_blocks: int | None  # its device blocks
+
+    @staticmethod
+    def of_row(row: dict, now: float) -> Polled | None:
+        """From an ``externals`` row (None when the row has no load, or a malformed one)."""
+        try:
+            running, waiting, usage, age = row["running"], row["waiting"], row["kv_usage"], row["load_age_s"]
+            blocks = row.get("num_blocks")
+            if not all(type(v) is int and v >= 0 for v in (running, waiting)) or \
+                    not all(isinstance(v, (int, float)) for v in (usage, age)) or \
+                    (blocks is not None and (type(blocks) is not int or blocks <= 0)):
+                return None
+        except KeyError:
+            return None
+        return Polled(now - max(0.0, float(age)), running, waiting, min(1.0, max(0.0, float(usage))), blocks)
+
+
+@dataclass
+class Located:
+    """One manager's ``locate`` answer: leading cached blocks per pool and per attached server."""
+
+    pools: dict[str, int] = field(default_factory=dict)
+    external: dict[str, int] = field(default_factory=dict)  # in each server's device tier
+    external_cpu: dict[str, int] = field(default_factory=dict)  # after those, in its CPU tier
 
 
 class Directory:
@@ -131,14 +169,16 @@ class Directory:
                 logger.warning("manager %s: externals: %s", self.endpoints[i], e)
             return
         seen = set()
+        now = time.monotonic()
         for r in rows:
             key = (i, r["name"])
             seen.add(key)
             old = self.externals.get(key)
             if old is not None and (old.url, old.model) == (r["url"], r["model"]):
-                old.stale = r["stale"]
+                old.stale, old.polled = r["stale"], Polled.of_row(r, now)
                 continue
-            self.externals[key] = External(i, r["name"], r["model"], r["url"], r["block_size"], r["stale"])
+            self.externals[key] = External(i, r["name"], r["model"], r["url"], r["block_size"], r["stale"],
+                                           polled=Polled.of_row(r, now))
             self.changes += 1
             logger.info("external server %s serves %s at %s", r["name"], r["model"], r["url"])
         for key in [k for k in self.externals if k[0] == i and k not in seen]:
@@ -150,15 +190,16 @@ class Directory:
             out.setdefault(e.model, []).append(e)
         return out
 
-    async def locate_external(self, manager: int, hashes: list[bytes]) -> dict[str, int]:
-        """{attached server: leading cached blocks} at one manager ({} when it cannot say)."""
+    async def locate_all(self, manager: int, hashes: list[bytes]) -> Located:
+        """Where one manager's pools and attached servers hold the chain (empty when it cannot say)."""
         if not hashes:
-            return {}
+            return Located()
         try:
-            return (await self.clients[manager].call("locate", hashes=hashes)).get("external", {})
+            body = await self.clients[manager].call("locate", retry=True, hashes=hashes)
         except ManagerError as e:
             logger.warning("locate at %s failed: %s", self.endpoints[manager], e)
-            return {}
+            return Located()
+        return Located(body.get("pools") or {}, body.get("external") or {}, body.get("external_cpu") or {})
 
     async def _apply(self, i: int, wire_rows: list[dict]) -> None:
         seen = set()
@@ -209,16 +250,6 @@ class Directory:
         for w in self.workers.values():
             out.setdefault(w.model, []).append(w)
         return out
-
-    async def locate(self, manager: int, hashes: list[bytes]) -> dict[str, int]:
-        """{pool: leading cached blocks} at one manager ({} when it cannot be reached)."""
-        if not hashes:
-            return {}
-        try:
-            return await self.clients[manager].locate(hashes)
-        except ManagerError as e:
-            logger.warning("locate at %s failed: %s", self.endpoints[manager], e)
-            return {}
 
     async def close(self) -> None:
         if self._task is not None:

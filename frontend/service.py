@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from kvpool.frontend.chat_template import TemplateError
-from kvpool.frontend.directory import Directory, Worker
+from kvpool.frontend.directory import Directory, External, Located, Worker
 from kvpool.frontend.errors import RETRY_AFTER_S, APIError, bad_param, unavailable
-from kvpool.frontend.generation import Delta, PromptRun, Timing
+from kvpool.frontend.generation import PromptRun, Timing
 from kvpool.frontend.metrics import FrontDoorMetrics
 from kvpool.frontend.params import GenRequest
 from kvpool.frontend.router import Candidate, Decision, KVRouter
+from kvpool.frontend.run import Forward, Run, leading_in
 from kvpool.frontend.tokenizer import Tokenizer, load_tokenizer
 from kvpool.frontend.vllm_proxy import VLLMProxy
 from kvpool.shared.bind import check_connect
@@ -52,64 +52,6 @@ class FrontDoorConfig:
             raise ValueError(f"poll_s must be in [0.01, 60] seconds, got {self.poll_s}")
         if self.silence_s <= 0:
             raise ValueError(f"silence_s must be positive, got {self.silence_s}")
-
-
-def leading_in(chain: list[bytes], held: Mapping[bytes, int] | None) -> int:
-    """How many leading hashes of ``chain`` are in ``held`` (a hash names its whole prefix)."""
-    if not held:
-        return 0
-    n = 0
-    for h in chain:
-        if h not in held:
-            break
-        n += 1
-    return n
-
-
-class Run:
-    """The prompt runs of one HTTP request; ``events`` merges their deltas."""
-
-    def __init__(self, req: GenRequest, runs: list[PromptRun], prompt_tokens: int, timing: Timing) -> None:
-        self.req, self.runs, self.prompt_tokens, self.timing = req, runs, prompt_tokens, timing
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(r.completion_tokens for r in self.runs)
-
-    @property
-    def cached_tokens(self) -> int:
-        return sum(r.decision.hit_blocks * r.decision.worker.block_size for r in self.runs)
-
-    async def events(self) -> AsyncIterator[Delta]:
-        if len(self.runs) == 1:
-            async for d in self.runs[0].deltas():
-                yield d
-            return
-        q: asyncio.Queue = asyncio.Queue()
-
-        async def pump(run: PromptRun) -> None:
-            try:
-                async for d in run.deltas():
-                    q.put_nowait(d)
-                q.put_nowait(None)
-            except Exception as e:  # noqa: BLE001 (handed to the consumer)
-                q.put_nowait(e)
-
-        tasks = [asyncio.create_task(pump(r)) for r in self.runs]
-        try:
-            left = len(tasks)
-            while left:
-                item = await q.get()
-                if item is None:
-                    left -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class FrontDoor:
@@ -219,47 +161,57 @@ class FrontDoor:
                                           f"the context of {max_len} tokens: ask for at most {room}")
         return req.max_tokens
 
-    async def route(self, workers: list[Worker], ids: list[int], salt: str | None) -> tuple[Decision, list[bytes]]:
-        """The worker for one prompt, and the prompt's hash chain in that worker's block size
-        (empty unless the policy looks at caches)."""
-        hits: dict[tuple[int, str], int] = {}
+    async def route(self, workers: list[Worker], ids: list[int], salt: str | None,
+                    externals: list[External] = (), max_tokens: int = 16) -> tuple[Decision, list[bytes]]:
+        """The worker (or, in a mixed fleet, the attached vLLM server) for one prompt, and the
+        prompt's hash chain in its block size (empty unless the policy looks at caches)."""
+        located: dict[tuple[int, int], Located] = {}
         routed: dict[tuple[int, str], int] = {}
         chains: dict[int, list[bytes]] = {}
         if self.router.needs_locate:
-            by_manager: dict[tuple[int, int], list[Worker]] = {}
-            for w in workers:
-                by_manager.setdefault((w.manager, w.block_size), []).append(w)
-            for (m, bs), group in by_manager.items():
+            for m, bs in sorted({(x.manager, x.block_size) for x in [*workers, *externals]}):
                 full = (len(ids) - 1) // bs  # the block of the last prompt token is always recomputed
                 if not full:
                     continue
                 chain = chains.get(bs)
                 if chain is None:
                     chain = chains[bs] = hash_blocks(ids[: full * bs], bs, cache_salt=salt)
-                located = await self.directory.locate(m, chain)
-                for w in group:
-                    hits[w.key] = located.get(w.pool, 0)
+                located[(m, bs)] = await self.directory.locate_all(m, chain)
             if self.cfg.count_routed:  # after the last await: what was routed meanwhile counts too
                 for w in workers:
                     if w.block_size in chains:
                         routed[w.key] = leading_in(chains[w.block_size], self.routed.get(w.key))
-        full = (len(ids) - 1) // workers[0].block_size
-        cands = [Candidate(w, hits.get(w.key, 0), w.link.running, self.outstanding(w.key), routed.get(w.key, 0))
-                 for w in workers]
+        cands = [Candidate(w, (located.get((w.manager, w.block_size)) or Located()).pools.get(w.pool, 0),
+                           w.link.running, self.outstanding(w.key), routed.get(w.key, 0)) for w in workers]
+        cands += self.proxy.candidates(list(externals), located, chains, len(ids), max_tokens)
+        full = (len(ids) - 1) // cands[0].worker.block_size
         d = self.router.choose(cands, full)
         return d, chains.get(d.worker.block_size, [])
 
-    async def start_run(self, req: GenRequest) -> Run:
-        workers = self.workers(req.model)
+    async def start_run(self, req: GenRequest) -> Run | Forward:
+        """The request's prompt runs on workers; or, for a model that attached vLLM servers serve
+        too (a mixed fleet), the server the same cost chose for it (``Forward``: the caller
+        sends the body there). A request of several prompts runs on the workers only."""
+        externals = self.proxy.servers(req.model) if req.model in self.directory.external_models() else []
+        try:
+            workers = self.workers(req.model)
+        except APIError as e:
+            if e.status != 503 or not externals:
+                raise
+            workers = []  # no worker can take it now: the model's vLLM servers do
         tok = self.tokenizer(req.model)
-        max_len = min(w.max_model_len for w in workers)
+        max_len = min(w.max_model_len for w in workers or self.directory.models()[req.model])
         all_ids = await self.tokenize(req, tok, max_len)
         budgets = [self._budget(req, ids, max_len) for ids in all_ids]
+        if len(all_ids) > 1 and workers:
+            externals = []
         timing = Timing()
         run = Run(req, [], sum(len(i) for i in all_ids), timing)
         try:
             for k, (ids, budget) in enumerate(zip(all_ids, budgets)):
-                d, chain = await self.route(workers, ids, req.cache_salt)
+                d, chain = await self.route(workers, ids, req.cache_salt, externals, budget)
+                if isinstance(d.worker, External):
+                    return Forward(d, chain)
                 params = {**req.worker_params, "max_tokens": budget}
                 pr = PromptRun(tok, ids, d, n=req.n, first_index=k * req.n, stops=req.stop, params=params,
                                cache_salt=req.cache_salt, timing=timing,

@@ -24,20 +24,25 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from kvpool.frontend.directory import Directory, External
+from kvpool.frontend.directory import Directory, External, Located
 from kvpool.frontend.errors import RETRY_AFTER_S, APIError
-from kvpool.frontend.router import Candidate, KVRouter
+from kvpool.frontend.external_load import ExternalLoad, Sent
+from kvpool.frontend.router import Candidate, Decision, KVRouter
 from kvpool.frontend.tokenizer import Tokenizer
 from kvpool.shared.hashing import hash_blocks
 
 logger = logging.getLogger(__name__)
 TAKE_OUT_S = 10.0  # a server that refused a connection gets no request for this long (unless all did)
+
+
+def max_tokens_of(body: dict) -> int:
+    v = body.get("max_tokens", body.get("max_completion_tokens"))
+    return v if type(v) is int and v > 0 else 16
 
 
 class VLLMProxy:
@@ -47,42 +52,45 @@ class VLLMProxy:
         --tokenizer MODEL=PATH`, the servers' checkpoint), saving a completion its /tokenize call."""
         self.directory, self.router, self.local_tokenizer = directory, router, local_tokenizer
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=silence_s, write=30.0, pool=30.0))
-        self.outstanding: Counter[tuple[int, str]] = Counter()  # blocks of work sent, not yet finished
-        self.running: Counter[tuple[int, str]] = Counter()
+        self.load = ExternalLoad()  # what this door sent each server, and their own load
 
     def serves(self, model: object) -> bool:
         return (isinstance(model, str) and model in self.directory.external_models()
                 and model not in self.directory.models())
 
+    def servers(self, model: str, tried: set[tuple[int, str]] = frozenset()) -> list[External]:
+        """The servers of ``model`` that may take a request now: those not taken out, else (all
+        taken out) every one not tried yet."""
+        now = time.monotonic()
+        known = [s for s in self.directory.external_models().get(model, []) if s.key not in tried]
+        return [s for s in known if now - s.failed_at > TAKE_OUT_S] or known
+
     async def close(self) -> None:
         await self.http.aclose()
 
     async def forward(self, body: dict, chat: bool) -> Response:
-        path = "/v1/chat/completions" if chat else "/v1/completions"
         servers = self.directory.external_models()[body["model"]]
         tried: set[tuple[int, str]] = set()
         while True:
-            now = time.monotonic()
-            fresh = [s for s in servers if s.key not in tried and now - s.failed_at > TAKE_OUT_S]
-            pool = fresh or [s for s in servers if s.key not in tried]
+            pool = self.servers(body["model"], tried)
             if not pool:
                 raise APIError(503, f"no server of {body['model']!r} answered: "
                                     f"{', '.join(s.url for s in servers)}; retry shortly", None, "no_worker",
                                RETRY_AFTER_S)
             try:
-                server, work = await self._choose(pool, body, chat)
+                d, chain = await self._choose(pool, body, chat)
             except httpx.TransportError as e:  # its /tokenize did not answer: take it out, try another
                 bad = pool[0]
-                self._failed(bad, e)
+                self.failed(bad, e)
                 tried.add(bad.key)
                 continue
             try:
-                return await self._send(server, path, body, work)
+                return await self.send(d, body, chat, chain)
             except httpx.ConnectError as e:  # nothing reached it: the next server takes the request
-                self._failed(server, e)
-                tried.add(server.key)
+                self.failed(d.worker, e)  # type: ignore[arg-type]  (send takes only servers)
+                tried.add(d.worker.key)
 
-    def _failed(self, s: External, e: Exception) -> None:
+    def failed(self, s: External, e: Exception) -> None:
         logger.warning("external server %s (%s) failed: %s; taken out for %.0f s", s.name, s.url, e, TAKE_OUT_S)
         s.take_out(time.monotonic())
 
@@ -110,46 +118,51 @@ class VLLMProxy:
             return []  # a bad request: the server answers it, routed by load alone
         return r.json().get("tokens") or []
 
-    async def _choose(self, servers: list[External], body: dict, chat: bool) -> tuple[External, float]:
+    async def _choose(self, servers: list[External], body: dict, chat: bool) -> tuple[Decision, list[bytes]]:
         # only the kv-aware policy looks at caches: the others need no tokens
         ids = await self._tokenize(servers[0], body, chat) if self.router.needs_locate else []
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        hits: dict[tuple[int, str], int] = {}
         chains: dict[int, list[bytes]] = {}
+        located: dict[tuple[int, int], Located] = {}
         if self.router.needs_locate and ids:
-            for m in sorted({s.manager for s in servers}):
-                group = [s for s in servers if s.manager == m]
-                for bs in {s.block_size for s in group}:
-                    full = (len(ids) - 1) // bs
-                    if full <= 0:
-                        continue
-                    chain = chains.setdefault(bs, hash_blocks(ids[: full * bs], bs, cache_salt=salt))
-                    located = await self.directory.locate_external(m, chain)
-                    for s in group:
-                        if s.block_size == bs:
-                            hits[s.key] = located.get(s.name, 0)
-        bs = servers[0].block_size
-        full = max(0, (len(ids) - 1) // bs)
-        cands = [Candidate(s, hits.get(s.key, 0), self.running[s.key], self.outstanding[s.key]) for s in servers]
-        d = self.router.choose(cands, full)
-        server = d.worker
-        assert isinstance(server, External)
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
-        work = max(0, full - d.hit_blocks) + (max_tokens / server.block_size if type(max_tokens) is int else 1.0)
-        return server, work
+            for bs in sorted({s.block_size for s in servers}):
+                full = (len(ids) - 1) // bs  # the block of the last prompt token is always recomputed
+                if full > 0:
+                    chains[bs] = hash_blocks(ids[: full * bs], bs, cache_salt=salt)
+            for m, bs in sorted({(s.manager, s.block_size) for s in servers if s.block_size in chains}):
+                located[(m, bs)] = await self.directory.locate_all(m, chains[bs])
+        cands = self.candidates(servers, located, chains, len(ids), max_tokens_of(body))
+        d = self.router.choose(cands, max(0, (len(ids) - 1) // servers[0].block_size))
+        return d, chains.get(d.worker.block_size, [])
 
-    async def _send(self, s: External, path: str, body: dict, work: float) -> Response:
+    def candidates(self, servers: list[External], located: dict[tuple[int, int], Located],
+                   chains: dict[int, list[bytes]], prompt_len: int, max_tokens: int) -> list[Candidate]:
+        """One candidate per server (the router's cost: frontend/router.py), from the managers'
+        ``locate`` answers per (manager, block size) and the prompt's chain in each block size."""
+        out = []
+        for s in servers:
+            where = located.get((s.manager, s.block_size)) or Located()
+            chain = chains.get(s.block_size, [])
+            hit, host = where.external.get(s.name, 0), where.external_cpu.get(s.name, 0)
+            full = max(0, (prompt_len - 1) // s.block_size)
+            out.append(self.load.candidate(s, hit, host, chain, full, 1 + max_tokens / s.block_size))
+        return out
+
+    async def send(self, d: Decision, body: dict, chat: bool, chain: list[bytes]) -> Response:
+        """Sends ``body`` to the decided server, counted in its load until the answer ends."""
+        s = d.worker
+        if not isinstance(s, External):
+            raise TypeError(f"send: {s.name} is a kvpool worker, not an attached server")
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        decode = max_tokens_of(body) / s.block_size
+        sent = self.load.start(s.key, max(0.0, len(chain) - d.expected_blocks), decode, 1 + decode, chain)
+        return await self._send(s, path, body, sent)
+
+    async def _send(self, s: External, path: str, body: dict, sent: Sent) -> Response:
         headers = {"x-kvpool-worker": s.name}
-        self.outstanding[s.key] += work
-        self.running[s.key] += 1
-        released = False
 
         def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.outstanding[s.key] -= work
-                self.running[s.key] -= 1
+            self.load.finish(sent)
 
         try:
             req = self.http.build_request("POST", s.url + path, json=body)
@@ -167,12 +180,13 @@ class VLLMProxy:
                 await resp.aclose()
                 release()
             return Response(content, status_code=resp.status_code, media_type=kind, headers=headers)
-        return StreamingResponse(self._relay(s, resp, release), status_code=resp.status_code, media_type=kind,
-                                 headers=headers)
+        return StreamingResponse(self._relay(s, resp, sent, release), status_code=resp.status_code,
+                                 media_type=kind, headers=headers)
 
-    async def _relay(self, s: External, resp: httpx.Response, release) -> AsyncIterator[bytes]:
+    async def _relay(self, s: External, resp: httpx.Response, sent: Sent, release) -> AsyncIterator[bytes]:
         try:
             async for chunk in resp.aiter_raw():
+                self.load.first_token(sent)  # (its first event: the prompt is computed)
                 yield chunk
         except httpx.TransportError as e:  # the server died or went silent mid-stream
             logger.warning("external server %s broke off a stream: %r", s.name, e)

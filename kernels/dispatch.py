@@ -1,10 +1,13 @@
-"""Public kernel entry points: pick the Triton kernel or the torch reference for each call.
+"""Public kernel entry points: pick the Triton kernel, the C++ CPU op or the torch reference.
 
-Backends: "auto" (default): Triton for CUDA tensors, the torch reference otherwise; "triton":
+Backends: "auto" (default): Triton for CUDA tensors; for CPU tensors the C++ attention op
+(paged_attention_cpu.py) where it is built (cpu_build.py), else the torch reference; "triton":
 always Triton (CPU tensors then run under the interpreter, TRITON_INTERPRET=1 set before triton
-is imported); "torch": always the reference. KVPOOL_KERNEL_BACKEND sets the initial backend.
-Triton is imported on first use only, so this module imports where triton cannot; "auto" then
-falls back to the reference with a warning.
+is imported); "cpu": the C++ op, an error where it cannot be built; "torch": always the
+reference. KVPOOL_KERNEL_BACKEND sets the initial backend. Triton is imported on first use only,
+so this module imports where triton cannot; "auto" then falls back to the reference with a
+warning. The cache write has a C++ op too (taken as attention's is); block copies run the
+reference on CPU.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ from types import SimpleNamespace
 
 import torch
 
-from . import reference
-from .checks import check_attention
+from . import cpu_build, reference
+from .checks import check_attention, check_cache_write
 from .metadata import AttentionMetadata
+from .paged_attention_cpu import paged_attention_cpu
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "cpu", "torch")
 
 # Split-KV heuristic (flash-decoding); see choose_num_splits.
 _PROGRAMS_PER_SM = 4  # resident programs per SM wanted to keep HBM busy
@@ -72,9 +76,27 @@ def _triton_ops() -> SimpleNamespace | None:
     )
 
 
+def cpu_native(t: torch.Tensor) -> bool:
+    """Whether an op on CPU tensors like t runs the C++ library: backend "auto" or "cpu", CPU
+    tensors, the library loaded (layer_ops.py and the cache write ask this)."""
+    return _backend in ("auto", "cpu") and t.device.type == "cpu" and cpu_build.load()
+
+
+def _cpu_attention(t: torch.Tensor) -> bool:
+    """Whether attention on tensors like t runs the C++ CPU op."""
+    if _backend == "cpu":
+        if t.device.type != "cpu" or not cpu_build.load():
+            raise RuntimeError(
+                f"kernel backend 'cpu' was requested but the C++ CPU op cannot run here ("
+                f"{'tensors on ' + str(t.device) if t.device.type != 'cpu' else 'it did not build: see the log'})"
+            )
+        return True
+    return _backend == "auto" and t.device.type == "cpu" and cpu_build.load()
+
+
 def _ops_for(t: torch.Tensor) -> SimpleNamespace | None:
     """The Triton ops to use for a call on tensors like t, or None for the reference."""
-    if _backend == "torch" or (_backend == "auto" and not t.is_cuda):
+    if _backend in ("torch", "cpu") or (_backend == "auto" and not t.is_cuda):
         return None
     ops = _triton_ops()
     if ops is None:
@@ -126,6 +148,10 @@ def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Write key/value [num_tokens, num_kv_heads, head_size] into kv_cache slots (-1 = skip)."""
+    if cpu_native(kv_cache) and kv_cache.stride(3) == kv_cache.shape[4]:
+        check_cache_write(key, value, kv_cache, slot_mapping)
+        torch.ops.kvpool_cpu.write_kv(key, value, kv_cache, slot_mapping)
+        return
     ops = _ops_for(kv_cache)
     (ops.reshape_and_cache if ops else reference.reshape_and_cache_ref)(
         key, value, kv_cache, slot_mapping
@@ -151,6 +177,8 @@ def paged_attention(
     positions <= its own (and > pos - sliding_window); softcap c maps logits to c*tanh(x/c).
     Both paths check their inputs with metadata.check_attention, so they refuse the same ones.
     """
+    if _cpu_attention(query):
+        return paged_attention_cpu(query, kv_cache, meta, out=out)
     ops = _ops_for(query)
     if ops is None:
         return reference.paged_attention_ref(query, kv_cache, meta, out=out)

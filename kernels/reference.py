@@ -42,6 +42,25 @@ def reshape_and_cache_ref(
     kv_cache[1, blocks, offsets] = value
 
 
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * r / rms(r), r) with r = x + residual (or x): Llama's RMSNorm, fp32 inside."""
+    r = x if residual is None else residual + x
+    rf = r.float()
+    return weight * (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype), r
+
+
+def rope_ref(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [tokens, heads, head_size] by each token's cos/sin rows c, s
+    [tokens, 1, head_size / 2] (fp32)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 def copy_blocks_ref(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
     # block_mapping: [n, 2] of (src, dst); every source is read before any destination is written.
     check_copy_blocks(kv_caches, block_mapping)
@@ -175,6 +194,16 @@ def _prefill_one(query, kv_cache, seq_len, q_start, q_len, table_row, scale, win
         allowed = _mask(q_pos[None], kv_len, k.shape[2], group, window)
         outs.append(_attend(q, k, v, allowed, scale, softcap)[0])
     return torch.cat(outs)
+
+
+def prefill_into(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, seq: int,
+                 out: torch.Tensor) -> None:
+    """Sequence ``seq``'s queries, any length, by one gather and SDPA, written into ``out`` (the
+    CPU op's path for long queries, kernels/paged_attention_cpu.py; inputs checked there)."""
+    start, end = int(meta.query_start_loc[seq]), int(meta.query_start_loc[seq + 1])
+    res = _prefill_one(query, kv_cache, int(meta.seq_lens[seq]), start, end - start, meta.block_tables[seq],
+                       meta.scale, meta.sliding_window, meta.softcap)
+    out[start:end] = res.to(out.dtype)
 
 
 def _without_padding(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:

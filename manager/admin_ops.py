@@ -65,6 +65,7 @@ class AdminOps:
     reg: Registry
     counters: ServerStats
     request_stop: Callable[[], None]
+    external_rows: Callable[[], list[dict]]  # (ExternalOps, beside it in Handlers)
 
     @op(admin=True)
     def pools(self, call: Call) -> dict:
@@ -87,7 +88,8 @@ class AdminOps:
                         for s in sorted(entry.shards.values(), key=lambda s: s.rank)],
             )
             out.append(info)
-        return {"pools": out}
+        externals = self.external_rows()  # attached vLLM servers: their mirrors' health and load
+        return {"pools": out, **({"externals": externals} if externals else {})}
 
     @op(admin=True)
     def sessions(self, call: Call) -> dict:

@@ -64,6 +64,11 @@ class ManagerConfig:
     # vLLM servers attached at start, as `kvpool attach` would: [[manager.attach]] tables with
     # name, url, model, block_size, topic and optional replay, events
     attach: list = field(default_factory=list)
+    # each attached server's /metrics is read this often (its load; 0: never), and a server that
+    # computes whole blocks with no KV-event batch within vllm_events_window_s is marked stale
+    # (manager/external/silence.py)
+    vllm_metrics_poll_s: float = 1.0
+    vllm_events_window_s: float = 10.0
     events_buffer: int = 10_000  # event batches kept for replay
     events_format: str = "vllm-0.33"  # vllm-0.33 (tagged maps) or vllm-0.11 (arrays): manager/events.py
     curve_secret_key_file: str | None = None  # the manager's NAME.key_secret: CURVE on the control socket
@@ -209,6 +214,10 @@ class ManagerConfig:
         if self.events_replay_endpoint and not self.events_endpoint:
             raise ValueError("events_replay_endpoint needs events_endpoint: set both, or neither")
         check_format(self.events_format)
+        if not 0 <= self.vllm_metrics_poll_s <= 3600:
+            raise ValueError(f"vllm_metrics_poll_s must be in [0, 3600] seconds (0: never), got {self.vllm_metrics_poll_s!r}")
+        if not 0 < self.vllm_events_window_s <= 3600:
+            raise ValueError(f"vllm_events_window_s must be in (0, 3600] seconds, got {self.vllm_events_window_s!r}")
         from kvpool.manager.external.ops import (
             attachment,  # (imports the ops table: not at module load)
         )

@@ -60,6 +60,7 @@ class Handlers(AdminOps, ExternalOps, NodeOps, EngineOps):
         admin_needs_key: bool = False,
     ) -> None:
         self.reg, self.counters = registry, stats
+        self.configured: set[str] = set()  # external pools attached from the config (manager/external/ops.py)
         self.max_sub_ops, self.max_message_bytes = max_sub_ops, max_message_bytes
         self.admin_key = admin_key
         self.request_stop = request_stop
@@ -209,7 +210,7 @@ class Handlers(AdminOps, ExternalOps, NodeOps, EngineOps):
         hashes = get_hashes(args)
         out = {"pools": {name: e.pool.lookup(hashes) for name, e in self.reg.pools.items() if e.pool is not None}}
         if self.external is not None:  # attached vLLM servers whose index is exact (not stale)
-            out["external"] = self.external_hits(hashes)
+            out.update(self.external_hits(hashes))
         return out
 
     @op()

@@ -80,6 +80,13 @@ EXTERNAL_COUNTERS = (  # attached vLLM servers' mirrors (manager/external/mirror
     ("kvpool_external_lost_batches_total", "lost", "Batches neither published nor replayed"),
     ("kvpool_external_restarts_total", "restarts", "Publisher restarts seen (its sequence went back)"),
     ("kvpool_external_orphan_blocks_total", "orphans", "Stored blocks not indexable (parent unknown, unhashed keys)"),
+    ("kvpool_external_silences_total", "silenced", "Times its events stopped while it computed blocks"),
+    ("kvpool_external_rebuilds_total", "rebuilds", "Rebuilds of the mirror from a clean state (after a silence)"),
+)
+EXTERNAL_LOAD = (  # the attached servers' own /metrics, as last polled (manager/external/probe.py)
+    ("kvpool_external_running", "running", "Requests the server runs (its vllm:num_requests_running)"),
+    ("kvpool_external_waiting", "waiting", "Requests waiting at the server (its vllm:num_requests_waiting)"),
+    ("kvpool_external_kv_usage", "kv_usage", "Its vllm:kv_cache_usage_perc (0..1)"),
 )
 HISTOGRAMS = (
     ("kvpool_step_latency_seconds", "step_latency", "Time to execute one step message's sub-ops"),
@@ -135,6 +142,11 @@ def render(reg: Registry, stats: ServerStats, uptime_s: float, externals: list[d
         for metric, key, help_text in EXTERNAL_COUNTERS:
             parts.append(family(metric, "counter", help_text,
                                 [({"pool": r["name"]}, r.get(key, 0)) for r in externals]))
+        parts.append(family("kvpool_external_http_up", "gauge", "1 when its /metrics answered the last poll",
+                            [({"pool": r["name"]}, int(r.get("http", "") is None)) for r in externals]))
+        for metric, key, help_text in EXTERNAL_LOAD:
+            parts.append(family(metric, "gauge", help_text,
+                                [({"pool": r["name"]}, r[key]) for r in externals if key in r]))
     return "".join(parts)
 
 

@@ -34,6 +34,7 @@ from kvpool.manager.core.step import run_step
 from kvpool.manager.pool_forming import compatible, new_epoch, remove_shards, shard_blocks
 from kvpool.manager.registry_node import NodeMutations
 from kvpool.manager.registry_state import RegistryState
+from kvpool.manager.state.attachment import Attachment
 from kvpool.manager.state.entries import GLOBAL, PoolEntry, Session, Shard
 from kvpool.manager.state.mutations import (
     BlocksEvicted,
@@ -42,6 +43,8 @@ from kvpool.manager.state.mutations import (
     EngineFinished,
     EngineLoaded,
     EngineSaved,
+    ExternalAttached,
+    ExternalDetached,
     Mutation,
     NodeFinished,
     NodeJoined,
@@ -281,6 +284,23 @@ class Registry(NodeMutations, RegistryState):
         self.draining = bool(rec.enable)
         self.dirty.add(GLOBAL)
 
+    # -- attached vLLM servers (manager/external/) ---------------------------------------------
+
+    def attach(self, spec: Attachment) -> None:
+        """Remembers an attachment made with the attach op (journaled: it survives the manager)."""
+        self._apply(ExternalAttached(spec), Registry._attach, 0.0)
+
+    def _attach(self, rec: ExternalAttached, now: float) -> None:
+        self.attachments[rec.spec.name] = rec.spec
+        self.dirty.add(GLOBAL)
+
+    def detach(self, name: str) -> bool:
+        return self._apply(ExternalDetached(name), Registry._detach, 0.0)
+
+    def _detach(self, rec: ExternalDetached, now: float) -> bool:
+        self.dirty.add(GLOBAL)
+        return self.attachments.pop(rec.name, None) is not None
+
 
 # The dispatch of ``apply``: record type -> (its method, when it is journaled).
 _TABLE: dict[type, tuple[Callable[[Registry, Any, float], object], str]] = {
@@ -299,6 +319,8 @@ _TABLE: dict[type, tuple[Callable[[Registry, Any, float], object], str]] = {
     EngineLoaded: (Registry._engine_load, AFTER),
     EngineSaved: (Registry._engine_save, AFTER),
     EngineFinished: (Registry._engine_finish, IF_CHANGED),
+    ExternalAttached: (Registry._attach, AFTER),
+    ExternalDetached: (Registry._detach, IF_CHANGED),
 }
 _RUN = {kind: run for kind, (run, _) in _TABLE.items()}
 _WHEN = {kind: when for kind, (_, when) in _TABLE.items()}

@@ -18,6 +18,7 @@ from kvpool.manager.core.kv_events import AllBlocksCleared, KVEvent
 from kvpool.manager.core.pool import Pool
 from kvpool.manager.node_tiers import NodeTiers
 from kvpool.manager.pins import Pins
+from kvpool.manager.state.attachment import Attachment
 from kvpool.manager.state.entries import PoolEntry, Session, check_pools
 from kvpool.manager.state.mutations import Mutation
 from kvpool.shared.protocol import ManagerError, bad_field, short_repr
@@ -49,6 +50,7 @@ class RegistryState:
         self.sessions: dict[str, Session] = {}
         self.pools: dict[str, PoolEntry] = {}
         self.draining = False
+        self.attachments: dict[str, Attachment] = {}  # vLLM servers attached with the attach op
         self.dirty: set[str] = set()  # pool names (and GLOBAL) changed this iteration
         # KV events of pools dropped this iteration (a shard left): (pool, epoch, events)
         self.orphan_events: list[tuple[str, int, list[KVEvent]]] = []
@@ -108,14 +110,15 @@ class RegistryState:
 
     def start_over(self, state_id: str) -> None:
         """An empty state under a new id, instead of one that went back in time (the store)."""
-        self.sessions, self.pools, self.draining = {}, {}, False
+        self.sessions, self.pools, self.draining, self.attachments = {}, {}, False, {}
         self.state_id = state_id
 
     def restore(self, sessions: list[Session], pools: list[PoolEntry], state_id: str, next_num: int,
-                draining: bool) -> None:
+                draining: bool, attachments: list[Attachment] = ()) -> None:
         """Fills this empty registry with a decoded state (manager/store/state_file.py)."""
         self.sessions = {s.sid: s for s in sessions}
         self.pools = {e.name: e for e in pools}
+        self.attachments = {a.name: a for a in attachments}
         self.state_id, self.next_num, self.draining = state_id, next_num, bool(draining)
 
     @contextmanager
@@ -146,6 +149,7 @@ class RegistryState:
                     if entry.pool is not None and entry.pool.blocks.events_enabled
                     and (name not in other.pools or other.pools[name].pool is None)]
         self.sessions, self.pools, self.draining = other.sessions, other.pools, other.draining
+        self.attachments = other.attachments
         self.next_num, self.state_id, self.durable = other.next_num, other.state_id, other.durable
         self.node, self.pins = other.node, other.pins  # the tiers the adopted pools use, their pins
         self.seq = other.seq

@@ -82,6 +82,7 @@ class Server:
             events_info={"events_endpoint": cfg.events_endpoint, "events_replay_endpoint": cfg.events_replay_endpoint},
             admin_needs_key=bool(cfg.curve_secret_key_file),  # CURVE keys are not admin keys
         )
+        self.handlers.configure_external(cfg.vllm_metrics_poll_s, cfg.vllm_events_window_s)
         self.checks = CheckJobs(self.registry, self.stats.errors)  # `check` of a large state: a forked child
         self.dispatcher = Dispatcher(self.registry, self.handlers, self.stats, self.recovery, self.checks,
                                      max_message_bytes=cfg.max_message_bytes,
@@ -172,7 +173,7 @@ class Server:
                 raise RuntimeError(f"cannot bind vllm_events_endpoint {cfg.vllm_events_endpoint}: {e}") from None
             logger.info("vLLM KV events of attached servers on %s", feed.bound)
         for entry in cfg.attach:  # checked by the config
-            self.handlers.attach_spec(attachment(entry))
+            self.handlers.attach_configured(attachment(entry))
         logger.info("manager %s listening on %s", self.incarnation, cfg.endpoint)
 
     def run(self) -> None:
@@ -340,6 +341,7 @@ class Server:
         """Takes the lease and recovers the state: at start, as a standby, after a store failure;
         then freezes the state just loaded (settle_heap)."""
         if self.recovery.activate(now):
+            self.handlers.sync_attachments()  # the state's attached vLLM servers (manager/external/)
             self._next_expiry = 0.0
             self.stats.observe_frozen(settle_heap())
 

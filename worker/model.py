@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpool.kernels import layer_ops
 from kvpool.worker.config import ModelConfig
 
 # (layer index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
@@ -38,10 +39,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of r, r) with r = x + residual, or x without one (vLLM's fused add and
+        norm: one pass on CPU, kernels/layer_ops.py); ``residual`` may be updated in place."""
+        return layer_ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(head_size: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -87,11 +88,8 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, D]; positions: [T]
-        cos, sin = self._tables(positions)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+        # x: [T, heads, D]; positions: [T]; may rotate x in place (kernels/layer_ops.py)
+        return layer_ops.rope(x, positions, self.cos, self.sin, rows=lambda: self._tables(positions))
 
 
 class Attention(nn.Module):
@@ -103,14 +101,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, num_kv_heads * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, num_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(num_heads * d, cfg.hidden_size, bias=False)
+        # q, k and v as one product once worker/cpu_linear.py packs them (q_proj... are then None)
+        self.qkv_proj: nn.Module | None = None
         self.reduce: ReduceFn = no_reduce  # sums o_proj's partial outputs over tensor-parallel ranks
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.num_kv_heads * self.head_size
+        return self.qkv_proj(x).split([self.num_heads * self.head_size, kv, kv], dim=-1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 attend: AttendFn, layer: int) -> torch.Tensor:
         t, d = x.shape[0], self.head_size
-        q = rope(positions, self.q_proj(x).view(t, self.num_heads, d))
-        k = rope(positions, self.k_proj(x).view(t, self.num_kv_heads, d))
-        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+        q, k, v = self._qkv(x)
+        q = rope(positions, q.view(t, self.num_heads, d))
+        k = rope(positions, k.view(t, self.num_kv_heads, d))
+        v = v.view(t, self.num_kv_heads, d)
         return self.reduce(self.o_proj(attend(layer, q, k, v).reshape(t, self.num_heads * d)))
 
 
@@ -120,10 +127,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate and up as one product once packed
         self.reduce: ReduceFn = no_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        if self.gate_up_proj is None:
+            act = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            act = layer_ops.silu_mul(self.gate_up_proj(x))
+        return self.reduce(self.down_proj(act))
 
 
 class DecoderLayer(nn.Module):
@@ -134,9 +146,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, positions, rope, attend, layer):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attend, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, attend, layer):
+        """(this layer's MLP output, the residual stream before it): the next layer, or the
+        final norm, adds the two (so each add is fused with a norm, as vLLM's layers do)."""
+        h, residual = self.input_layernorm(x, residual)
+        a = self.self_attn(h, positions, rope, attend, layer)
+        h, residual = self.post_attention_layernorm(a, residual)
+        return self.mlp(h), residual
 
 
 class LlamaBackbone(nn.Module):
@@ -163,10 +179,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         # input_ids, positions: [T] -> final hidden states [T, hidden]
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.rotary, attend, i)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, attend, i)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [R, hidden] -> fp32 logits [R, vocab]

@@ -59,7 +59,11 @@ from kvpool.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 100
-MAX_BATCH = 256  # messages read per iteration: a flood cannot stop the engine from stepping
+# Messages read per iteration, before the engine steps: enough to empty what ZeroMQ's pipes and the
+# kernel hold for a connection (about 5,000 small messages), so a message waits at most a step or
+# two behind the flood its connection sent before it (with 256, a ping behind 20,000 generate
+# messages waited 78 steps: 22 s at load 18); and a bound, so a flood cannot stop the stepping.
+READ_BATCH = 4096
 DROP_LOG_EVERY_S = 5.0
 MAX_OPEN_REQUESTS = 4096  # client requests queued or running; more are refused until some finish
 # Flow control: a message ZeroMQ will not take now (the client's pipe is full: it reads slower than
@@ -135,7 +139,7 @@ class WorkerServer:
         busy = self.engine.has_work()
         wait_ms = IDLE_POLL_MS if not busy else int(self._backoff.current_s * 1000)
         if self._sock.poll(wait_ms, zmq.POLLIN):
-            for _ in range(MAX_BATCH):
+            for _ in range(READ_BATCH):
                 try:
                     frames = self._sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -232,9 +236,9 @@ class WorkerServer:
             self._reply(ident, wire.ErrorMessage(cid, "internal worker error (logged)").to_wire())
 
     def _generate(self, ident: bytes, msg: dict) -> None:
-        req = wire.GenerateRequest.from_wire(msg)
-        if len(self._clients) >= MAX_OPEN_REQUESTS:
+        if len(self._clients) >= MAX_OPEN_REQUESTS:  # before decoding: a flood's excess is refused cheaply
             raise ValueError(f"the worker has {MAX_OPEN_REQUESTS} open requests; retry when some finished")
+        req = wire.GenerateRequest.from_wire(msg)
         eid = f"c{self._next}"
         self._next += 1
         self.engine.add_request(req.prompt, req.params, request_id=eid, cache_salt=req.cache_salt)

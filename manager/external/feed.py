@@ -10,6 +10,9 @@ stall the manager's loop:
 
 Batches are routed by topic (each attached server publishes on its own) to that server's
 ``Mirror`` (manager/external/mirror.py), under a lock that the loop's ``locate`` takes too.
+A second thread (manager/external/probe.py) polls each server's ``/metrics``: its load for the
+``externals`` rows, and the silence rule (manager/external/silence.py) that marks a mirror stale
+when the server computes blocks and no batch comes.
 The loop calls ``attach``/``detach``/``rows``/``locate``: thread-safe, applied by the feed at
 its next turn (within POLL_MS).
 """
@@ -17,70 +20,46 @@ its next turn (within POLL_MS).
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
-from dataclasses import dataclass
 
 import msgpack
 import zmq
 
 from kvpool.manager.events import END_SEQ, decode_batch
 from kvpool.manager.external.mirror import DEVICE, Mirror
+from kvpool.manager.external.probe import Probe, ServerLoad
+from kvpool.manager.external.silence import SilenceWatch
+from kvpool.manager.state.attachment import Attachment, check_endpoint, check_url
 
 logger = logging.getLogger(__name__)
 POLL_MS = 50
 END = END_SEQ.to_bytes(8, "big")  # a replay's end marker (vLLM's: -1 as 8 signed bytes)
 REPLAY_TIMEOUT_S = 5.0  # a replay not ended by then ends as it is (what it did not send is lost)
-URL = re.compile(r"https?://[^\s/]+(/\S*)?")
-
-
-@dataclass(frozen=True)
-class Attachment:
-    """One external server: where clients reach it and where its events come from."""
-
-    name: str
-    model: str  # the id its OpenAI API serves (its --served-model-name)
-    url: str  # OpenAI base URL, e.g. http://127.0.0.1:8000
-    block_size: int
-    topic: str  # the topic its events are published on (kv-events-config "topic")
-    events: str | None = None  # its PUB endpoint when it binds one (ipc://, tcp://*:P seen as tcp://HOST:P)
-    replay: str | None = None  # its replay ROUTER endpoint
-
-    def to_wire(self) -> dict:
-        return {"name": self.name, "model": self.model, "url": self.url, "block_size": self.block_size,
-                "topic": self.topic, "events": self.events, "replay": self.replay}
-
-
-def check_endpoint(key: str, v: object) -> str | None:
-    if v is None:
-        return None
-    if type(v) is not str or not 0 < len(v) <= 512 or not v.startswith(("ipc://", "tcp://")):
-        raise ValueError(f"{key} must be an ipc:// or tcp:// endpoint, got {v!r:.80}")
-    return v
-
-
-def check_url(v: object) -> str:
-    if type(v) is not str or len(v) > 512 or not URL.fullmatch(v):
-        raise ValueError(f"url must be an http(s):// base URL, got {v!r:.80}")
-    return v.rstrip("/")
+POLL_S = 1.0  # each server's /metrics is read this often (0: never)
+WINDOW_S = 10.0  # computed blocks with no batch within this long: its events stopped
 
 
 class _Server:
     """One attachment's feed state (the feed thread's own)."""
 
-    def __init__(self, spec: Attachment) -> None:
+    def __init__(self, spec: Attachment, window_s: float) -> None:
         self.spec = spec
         self.mirror = Mirror(spec.name, spec.block_size)
         self.replay_sock: zmq.Socket | None = None
         self.replay_deadline = 0.0
-        self.last_event = 0.0  # monotonic time of its last batch
+        self.last_event: float | None = None  # monotonic time of its last live batch
+        self.watch = SilenceWatch(spec.block_size, window_s)
+        self.load: ServerLoad | None = None  # its latest /metrics answer
+        self.http_error: str | None = None  # why its latest /metrics poll got no answer
 
 
 class ExternalFeed:
-    def __init__(self, ctx: zmq.Context, bind: str | None = None) -> None:
+    def __init__(self, ctx: zmq.Context, bind: str | None = None, poll_s: float = POLL_S,
+                 window_s: float = WINDOW_S) -> None:
         self.ctx = ctx
         self.bind = bind
+        self.window_s = window_s
         self._lock = threading.Lock()  # guards the mirrors and the commands
         self._commands: list[tuple[str, object]] = []
         self._servers: dict[str, _Server] = {}  # by name; the thread adds and removes
@@ -96,6 +75,7 @@ class ExternalFeed:
             self.bound = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._thread = threading.Thread(target=self._run, name="kvpool-external-feed", daemon=True)
         self._thread.start()
+        self._probe = Probe(self._targets, self._report, poll_s) if poll_s > 0 else None
 
     # -- the loop's side -------------------------------------------------------------------
 
@@ -122,10 +102,16 @@ class ExternalFeed:
         with self._lock:
             return list(self._specs)
 
-    def locate(self, hashes: list[bytes]) -> dict[str, int]:
-        """{external pool: leading blocks of ``hashes`` its device tier holds}, stale ones left out."""
+    def specs(self) -> dict[str, Attachment]:
         with self._lock:
-            return {name: s.mirror.lookup(hashes) for name, s in self._servers.items() if s.mirror.stale is None}
+            return dict(self._specs)
+
+    def locate(self, hashes: list[bytes]) -> dict[str, tuple[int, int]]:
+        """{external pool: (leading blocks of ``hashes`` its device tier holds, the blocks after
+        those in its CPU tier)}, stale ones left out."""
+        with self._lock:
+            return {name: s.mirror.lookup_tiers(hashes) for name, s in self._servers.items()
+                    if s.mirror.stale is None}
 
     def rows(self) -> list[dict]:
         now = time.monotonic()
@@ -136,13 +122,40 @@ class ExternalFeed:
                 row = {**spec.to_wire(), "stale": "not subscribed yet", "blocks": {}}
                 if s is not None:
                     row.update(s.mirror.summary())
-                    row["idle_s"] = round(now - s.last_event, 3) if s.last_event else None
+                    row["idle_s"] = round(now - s.last_event, 3) if s.last_event is not None else None
+                    row["http"] = s.http_error  # None: its /metrics answered at the last poll
+                    if s.load is not None:  # its own figures (the front door weighs them)
+                        row.update(s.load.to_wire(), load_age_s=round(now - s.load.at, 3))
                 out.append(row)
             return out
 
     def close(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
         self._stop.set()
         self._thread.join(timeout=5)
+
+    # -- the probe's side ------------------------------------------------------------------
+
+    def _targets(self) -> dict[str, str]:
+        with self._lock:
+            return {name: s.spec.url for name, s in self._servers.items()}
+
+    def _report(self, name: str, load: ServerLoad | None, error: str | None) -> None:
+        with self._lock:
+            s = self._servers.get(name)
+            if s is None:
+                return  # detached meanwhile
+            if load is None:
+                if s.http_error is None:
+                    logger.warning("external pool %s: its /metrics did not answer: %s", name, error)
+                s.http_error = error or "no answer"
+                return
+            s.http_error, s.load = None, load
+            why = s.watch.observe(load, s.last_event)
+            if why is not None:
+                logger.warning("external pool %s: %s; its mirror is stale until rebuilt", name, why)
+                s.mirror.silenced(why)
 
     # -- the feed thread -------------------------------------------------------------------
 
@@ -180,7 +193,7 @@ class ExternalFeed:
             if kind == "attach":
                 spec = arg
                 assert isinstance(spec, Attachment)
-                s = _Server(spec)
+                s = _Server(spec, self.window_s)
                 if spec.events:
                     self._sub.connect(spec.events)
                 if spec.replay:

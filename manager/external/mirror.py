@@ -19,7 +19,15 @@ Sequencing. Batches carry a sequence number that starts at 0 when the publisher 
 - a replay that cannot give the missing batches (its buffer no longer has them) leaves the
   index **stale**: the blocks it holds may be wrong, so ``lookup`` claims nothing until the
   index is clean again, which ``AllBlocksCleared`` (vLLM's `/reset_prefix_cache`) or a restart
-  from sequence 0 makes it. A mirror that never saw sequence 0 is stale too.
+  from sequence 0 makes it. A mirror that never saw sequence 0 is stale too;
+- a server whose events stopped while it computes (``silenced``: manager/external/silence.py)
+  is stale, and its next batch starts a rebuild from a clean state: the index is emptied and
+  filled again from the server's sequence 0 through its replay socket (stale for good, until a
+  clear or a restart, when its buffer no longer has batch 0).
+
+Tiers. Blocks are kept per ``medium``: vLLM's device tier is "GPU" (the CPU build says so too),
+its CPU offloading tier "CPU". ``lookup_tiers`` gives the leading blocks in the device tier and
+those that continue the prefix in the CPU tier (vLLM loads them instead of computing them).
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from dataclasses import dataclass, field
 from kvpool.shared.hashing import SEED, block_extra, hash_block, tokens_to_bytes
 
 DEVICE = "GPU"  # vLLM's medium of its device tier (an event without a medium means it)
+HOST = "CPU"  # vLLM's medium of its CPU offloading tier
+REBUILDING = "rebuilding from its replay buffer after its events stopped"
 MAX_HELD = 100_000  # live batches held during one replay; more make the mirror stale
 
 
@@ -46,6 +56,8 @@ class MirrorStats:
     orphans: int = 0  # stored blocks whose parent is not indexed (not indexable)
     unknown_removed: int = 0  # removals of blocks not indexed
     undecodable: int = 0  # payloads that were not KV-event batches
+    silenced: int = 0  # times its events stopped while it computed (manager/external/silence.py)
+    rebuilds: int = 0  # rebuilds from a clean state begun (after a silence)
 
     def to_wire(self) -> dict:
         return dict(self.__dict__)
@@ -63,11 +75,18 @@ class Mirror:
     replaying: int | None = None  # the replay asked for, from this sequence number
     held: list[tuple[int, list[dict]]] = field(default_factory=list)
     stats: MirrorStats = field(default_factory=MirrorStats)
+    rebuild: bool = False  # the next live batch starts a rebuild from sequence 0 (after a silence)
 
     # -- what the feed hands in ------------------------------------------------------------
 
     def live(self, seq: int, events: list[dict]) -> int | None:
         """A batch from the subscription; returns the sequence number to replay from, if any."""
+        if self.rebuild and self.replaying is None:  # events again after a silence: from a clean state
+            self.rebuild = False
+            self.stats.rebuilds += 1
+            self._clear()
+            self.next_seq, self.stale = None, REBUILDING
+            return self._take(seq, events)
         if self.replaying is not None:
             if len(self.held) >= MAX_HELD:
                 self._make_stale(f"more than {MAX_HELD} batches arrived during a replay")
@@ -116,6 +135,13 @@ class Mirror:
         """The feed cannot follow the server any more (its thread stopped): claim nothing."""
         self.stale = why
 
+    def silenced(self, why: str) -> None:
+        """Its events stopped while it computed blocks: claim nothing, and rebuild from a clean
+        state once batches come again."""
+        self.stats.silenced += 1
+        self._make_stale(why)
+        self.rebuild = True
+
     def undecodable(self) -> None:
         self.stats.undecodable += 1
         self._make_stale("a batch did not decode")
@@ -136,11 +162,20 @@ class Mirror:
             n += 1
         return n
 
+    def lookup_tiers(self, hashes: list[bytes]) -> tuple[int, int]:
+        """(leading blocks of ``hashes`` in the device tier, the blocks after those that the CPU
+        tier holds, in a row); (0, 0) while stale."""
+        device = self.lookup(hashes)
+        if self.stale is not None or not self.counts.get(HOST):
+            return device, 0
+        return device, self.lookup(hashes[device:], HOST)
+
     def num_blocks(self, medium: str = DEVICE) -> int:
         return len(self.blocks.get(medium, ()))
 
     def summary(self) -> dict:
         return {"stale": self.stale, "next_seq": self.next_seq, "replaying": self.replaying is not None,
+                "rebuilding": self.rebuild,
                 "blocks": {m: len(b) for m, b in self.blocks.items()}, **self.stats.to_wire()}
 
     # -- inside ----------------------------------------------------------------------------
@@ -177,7 +212,7 @@ class Mirror:
         return start
 
     def _make_stale(self, why: str) -> None:
-        if self.stale is None:
+        if self.stale is None or self.stale == REBUILDING:
             self.stale = why
 
     def _clear(self) -> None:

@@ -26,12 +26,15 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
     ["node_engine_done", sid, layout, batch, failed]        EngineFinished: an engine's batch ran
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]   ["drop", pool] (PoolDropped)
     (reset and evict + tier "host" for the host tier)
+    ["attach", {name, model, url, block_size, topic, events, replay}]   ExternalAttached (the attach op)
+    ["detach", name]                                        ExternalDetached
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from kvpool.manager.state.attachment import Attachment
 from kvpool.shared.protocol import KVSpec, ManagerError
 
 
@@ -175,9 +178,21 @@ class EngineFinished:
     failed: list
 
 
+class ExternalAttached:
+    """A vLLM server attached with the attach op (manager/external/): a restarted or failed-over
+    manager attaches it again. (Those of the config are attached from it at each start.)"""
+
+    spec: Attachment  # on the wire: its map
+
+
+@dataclass(frozen=True)
+class ExternalDetached:
+    name: str
+
+
 Mutation = (SessionOpened | SessionEnded | ShardRegistered | StepRan | CacheReset | BlocksEvicted | DrainingSet
             | PoolDropped | NodeFinished | PinAdded | PinRemoved | NodeJoined | EngineLoaded | EngineSaved
-            | EngineFinished)
+            | EngineFinished | ExternalAttached | ExternalDetached)
 
 KINDS: dict[str, type] = {
     "open": SessionOpened,
@@ -195,6 +210,8 @@ KINDS: dict[str, type] = {
     "node_load": EngineLoaded,
     "node_save": EngineSaved,
     "node_engine_done": EngineFinished,
+    "attach": ExternalAttached,
+    "detach": ExternalDetached,
 }
 _LAYOUT = {cls: (kind, tuple(f.name for f in fields(cls) if f.compare)) for kind, cls in KINDS.items()}
 
@@ -205,6 +222,8 @@ def to_wire(rec: Mutation) -> list:
     wire = [kind, *(getattr(rec, name) for name in names)]
     if type(rec) in (CacheReset, BlocksEvicted) and rec.tier == "device":  # type: ignore[union-attr]
         wire.pop()  # the layout of journals from before the host tier
+    if type(rec) is ExternalAttached:
+        wire[1] = rec.spec.to_wire()
     if type(rec) is ShardRegistered:
         wire[6] = rec.spec.to_wire()
         if rec.node_model is None:  # the layout of journals from before the node tier
@@ -230,4 +249,9 @@ def from_wire(raw: object) -> Mutation:
             raw = [*raw[:6], KVSpec.from_wire(raw[6]), *raw[7:]]
         except ManagerError as e:
             raise ValueError(f"register record: {e}") from None
+    if cls is ExternalAttached and len(raw) == 2:
+        try:
+            return ExternalAttached(Attachment.from_wire(raw[1]))
+        except ManagerError as e:
+            raise ValueError(f"attach record: {e}") from None
     return cls(*raw[1:])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 
 from kvpool.manager.core.snapshot import CorruptState, dump_pool, load_pool
+from kvpool.manager.state.attachment import Attachment
 from kvpool.manager.state.entries import PoolEntry, Session, Shard
 from kvpool.manager.store.view import StateView
 from kvpool.shared.protocol import HOST_POLICIES, KVSpec, ManagerError, pack, unpack
@@ -33,8 +34,11 @@ def dump_registry(reg: StateView, seq: int) -> dict:
     for e in reg.pools.values():
         shards = [_shard_row(s) for s in e.shards.values()]
         pools.append([e.name, e.shard_count, e.epoch, shards, dump_pool(e.pool) if e.pool is not None else None])
-    return {"format": FORMAT, "state_id": reg.state_id, "seq": seq, "next_num": reg.next_num,
-            "draining": reg.draining, "sessions": sessions, "pools": pools}
+    d = {"format": FORMAT, "state_id": reg.state_id, "seq": seq, "next_num": reg.next_num,
+         "draining": reg.draining, "sessions": sessions, "pools": pools}
+    if reg.attachments:  # (absent in snapshots from before external pools were kept)
+        d["attach"] = [a.to_wire() for a in reg.attachments.values()]
+    return d
 
 
 def encode_state(d: dict) -> bytes:
@@ -65,14 +69,17 @@ def load_registry(d: dict, reg: StateView, now: float) -> int:
     """
     try:
         sessions, pools = _sessions(d["sessions"], now), [_pool(p) for p in d["pools"]]
+        attachments = [Attachment.from_wire(a) for a in d.get("attach", [])]
         state_id, seq, next_num, draining = d["state_id"], d["seq"], d["next_num"], d["draining"]
         if type(state_id) is not str or type(seq) is not int or type(next_num) is not int:
             raise TypeError("state_id, seq or next_num has the wrong type")
     except CorruptState:
         raise
+    except ManagerError as e:
+        raise CorruptState(f"state snapshot: an attachment: {e}") from None
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise CorruptState(f"state snapshot is not loadable: {type(e).__name__}: {e}") from None
-    reg.restore(sessions, pools, state_id, next_num, bool(draining))
+    reg.restore(sessions, pools, state_id, next_num, bool(draining), attachments)
     return seq
 
 

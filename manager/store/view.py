@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Protocol, Self
 
+from kvpool.manager.state.attachment import Attachment
 from kvpool.manager.state.entries import PoolEntry, Session
 from kvpool.manager.state.mutations import Mutation
 
@@ -43,6 +44,9 @@ class StateView(Protocol):
     @property
     def pools(self) -> Mapping[str, PoolEntry]: ...
 
+    @property
+    def attachments(self) -> Mapping[str, Attachment]: ...
+
     def total_requests(self) -> int: ...
 
     def apply(self, rec: Mutation, now: float) -> object:
@@ -54,7 +58,7 @@ class StateView(Protocol):
         ...
 
     def restore(self, sessions: list[Session], pools: list[PoolEntry], state_id: str, next_num: int,
-                draining: bool) -> None:
+                draining: bool, attachments: list[Attachment] = ()) -> None:
         """Fills the empty state from a decoded snapshot."""
         ...
 

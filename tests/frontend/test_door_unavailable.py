@@ -62,7 +62,8 @@ def streaming(stack, max_tokens: int, out: list) -> threading.Thread:
 
 
 def admin_call(stack, op: str, **args) -> object:
-    """One admin call on its own short session (the stack's sessions expire after 2 s of silence)."""
+    """One admin call on a session of its own, opened and closed here (one left open between calls
+    would expire after the stack's session timeout)."""
     admin = ManagerClient(stack.managers[0], role="admin", identity=f"test-{op}")
     try:
         return admin.call(op, **args)

@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers.frontend import Stack
+from helpers.frontend import SESSION_TIMEOUT_S, Stack
 
 from kvpool.frontend.router import Candidate, KVRouter
 
@@ -95,7 +95,7 @@ def test_workers_lost_mid_stream_end_streams_cleanly_and_new_workers_are_noticed
         events = [ln[6:] for ln in first + rest if ln.startswith("data: ")]
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["reason"] in ("worker_ended", "worker_lost")
         assert stack.cluster.named["late"].wait(15) == 0
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 10 + SESSION_TIMEOUT_S  # (the killed ones' sessions expire meanwhile)
         while stack.fd.frontdoor.directory.workers:  # deregistered: gone from the manager's list
             assert time.monotonic() < deadline
             time.sleep(0.05)
@@ -150,6 +150,7 @@ def test_a_candidate_shares_blocks_with_prompts_routed_to_it_and_the_cached_coun
 def burst_front_door(count_routed: bool, workers: list, monkeypatch):
     """A front door over fake workers whose managers have nothing cached yet (every locate finds
     nothing: the burst arrives before its first prompt is computed)."""
+    from kvpool.frontend.directory import Located
     from kvpool.frontend.service import FrontDoor, FrontDoorConfig
 
     fd = FrontDoor(FrontDoorConfig(("ipc:///tmp/kvpool-test-unused.sock",), count_routed=count_routed))
@@ -160,12 +161,12 @@ def burst_front_door(count_routed: bool, workers: list, monkeypatch):
         def decode(self, ids, skip_special_tokens=True):
             return ""
 
-    async def locate(manager, hashes):
-        return {}
+    async def locate_all(manager, hashes):
+        return Located()
 
     monkeypatch.setattr(fd, "workers", lambda model: workers)
     monkeypatch.setattr(fd, "tokenizer", lambda model: Tok())
-    monkeypatch.setattr(fd.directory, "locate", locate)
+    monkeypatch.setattr(fd.directory, "locate_all", locate_all)
     return fd
 
 

@@ -6,6 +6,12 @@ from kvpool.devcluster.cluster import DevCluster
 from kvpool.frontend.server import FrontDoorServer
 from kvpool.frontend.service import FrontDoorConfig
 
+# The managers' session timeout: a worker's heartbeats go out between its steps, and on a loaded
+# machine (load 16, two cores) a step can take seconds; at 2 s a live worker's session expired
+# and the front door dropped it mid-test ("left its manager"). A killed worker is out of the
+# routing at once anyway (its link sees the disconnect); only its row waits for the expiry.
+SESSION_TIMEOUT_S = 10
+
 
 class Stack:
     def __init__(self, workers: int = 2, managers: int = 1, policy: str = "kv-aware", kv_blocks: int = 128,
@@ -14,7 +20,7 @@ class Stack:
         self.cluster = DevCluster(prefix="kvpool-fd-")
         self.fd: FrontDoorServer | None = None
         try:
-            self.managers = [self.cluster.manager(f"manager{i}", "--session-timeout", "2") for i in range(managers)]
+            self.managers = [self.cluster.manager(f"manager{i}", "--session-timeout", str(SESSION_TIMEOUT_S)) for i in range(managers)]
             for k in range(workers):
                 self.cluster.worker(self.managers[k % managers], f"w{k}", kv_blocks=kv_blocks)
             self.fd = FrontDoorServer(FrontDoorConfig(tuple(self.managers), policy, poll_s=0.2,

@@ -32,6 +32,12 @@ def _hold_child() -> None:
 os.register_at_fork(after_in_child=_hold_child)
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (by a signal), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
 @pytest.fixture
 def live(tmp_path):
     srv = LiveServer(f"ipc://{tmp_path}/m.sock", max_blocks=1 << 20)
@@ -103,6 +109,9 @@ def test_other_clients_are_served_while_a_check_runs(live):
         assert time.monotonic() - t0 < 10
         assert asker.is_alive() and "body" not in result  # still waiting for its child
     finally:
+        # a continue sent before the child stopped itself is lost, and the child then stays
+        # stopped for good (at load 16 a new child may not run for seconds): wait for the stop
+        wait_until(lambda: stopped(pid), 60, "the check's child to stop itself")
         os.kill(pid, signal.SIGCONT)
     asker.join(30)
     # The child checked the state as it was when asked: 40 requests, not the 60 of now.

@@ -118,3 +118,41 @@ def test_servers_in_the_config_are_attached_at_start_and_bad_entries_refused(soc
             row["stale"] == "no events received yet"
     finally:
         srv.close()
+
+
+def test_a_silenced_mirror_claims_nothing_and_rebuilds_from_sequence_0_when_batches_come_again():
+    m = Mirror("v", BS)
+    m.live(0, [stored([11, 12], PROMPT[:8])])
+    m.live(1, [stored([13], PROMPT[8:], parent=12)])
+    m.silenced("its KV events stopped")
+    assert m.stale == "its KV events stopped" and m.lookup(H) == 0 and m.stats.silenced == 1
+    # the next batch (contiguous or not) starts the rebuild: emptied, replayed from 0
+    assert m.live(5, [removed([13])]) == 0 and m.stats.rebuilds == 1 and m.num_blocks() == 0
+    assert m.lookup(H) == 0
+    m.replayed(0, [stored([11, 12], PROMPT[:8])])
+    for seq, evs in [(1, [stored([13], PROMPT[8:], parent=12)]), (2, []), (3, []), (4, [removed([12])])]:
+        m.replayed(seq, evs)
+    m.replay_done()  # then the held batch 5
+    assert m.stale is None and m.lookup(H) == 1 and m.num_blocks() == 1 and not m.rebuild
+
+
+def test_a_rebuild_whose_batch_0_is_gone_stays_stale_and_says_why():
+    m = Mirror("v", BS)
+    m.live(0, [stored([11], PROMPT[:4])])
+    m.silenced("its KV events stopped")
+    assert m.live(9, []) == 0
+    m.replayed(4, [])  # the buffer starts at 4
+    m.replay_done()
+    assert m.stale is not None and "lost" in m.stale and m.lookup(H) == 0
+    m.live(10, [CLEARED])  # a clean state again: exact
+    assert m.stale is None
+
+
+def test_the_cpu_tier_continues_the_device_tiers_prefix():
+    m = Mirror("v", BS)
+    m.live(0, [stored([11], PROMPT[:4]), stored([21, 22, 23], PROMPT, medium="CPU")])
+    assert m.lookup_tiers(H) == (1, 2)  # block 0 on the device, 1 and 2 loadable from the CPU tier
+    m.live(1, [removed([22], medium="CPU")])
+    assert m.lookup_tiers(H) == (1, 0)  # the CPU tier's own prefix now stops after block 0
+    m.silenced("stopped")
+    assert m.lookup_tiers(H) == (0, 0)

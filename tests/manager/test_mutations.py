@@ -6,10 +6,13 @@ import pytest
 from helpers.manager import SPEC, kv_bytes
 
 from kvpool.manager.registry import Registry
+from kvpool.manager.state.attachment import Attachment
 from kvpool.manager.state.mutations import (
     BlocksEvicted,
     CacheReset,
     DrainingSet,
+    ExternalAttached,
+    ExternalDetached,
     PoolDropped,
     SessionEnded,
     SessionOpened,
@@ -31,6 +34,10 @@ WIRE = [
     (BlocksEvicted("p", 3), ["evict", "p", 3]),
     (DrainingSet(True), ["drain", True]),
     (PoolDropped("p"), ["drop", "p"]),
+    (ExternalAttached(Attachment("v0", "m", "http://h:8000", 32, "t", None, "tcp://h:5571")),
+     ["attach", {"name": "v0", "model": "m", "url": "http://h:8000", "block_size": 32, "topic": "t", "events": None,
+                 "replay": "tcp://h:5571"}]),
+    (ExternalDetached("v0"), ["detach", "v0"]),
 ]
 
 
@@ -69,3 +76,29 @@ def test_the_live_path_journals_exactly_what_replay_applies():
     assert again.log == live.log
     assert again.pools["p"].pool.requests[(sess.sid, 1)].blocks == entry.pool.requests[(sess.sid, 1)].blocks
     assert again.draining and again.sessions[sess.sid].last_step == sess.last_step
+
+
+def test_attachments_made_by_op_are_journaled_snapshotted_and_refused_when_malformed():
+    from kvpool.manager.store.state_file import (
+        decode_state,
+        dump_registry,
+        encode_state,
+        load_registry,
+    )
+
+    live = Registry("a", session_timeout_s=10.0)
+    live.log = []
+    v0, v1 = (Attachment(n, "m", f"http://h:{p}", 32, n) for n, p in (("v0", 8000), ("v1", 8001)))
+    live.attach(v0)
+    live.attach(v1)
+    assert live.detach("v1") and not live.detach("v1")  # a second detach changes nothing: not journaled
+    assert [type(r) for r in live.log] == [ExternalAttached, ExternalAttached, ExternalDetached]
+    again = Registry("b", session_timeout_s=10.0)
+    for raw in [to_wire(r) for r in live.log]:
+        apply(again, raw, 0.0)
+    assert again.attachments == {"v0": v0}
+    loaded = Registry("c", session_timeout_s=10.0)
+    load_registry(decode_state(encode_state(dump_registry(live, 1))), loaded, 0.0)
+    assert loaded.attachments == {"v0": v0}
+    with pytest.raises(ValueError, match="attach record"):
+        from_wire(["attach", {**v0.to_wire(), "url": "ftp://x"}])

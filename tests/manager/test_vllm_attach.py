@@ -16,6 +16,7 @@ import time
 
 import pytest
 from helpers import vllm_server as vs
+from helpers.tcp_relay import Relay
 
 from kvpool.client.manager import ManagerClient
 from kvpool.shared.hashing import hash_blocks
@@ -39,17 +40,22 @@ def fleet(tmp_path_factory):
     vs.vllm_or_skip()
     tmp = tmp_path_factory.mktemp("vllm-attach")
     ckpt = vs.checkpoint(tmp_path_factory.getbasetemp())
-    events = f"tcp://127.0.0.1:{free_port()}"
+    events_port = free_port()
+    events = f"tcp://127.0.0.1:{events_port}"
     replay_port = free_port()
     endpoint = f"ipc://{tmp}/m.sock"
-    env = {**os.environ, "KVPOOL_MANAGER_VLLM_EVENTS_ENDPOINT": events}
+    Fleet.metrics_url = f"http://127.0.0.1:{free_port()}"
+    Fleet.endpoint = endpoint
+    env = {**os.environ, "KVPOOL_MANAGER_VLLM_EVENTS_ENDPOINT": events, "KVPOOL_MANAGER_VLLM_EVENTS_WINDOW_S": "5",
+           "KVPOOL_MANAGER_METRICS_PORT": Fleet.metrics_url.rsplit(":", 1)[1]}
     with open(tmp / "manager.log", "wb") as log:
         manager = subprocess.Popen(CLI + ["manager", "-m", endpoint, "--session-timeout", "600"], env=env, stdout=log,
                                    stderr=subprocess.STDOUT)  # (the admin session idles through a restart)
     server = vs.start(ckpt, tmp, events=events, replay_port=replay_port, topic="v0", num_blocks=NUM_BLOCKS)
     other_replay = Fleet.other_replay = free_port()
-    Fleet.ckpt, Fleet.tmp, Fleet.events = ckpt, tmp, events
-    other = vs.start(ckpt, tmp, events=events, replay_port=other_replay, topic="v1", num_blocks=NUM_BLOCKS)
+    relay = Fleet.relay = Relay(events_port)  # v1's events pass a relay the silence test cuts
+    Fleet.ckpt, Fleet.tmp, Fleet.events = ckpt, tmp, relay.endpoint
+    other = vs.start(ckpt, tmp, events=relay.endpoint, replay_port=other_replay, topic="v1", num_blocks=NUM_BLOCKS)
     admin = ManagerClient(endpoint, role="admin", timeout_s=10.0)
     door = local = None
     try:
@@ -76,6 +82,7 @@ def fleet(tmp_path_factory):
         other.stop()
         if Fleet.restarted is not None:
             Fleet.restarted.stop()
+        relay.close()
         manager.terminate()
         manager.wait(30)
 
@@ -83,6 +90,9 @@ def fleet(tmp_path_factory):
 class Fleet:
     door_url = ""
     local_url = ""
+    metrics_url = ""
+    endpoint = ""
+    relay: Relay
     restarted = None  # the killed server, started again (the last test)
     other = None
 
@@ -234,6 +244,94 @@ def test_the_front_door_routes_each_request_to_the_server_holding_its_prefix(fle
     assert chat.status_code == direct.status_code  # (this checkpoint has no chat template: vLLM's answer)
     bad = httpx.post(door + "/v1/completions", json={"model": vs.MODEL, "prompt": "x", "max_tokens": -1}, timeout=60)
     assert bad.status_code == 400  # vLLM's own refusal, as it wrote it
+
+
+def test_a_server_whose_events_stop_while_it_answers_is_stale_then_rebuilt_from_a_clean_state(fleet):
+    """v1's events pass a relay; cut, its HTTP still answers and it computes prompts: within the
+    manager's window (5 s here) its mirror is stale everywhere it shows; restored, the mirror is
+    rebuilt from v1's batch 0 (its replay buffer) and claims exactly what vLLM serves."""
+    server, admin, _ = fleet
+    url = Fleet.other.base_url
+    vs.post(url, "/v1/completions", {"model": vs.MODEL, "prompt": text(800), "max_tokens": 1})
+    r = settle(admin, "v1")
+    assert r["stale"] is None and hits(admin, url, text(800), name="v1") > 0
+    vs.wait_for(lambda: row(admin, "v1").get("running") is not None, "v1's /metrics to be polled")
+    Fleet.relay.cut()
+    # prompts computed while nothing reaches the manager, until it notices (a batch from before
+    # the cut matches work within the window: the rule fires once the work outlasts it)
+    sent, deadline = [], time.monotonic() + 120
+    while not row(admin, "v1")["stale"]:
+        assert time.monotonic() < deadline, f"v1 not marked stale after {len(sent)} prompts: {row(admin, 'v1')}"
+        sent.append(801 + len(sent))
+        vs.post(url, "/v1/completions", {"model": vs.MODEL, "prompt": text(sent[-1]), "max_tokens": 1})
+    r = row(admin, "v1")
+    assert "events stopped" in r["stale"] and r["silenced"] == 1 and r["http"] is None, r
+    assert isinstance(r["running"], int) and isinstance(r["waiting"], int) and 0 <= r["kv_usage"] <= 1
+    assert "v1" not in admin.call("locate", hashes=hash_blocks(vs.tokenize(url, text(800)), BS))["external"]
+    assert row(admin, "v0")["stale"] is None  # the other server is untouched
+    (p,) = [p for p in admin.call("pools")["externals"] if p["name"] == "v1"]
+    assert p["stale"] == r["stale"]
+    page = vs.wait_for(lambda: (lambda p: p if 'kvpool_external_stale{pool="v1"} 1' in p else None)(
+        vs.get(Fleet.metrics_url, "/metrics")), "the metrics page to show it")  # (rendered once a second)
+    assert 'kvpool_external_silences_total{pool="v1"} 1' in page
+    assert 'kvpool_external_running{pool="v1"}' in page and 'kvpool_external_kv_usage{pool="v1"}' in page
+    Fleet.relay.restore()
+    vs.post(url, "/v1/completions", {"model": vs.MODEL, "prompt": text(803 + len(sent)), "max_tokens": 1})
+    r = vs.wait_for(lambda: (lambda r: r if r["stale"] is None and not r["replaying"] else None)(row(admin, "v1")),
+                    "v1's mirror to be rebuilt", 60)
+    r = settle(admin, "v1")
+    assert r["rebuilds"] == 1 and r["stale"] is None and r["lost"] == 0, r
+    last = 803 + len(sent)
+    for i in [800, *sent[-3:], last]:  # the prompts of the silence included: exact again (under eviction)
+        settle(admin, "v1")
+        n = hits(admin, url, text(i), name="v1")
+        assert vs.cached_tokens(url, text(i)) == claimed_tokens(n, len(vs.tokenize(url, text(i)))), (i, n)
+        assert n > 0 or i != last
+
+
+def test_a_mixed_fleet_routes_one_model_over_a_kvpool_worker_and_vllm_servers_by_one_cost(fleet):
+    """A kvpool worker on the same checkpoint joins under the servers' model name: the door
+    routes that model over the worker and both vLLM servers, each prompt to where its prefix is."""
+    import httpx
+
+    server, admin, _ = fleet
+    door = Fleet.door_url
+
+    def owners() -> set[str]:
+        return {m["owned_by"] for m in httpx.get(door + "/v1/models").json()["data"] if m["id"] == vs.MODEL}
+
+    def complete(prompt: str) -> httpx.Response:
+        r = httpx.post(door + "/v1/completions", json={"model": vs.MODEL, "prompt": prompt, "max_tokens": 2,
+                                                       "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text[:300]
+        return r
+
+    worker = subprocess.Popen(CLI + ["worker", str(Fleet.ckpt), "-m", Fleet.endpoint, "--pool", "k0",
+                                     "--served-model-name", vs.MODEL, "--block-size", str(BS), "--dtype", "float32",
+                                     "--kv-cache-memory", "64MiB", "--max-model-len", "1024"],
+                              stdout=open(Fleet.tmp / "worker-k0.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        vs.wait_for(lambda: owners() == {"kvpool"}, "the door to serve the model with the worker too", 300)
+        p = text(900)
+        vs.post(server.base_url, "/v1/completions", {"model": vs.MODEL, "prompt": p, "max_tokens": 1})
+        settle(admin, "v0")
+        r = complete(p)  # v0 holds it: forwarded there, vLLM's answer as it wrote it
+        assert r.headers["x-kvpool-worker"] == "v0" and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        for k in range(6):  # new prompts spread by load (nothing cached): one lands on the worker
+            q = text(910 + k)
+            if complete(q).headers["x-kvpool-worker"] == "k0":
+                break
+        else:
+            raise AssertionError("no new prompt went to the worker")
+        chain = hash_blocks(vs.tokenize(server.base_url, q), BS)
+        vs.wait_for(lambda: admin.call("locate", hashes=chain)["pools"].get("k0", 0) > 0, "k0 to hold the prompt")
+        r = complete(q)  # the worker holds it: it takes it again, from its cache
+        assert r.headers["x-kvpool-worker"] == "k0" and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert complete(p).headers["x-kvpool-worker"] == "v0"  # and v0's prompt still goes to v0
+    finally:
+        worker.terminate()
+        worker.wait(60)
+    vs.wait_for(lambda: owners() == {"vllm"}, "the door to forget the worker", 60)
 
 
 def test_a_server_killed_mid_stream_ends_the_clients_stream_with_an_error_event(fleet):

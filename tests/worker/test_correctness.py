@@ -204,3 +204,25 @@ def test_a_step_the_manager_refuses_whole_starts_its_requests_over(overlap, refu
     assert [out[rid] for rid in ids] == [reference(engine, p, 12) for p in prompts]
     assert engine.stats()["resets"] == 0
     assert_drained(engine)
+
+
+def test_the_cpu_kernels_sample_what_the_torch_path_samples():
+    """The C++ CPU kernels (attention, norms, RoPE, SiLU, cache writes: kvpool/kernels/csrc/)
+    against the plain torch path, same engine settings: greedy tokens equal, prefix hits and
+    chunked prefills included."""
+    from kvpool.kernels import cpu_build, get_backend, set_backend
+
+    if not cpu_build.load():
+        pytest.skip("the C++ CPU kernels did not build here")
+    system = make_prompt(40, 7)
+    prompts = [system + make_prompt(n, n) for n in (3, 30, 90)] + [make_prompt(1, 9), make_prompt(64, 8)]
+    before, outs = get_backend(), {}
+    try:
+        for name in ("torch", "auto"):
+            set_backend(name)
+            engine = make_engine(max_num_batched_tokens=48)
+            outs[name] = engine.generate(prompts, greedy(20))
+            assert engine.stats()["cached_tokens"] > 0
+    finally:
+        set_backend(before)
+    assert outs["auto"] == outs["torch"]

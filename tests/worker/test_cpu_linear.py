@@ -73,3 +73,23 @@ def test_nothing_is_packed_off_the_cpu_or_in_an_unpackable_dtype() -> None:
     model = nn.Sequential(nn.Linear(8, 8)).to(torch.float16)
     assert not can_pack(model)
     assert pack_linears(model) == 0 and type(model[0]) is nn.Linear
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linears_of_one_input_merge_into_one_product(bias: bool) -> None:
+    torch.manual_seed(1)
+    q, k, v = nn.Linear(64, 96, bias=bias), nn.Linear(64, 32, bias=bias), nn.Linear(64, 32, bias=bias)
+    x = torch.randn(5, 64)
+    want = torch.cat([q(x), k(x), v(x)], dim=-1)
+    torch.testing.assert_close(PackedLinear(q, k, v)(x), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="all or no biases"):
+        PackedLinear(nn.Linear(64, 8, bias=True), nn.Linear(64, 8, bias=False))
+
+
+def test_packing_merges_qkv_and_gate_up_of_every_layer() -> None:
+    engine = _engine(True)
+    for layer in engine.model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert type(attn.qkv_proj) is PackedLinear and attn.q_proj is attn.k_proj is attn.v_proj is None
+        assert type(mlp.gate_up_proj) is PackedLinear and mlp.gate_proj is mlp.up_proj is None
+        assert type(attn.o_proj) is PackedLinear and type(mlp.down_proj) is PackedLinear
