@@ -178,6 +178,7 @@ class EngineFinished:
     failed: list
 
 
+@dataclass(frozen=True)
 class ExternalAttached:
     """A vLLM server attached with the attach op (manager/external/): a restarted or failed-over
     manager attaches it again. (Those of the config are attached from it at each start.)"""
