@@ -95,9 +95,8 @@ class ExternalLoad:
         now = time.monotonic() if now is None else now
         st = self._of(s.key)
         routed = leading(chain, st.routed)
-        c = Candidate(s, hit, st.running, st.outstanding, routed, host_blocks=host)
-        c.extra_load = self._extra(st, s.polled, prompt_blocks - routed + tail, now)
-        return c
+        extra = self._extra(st, s.polled, prompt_blocks - routed + tail, now)
+        return Candidate(s, hit, st.running, st.outstanding, routed, host_blocks=host, extra_load=extra)
 
     def _extra(self, st: _Account, polled: Polled | None, need: float, now: float) -> float:
         if polled is None or now - polled.at > POLL_FRESH_S:

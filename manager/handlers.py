@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from kvpool.manager.admin_ops import U63, AdminOps, flag, pool_summary
+from kvpool.manager.engine_ops import EngineOps
 from kvpool.manager.external.ops import ExternalOps
 from kvpool.manager.guards import Bounds, check_owner, check_register, check_step, max_model_len
 from kvpool.manager.health import pool_health
@@ -43,7 +44,7 @@ from kvpool.shared.step_ops import decode_ops
 from kvpool.shared.summaries import ServeInfo, WorkerRow
 
 
-class Handlers(AdminOps, ExternalOps, NodeOps):
+class Handlers(AdminOps, ExternalOps, NodeOps, EngineOps):
     def __init__(
         self,
         registry: Registry,

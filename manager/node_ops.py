@@ -1,6 +1,6 @@
 """The node tier's and the retention pins' ops: ``node_done`` (a worker's node-tier batches
 run; a step message carries the same reports), and the admin ops ``pin``, ``unpin``, ``pins``
-(PROTOCOL.md sections 5 and 6). A mixin of ``Handlers`` (manager/handlers.py), registered with
+(PROTOCOL.md sections 5 and 6); an engine's ``node_done`` goes to manager/engine_ops.py. A mixin of ``Handlers`` (manager/handlers.py), registered with
 ``@op`` as the rest.
 """
 
@@ -27,8 +27,11 @@ class NodeOps:
 
     @op()
     def node_done(self, call: Call) -> dict:
-        """Node-tier batches a worker ran, when no step message carries them."""
+        """Node-tier batches a worker ran, when no step message carries them; with ``layout``
+        instead of ``pool``, an engine's batches (manager/engine_ops.py)."""
         args, sess = call.args, call.sess
+        if "layout" in args and "pool" not in args:
+            return {"finished": self.finish_engine_batches(sess, args["layout"], args.get("reports"))}  # type: ignore[attr-defined]
         epoch = get_int(args, "epoch", 1, U63) if "epoch" in args else None
         entry, _ = self.reg.ready_pool(args.get("pool"), epoch)
         check_owner(self.reg, sess, entry)

@@ -146,6 +146,7 @@ class NodeTiers:
         for tier in self.tiers.values():
             for owner in [o for o in tier.batches if type(o) is tuple and o[0] == sid]:
                 tier.abandon(owner)
+            tier.leave_engine(sid)
 
     def usage(self) -> dict:
         return {layout: {**tier.usage(), "host_file": host_file(self.settings.host_dir, layout),

@@ -9,15 +9,28 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvpool.manager.core.block_pool import InvariantBroken
+from kvpool.manager.core.engine_node import engine_load, engine_save
+from kvpool.manager.core.node_tier import NodeTier
 from kvpool.manager.core.pool import PIN_OWNER
 from kvpool.manager.core.retention import PinRefused
 from kvpool.manager.node_tiers import NodeTiers, NodeTierSettings
 from kvpool.manager.state.entries import GLOBAL, PoolEntry, Session
-from kvpool.manager.state.mutations import NodeFinished, PinAdded, PinRemoved, ShardRegistered
+from kvpool.manager.state.mutations import (
+    EngineFinished,
+    EngineLoaded,
+    EngineSaved,
+    NodeFinished,
+    NodeJoined,
+    PinAdded,
+    PinRemoved,
+    ShardRegistered,
+)
 from kvpool.manager.state.pins import DEFAULT_SHARE, Pin
-from kvpool.shared.node_orders import order_from_wire
+from kvpool.shared.node_orders import Order, order_from_wire
 from kvpool.shared.node_tier import NodeTierInfo, layout_id
-from kvpool.shared.protocol import ManagerError
+from kvpool.shared.protocol import KVSpec, ManagerError
+
+ENGINE = "engine"  # an engine batch's owner is (sid, ENGINE, batch): a pool's is (sid, n), n the tier's number
 
 if TYPE_CHECKING:
     from kvpool.manager.registry_state import RegistryState
@@ -57,8 +70,8 @@ class NodeMutations(Base):
         decides whether they save eagerly): exact as pools form and go, as a recovery counts."""
         tier = self.node.tiers.get(layout) if self.node is not None else None
         if tier is not None:
-            tier.links = sum(1 for e in self.pools.values()
-                             if e.pool is not None and e.pool.node is not None and e.node_layout == layout)
+            tier.set_links(sum(1 for e in self.pools.values()
+                               if e.pool is not None and e.pool.node is not None and e.node_layout == layout))
 
     def node_info(self, entry: PoolEntry) -> NodeTierInfo | None:
         """Where the node tier of ``entry``'s pool lives (register's reply), its files set up
@@ -81,6 +94,73 @@ class NodeMutations(Base):
             return False
         pool.node.tier.finish((rec.sid, rec.batch), [order_from_wire(o) for o in rec.failed])
         self.dirty.add(rec.pool)
+        return True
+
+    # -- engines that own their device blocks (manager/core/engine_node.py) --------------------
+
+    def node_join(self, sess: Session, spec: KVSpec, model: str, rank: int, world: int) -> NodeTierInfo:
+        """The node tier of the engine's layout, created on first use; ManagerError
+        ``no_node_tier`` when the manager keeps none or has no room for another layout."""
+        settings = self.node.settings.to_wire() if self.node is not None and self.node.settings is not None else None
+        rec = NodeJoined(sess.sid, spec.to_wire(), model, rank, world, settings)
+        return self._apply(rec, type(self)._node_join, 0.0)
+
+    def _node_join(self, rec: NodeJoined, now: float) -> NodeTierInfo:
+        if rec.node_tier is None:
+            raise ManagerError("no_node_tier", "this manager keeps no node tier: start it with "
+                               "--node-tier-memory SIZE (kvpool manager --help)")
+        if self.node is None:  # a replay on a manager that runs none: the live one did
+            self.node = NodeTiers(None, self.kv_events)
+        spec = KVSpec.from_wire(rec.spec)
+        layout = layout_id(spec, rec.model, rec.rank, rec.world).hex()
+        info = self.node.join(layout, spec.block_size, spec.block_bytes, NodeTierSettings.from_wire(rec.node_tier))
+        if info is None:
+            raise ManagerError("no_node_tier", f"layout {layout} gets no node tier: node_tier_max_layouts layouts "
+                               "have one already, or node_tier_memory holds no block of it (the manager's log "
+                               "names which)")
+        self.node.tiers[layout].join_engine(rec.sid)
+        self.dirty.add(GLOBAL)
+        return info
+
+    def engine_tier(self, layout: object) -> NodeTier:
+        """The tier of ``layout`` (16 hex digits); ManagerError ``unknown_layout`` when none."""
+        tier = self.node.tiers.get(layout) if self.node is not None and type(layout) is str else None
+        if tier is None:
+            raise ManagerError("unknown_layout", f"no node tier of layout {str(layout)[:32]!r} here: node_join it "
+                               "first (a restarted manager starts with none)")
+        return tier
+
+    def engine_load(self, sess: Session, layout: str, batch: int, hashes: list[bytes],
+                    priority: int) -> tuple[int, list[Order]]:
+        rec = EngineLoaded(sess.sid, layout, batch, hashes, priority)
+        return self._apply(rec, type(self)._engine_load, 0.0)
+
+    def _engine_load(self, rec: EngineLoaded, now: float) -> tuple[int, list[Order]]:
+        self.dirty.add(GLOBAL)
+        return engine_load(self.engine_tier(rec.layout), (rec.sid, ENGINE, rec.batch), rec.hashes, rec.priority)
+
+    def engine_save(self, sess: Session, layout: str, batch: int, blocks: list[int], hashes: list[bytes],
+                    parents: list[bytes | None], priority: int) -> list[Order]:
+        rec = EngineSaved(sess.sid, layout, batch, blocks, hashes, parents, priority)
+        return self._apply(rec, type(self)._engine_save, 0.0)
+
+    def _engine_save(self, rec: EngineSaved, now: float) -> list[Order]:
+        self.dirty.add(GLOBAL)
+        return engine_save(self.engine_tier(rec.layout), (rec.sid, ENGINE, rec.batch), rec.blocks, rec.hashes,
+                           rec.parents, rec.priority)
+
+    def engine_finish(self, sess: Session, layout: str, batch: int, failed: list) -> bool:
+        """An engine ran its ``batch``; ``failed`` (wire maps, checked by the caller against the
+        batch) did not land. False: no such batch (abandoned, or of an earlier manager)."""
+        return self._apply(EngineFinished(sess.sid, layout, batch, failed), type(self)._engine_finish, 0.0)
+
+    def _engine_finish(self, rec: EngineFinished, now: float) -> bool:
+        tier = self.node.tiers.get(rec.layout) if self.node is not None else None
+        owner = (rec.sid, ENGINE, rec.batch)
+        if tier is None or owner not in tier.batches:
+            return False
+        tier.finish(owner, [order_from_wire(o) for o in rec.failed])
+        self.dirty.add(GLOBAL)
         return True
 
     # -- retention pins (manager/state/pins.py) ------------------------------------------------------

@@ -26,9 +26,9 @@ def _corpus() -> list[str]:
     return [f.read_text(encoding="utf-8", errors="replace") for f in files]
 
 
-def build_checkpoint(path: Path, seed: int = 0) -> Path:
+def build_checkpoint(path: Path, seed: int = 0, max_model_len: int = MAX_MODEL_LEN) -> Path:
     """A random-weight Llama (float32) and a byte-level BPE tokenizer, saved as transformers does;
-    kept when ``path`` already holds one."""
+    kept when ``path`` already holds one. ``max_model_len``: its max_position_embeddings."""
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
         return path
     import torch
@@ -45,10 +45,10 @@ def build_checkpoint(path: Path, seed: int = 0) -> Path:
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "model_max_length": MAX_MODEL_LEN}))
+        "model_max_length": max_model_len}))
     config = transformers.LlamaConfig(
         vocab_size=tok.get_vocab_size(), hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_MODEL_LEN,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=max_model_len,
         bos_token_id=0, eos_token_id=1, torch_dtype="float32")
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).float().eval()

@@ -5,7 +5,8 @@ manager recovered from Redis, or restored from a file, replays its journal again
 index the live manager ran: its size and policy, each level's slots (ref counts, free queue,
 hash map: ``snapshot.dump_blocks``), their priorities and hit counts, the retained and landing
 slots, the open batches (their references and orders: a worker reports them after the restart),
-the retention pins, the hashes of expired pins, the batch counter and each level's counters.
+the retention pins, the hashes of expired pins, the batch counter, each level's counters and the
+sessions of the engines that joined it.
 A level's per-priority eviction classes are not stored: they are the free queue's LRU order
 split by priority (``NodeLevel.check_invariants`` says so), rebuilt here.
 
@@ -61,6 +62,7 @@ def dump_tier(tier: NodeTier) -> dict:
         "pins": tier.pins.to_wire(),
         "expired": b"".join(tier.expired),
         "next_batch": tier.next_batch,
+        "engines": sorted(tier.engines),
     }
 
 
@@ -112,6 +114,10 @@ def _load(d: dict, enable_events: bool) -> NodeTier:
     if type(next_batch) is not int or next_batch < 1:
         raise CorruptState(f"node tier snapshot: next_batch {next_batch!r:.20}")
     tier.next_batch = next_batch
+    engines = d.get("engines", [])  # (absent in snapshots from before engines joined)
+    if type(engines) is not list or any(type(sid) is not str for sid in engines):
+        raise CorruptState(f"node tier snapshot: engines {str(engines)[:60]}")
+    tier.engines = set(engines)
     return tier
 
 

@@ -100,6 +100,7 @@ class NodeTier(NodeTierAdmin):
         # count exact as pools form and go): with more than one, every block a pool computes is
         # saved after the forward that fills it (``eager``), so the others find it at once
         self.links = 0
+        self.engines: set[str] = set()  # sessions of engines that joined (node_join), until they end
         self._cleared: dict[str, list[list[bytes]]] = {n: [] for n in self.levels}
         self._restated = False
 
@@ -232,7 +233,19 @@ class NodeTier(NodeTierAdmin):
         the tier is shared. A pool alone moves its blocks down as its own tiers hand them out
         (manager/core/pool_node.py): on one pool an eager copy mostly duplicates what the device
         and the private host tier hold (README, *The node tier*, measured)."""
-        return self.links > 1
+        return self.links + len(self.engines) > 1
+
+    def set_links(self, n: int) -> None:
+        """The registry's count of the formed pools in front of the tier."""
+        self.links = n
+
+    def join_engine(self, sid: str) -> None:
+        """An engine that owns its device blocks (vLLM's connector) shares the tier while its
+        session lasts: a pool beside it saves what it computes at once, so the engine finds it."""
+        self.engines.add(sid)
+
+    def leave_engine(self, sid: str) -> None:
+        self.engines.discard(sid)
 
     def batch_key(self, owner: object) -> tuple[object, int]:
         """The key of a new batch of ``owner`` (a session, a pool): ``(owner, number)``, the

@@ -22,6 +22,11 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
     ["node_done", sid, pool, batch, failed]                 NodeFinished: a node-tier batch ran
     ["pin", pool, hashes, ttl_s, now, share]   ["unpin", pin_id, expired]   retention pins (manager/state/pins.py)
+    ["node_join", sid, spec, model, rank, world, node_tier]   NodeJoined: an engine joins a layout's node tier
+                                                            (node_tier: the settings it joined under)
+    ["node_load", sid, layout, batch, hashes, priority]     EngineLoaded: an engine's load batch
+    ["node_save", sid, layout, batch, blocks, hashes, parents, priority]   EngineSaved: its save batch
+    ["node_engine_done", sid, layout, batch, failed]        EngineFinished: an engine's batch ran
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]   ["drop", pool] (PoolDropped)
     (reset and evict + tier "host" for the host tier)
     ["attach", {name, model, url, block_size, topic, events, replay}]   ExternalAttached (the attach op)
@@ -133,6 +138,53 @@ class PinRemoved:
 
 
 @dataclass(frozen=True)
+class NodeJoined:
+    """An engine that owns its device blocks (vLLM's connector) joins the node tier of its layout
+    (manager/core/engine_node.py); ``spec`` as on the wire (shared/protocol.py KVSpec)."""
+
+    sid: str
+    spec: dict
+    model: str
+    rank: int
+    world: int
+    node_tier: list | None = None  # the node-tier settings it joins under (None: the manager runs none)
+
+
+@dataclass(frozen=True)
+class EngineLoaded:
+    """An engine's lookup held for its batch ``batch``: the run of ``hashes`` the tier brings up."""
+
+    sid: str
+    layout: str
+    batch: int
+    hashes: list
+    priority: int
+
+
+@dataclass(frozen=True)
+class EngineSaved:
+    """An engine's computed ``blocks`` (its own block ids), each holding the hash beside it."""
+
+    sid: str
+    layout: str
+    batch: int
+    blocks: list
+    hashes: list
+    parents: list
+    priority: int
+
+
+@dataclass(frozen=True)
+class EngineFinished:
+    """An engine ran its batch ``batch``; ``failed``: the orders that did not land (wire maps)."""
+
+    sid: str
+    layout: str
+    batch: int
+    failed: list
+
+
+@dataclass(frozen=True)
 class ExternalAttached:
     """A vLLM server attached with the attach op (manager/external/): a restarted or failed-over
     manager attaches it again. (Those of the config are attached from it at each start.)"""
@@ -146,7 +198,8 @@ class ExternalDetached:
 
 
 Mutation = (SessionOpened | SessionEnded | ShardRegistered | StepRan | CacheReset | BlocksEvicted | DrainingSet
-            | PoolDropped | NodeFinished | PinAdded | PinRemoved | ExternalAttached | ExternalDetached)
+            | PoolDropped | NodeFinished | PinAdded | PinRemoved | NodeJoined | EngineLoaded | EngineSaved
+            | EngineFinished | ExternalAttached | ExternalDetached)
 
 KINDS: dict[str, type] = {
     "open": SessionOpened,
@@ -160,6 +213,10 @@ KINDS: dict[str, type] = {
     "node_done": NodeFinished,
     "pin": PinAdded,
     "unpin": PinRemoved,
+    "node_join": NodeJoined,
+    "node_load": EngineLoaded,
+    "node_save": EngineSaved,
+    "node_engine_done": EngineFinished,
     "attach": ExternalAttached,
     "detach": ExternalDetached,
 }

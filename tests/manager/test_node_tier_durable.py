@@ -205,3 +205,36 @@ def test_snapshot_and_restore_carry_pins_with_their_holdings(ns, tmp_path):
         f.write(encode_state(d))
     with pytest.raises(CorruptState, match="holds blocks for pin"):
         load_file(path)
+
+
+@pytest.mark.parametrize("snapshot_bytes", [1024, 1 << 30], ids=["snapshots", "journal"])
+def test_an_engines_tier_its_batches_and_its_place_in_front_recover(ns, tmp_path, snapshot_bytes):
+    """An engine that owns its device blocks (vLLM's connector): its node_join, saves and an open
+    batch recover from snapshots or from the journal alone, on a manager started without a node
+    tier too; the pool beside it keeps saving eagerly for it (the engine is still in front)."""
+    srv = server(ns[0], tmp_path, snapshot_bytes=snapshot_bytes)
+    eng = ok(call(srv, "hello"))["sid"]
+    layout = ok(call(srv, "node_join", eng, spec=SPEC, node_model=MODEL))["node_tier"]["layout"]
+    saved = hash_blocks(PREFIXES[1], 4)
+    for batch, hashes in enumerate([saved[:2], saved[2:]], start=1):
+        ok(call(srv, "node_save", eng, layout=layout, batch=batch, blocks=[1, 2], hashes=hashes,
+                parents=[None if batch == 1 else saved[1], hashes[0]]))
+    ok(call(srv, "node_done", eng, layout=layout, reports=[{"batch": 1}]))  # batch 2 left open
+    sid = join(srv, "a")
+    assert srv._commit([]) == [] and srv.mode == "active"
+    srv.store.wait_for_snapshot()
+    before = state_of(srv.registry)
+    assert (srv.store.stats()["snapshot_seq"] > 0) == (snapshot_bytes == 1024)
+
+    for cfg in ({}, {"node_tier_memory": 0, "node_tier_disk": None, "node_tier_disk_size": 0}):
+        back = server(ns[0], tmp_path, **cfg)
+        assert back.mode == "active" and state_of(back.registry) == before, cfg
+        back.registry.check_invariants()
+        (tier,) = [t for _, t in back.registry.node_tier_list()]
+        assert tier.engines == {eng} and tier.eager
+    # the last one (no node tier configured) serves the engine and the pool from the recovered tier
+    assert ok(call(back, "node_done", eng, layout=layout, reports=[{"batch": 2}]))["finished"] == 1
+    assert ok(call(back, "node_lookup", eng, layout=layout, hashes=saved))["blocks"] == 4
+    res = alloc(back, sid, "a", 1, PREFIXES[2] + [1])
+    host_saves = [o for o in res["node"]["post"] if o["op"] == "save" and o["level"] == "host"]
+    assert len(host_saves) == 4  # saved at once for the engine (each written down to disk too)

@@ -1,0 +1,207 @@
+"""The connector's worker half: runs a step's node-tier orders between vLLM's KV blocks and the
+node tier's stores (worker/node_store.py), verified, and reports what did not land.
+
+Loads run before the forward pass (vLLM's ``start_load_kv`` of a step with synchronous loads),
+in the order the manager gave: a disk prefetch is read (verified) into its host slot, a host load
+is read (verified) into a staging block and written into vLLM's block only once whole and
+verified, a write-down copies a host slot (verified) to disk. A load that does not verify, and a
+block the tier no longer held, is a *load error*: vLLM's block is left as it is and named to vLLM
+(``get_block_ids_with_load_errors``), which recomputes the request from that block (with
+``kv_load_failure_policy: "recompute"``). Nothing unverified is ever written into vLLM's cache.
+
+Saves run after the forward pass (``wait_for_save``): vLLM's blocks are gathered once and
+written into their host slots. A block at or after a failed load of its own request in this step
+is not saved (its K/V were computed over context that is not there) and is reported failed, as
+is every order of a store that could not be opened.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from kvpool.integrations.vllm.kv_layout import gather, scatter
+from kvpool.integrations.vllm.records import LoadJob, NodeStepPlan, NodeStepReport, SaveJob
+from kvpool.shared.node_orders import Load, Order, Save
+from kvpool.shared.node_tier import NodeTierInfo
+from kvpool.worker.node_store import DiskStore, Failure, HostStore, NodeStoreError, StoreLayout
+
+logger = logging.getLogger(__name__)
+
+
+class KvpoolWorker:
+    def __init__(self, layout: StoreLayout) -> None:
+        self.layout = layout
+        self.views: list[torch.Tensor] = []  # per layer [num_blocks, 2, N, H, D] views of vLLM's cache
+        self.info: NodeTierInfo | None = None
+        self.host: HostStore | None = None
+        self.disk: DiskStore | None = None
+        self.errors: set[int] = set()  # vLLM blocks whose load failed, until vLLM asks
+        self.report = NodeStepReport()
+        self.failed_from: dict[str, int] = {}  # this step: request -> its first block index not loaded
+
+    def register(self, views: Sequence[torch.Tensor]) -> None:
+        self.views = list(views)
+
+    def _open(self, tier: dict | None) -> bool:
+        """The stores of the tier the plan names (reopened when the manager's answer changed)."""
+        if tier is None:
+            return False
+        info = NodeTierInfo.from_wire(tier)
+        if info == self.info:
+            return self.host is not None
+        self.close()
+        self.info = info
+        if info.layout != self.layout.name:
+            logger.error("kvpool connector: the manager's tier is layout %s, this server's blocks are %s",
+                         info.layout, self.layout.name)
+            return False
+        try:
+            self.host = HostStore(self.layout, info.host_slots, info.host_dir)
+            if info.disk_dir is not None:
+                self.disk = DiskStore(self.layout, info.disk_dir, info.disk_bytes)
+        except (NodeStoreError, OSError) as e:
+            logger.error("kvpool connector: cannot open the node tier's stores: %s", e)
+            self.close()
+            self.info = info
+            return False
+        return True
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+        self.host = self.disk = None
+        self.info = None
+
+    # -- loads -------------------------------------------------------------------------------
+
+    def load(self, plan: NodeStepPlan) -> None:
+        self.failed_from = {}
+        if not plan.loads:
+            return
+        usable = self._open(plan.tier)
+        for job in plan.loads:
+            failed = self._guarded(self._run_load, job) if usable and job.batch is not None else list(job.orders)
+            bad = {job.blocks[o.dst - 1] for o in failed if type(o) is Load and o.frm == "host"}
+            if not usable or job.batch is None:
+                bad = set(job.blocks)
+            bad |= set(job.missing)
+            if bad:
+                self.errors |= bad
+                first = min(i for i, b in enumerate(job.blocks) if b in bad)
+                self.failed_from[job.req_id] = job.first_index + first
+                self._count("load_errors", len(bad))
+            if job.batch is not None:
+                self._reported(job.batch, failed)
+
+    def _run_load(self, job: LoadJob) -> list[Order]:
+        host, failed, bad_slots = self.host, [], set()
+        if host is None:
+            return list(job.orders)
+        staged: list[tuple[int, torch.Tensor]] = []
+        for o in job.orders:
+            block = self.layout.empty_block()
+            if type(o) is Load and o.frm == "host":
+                f = self._read_host(o.src, o.key, block, bad_slots)
+                if f is None:
+                    staged.append((job.blocks[o.dst - 1], block))
+            elif type(o) is Load:  # disk -> host: a prefetch
+                f = self._disk_read(o.src, o.key, block) or host.write(o.dst, o.key, block)
+                if f is not None:
+                    bad_slots.add(o.dst)
+            else:
+                f = self._write_down(o, block, bad_slots)
+            if f is not None:
+                failed.append(o)
+                self._failure(o, f)
+        if staged:
+            scatter(self.views, [b for b, _ in staged], [t for _, t in staged])
+            self._count("loaded_blocks", len(staged))
+        return failed
+
+    # -- saves -------------------------------------------------------------------------------
+
+    def save(self, plan: NodeStepPlan) -> None:
+        job = plan.save
+        if job is None:
+            return
+        if not self._open(plan.tier):
+            self._reported(job.batch, list(job.orders))
+            return
+        self._reported(job.batch, self._guarded(self._run_save, job))
+
+    def _guarded(self, run, job: LoadJob | SaveJob) -> list[Order]:
+        """``run(job)``; every order failed if it raised (a copy must never stop vLLM)."""
+        try:
+            return run(job)
+        except Exception:
+            logger.exception("kvpool connector: node-tier batch %s failed as a whole", job.batch)
+            self._count("failed_batches", 1)
+            return list(job.orders)
+
+    def _run_save(self, job: SaveJob) -> list[Order]:
+        host, failed, bad_slots = self.host, [], set()
+        if host is None:
+            return list(job.orders)
+        saves = [o for o in job.orders if type(o) is Save and o.to == "host" and not self._after_failed_load(job, o)]
+        data = dict(zip((o.src for o in saves), gather(self.views, [o.src for o in saves]))) if saves else {}
+        for o in job.orders:
+            if type(o) is Save and o.to == "host":
+                block = data.get(o.src)
+                f = (host.write(o.dst, o.key, block) if block is not None else
+                     Failure("not_computed", f"vLLM block {o.src} was computed over a block that did not load"))
+                if f is not None:
+                    bad_slots.add(o.dst)
+            else:
+                f = self._write_down(o, self.layout.empty_block(), bad_slots)
+            if f is not None:
+                failed.append(o)
+                self._failure(o, f)
+        self._count("saved_blocks", len(data))
+        return failed
+
+    def _after_failed_load(self, job: SaveJob, o: Save) -> bool:
+        req_id, index = job.owners.get(o.key, ("", 0))
+        first = self.failed_from.get(req_id)
+        return first is not None and index >= first
+
+    # -- shared ------------------------------------------------------------------------------
+
+    def _write_down(self, o: Order, block: torch.Tensor, bad_slots: set[int]) -> Failure | None:
+        """host slot -> disk slot (the host bytes verified first)."""
+        if self.disk is None:
+            return Failure("io_error", "the manager ordered a disk copy, but its tier has no disk level here")
+        return self._read_host(o.src, o.key, block, bad_slots) or self.disk.write(o.dst, o.key, block)
+
+    def _disk_read(self, slot: int, key: bytes, out: torch.Tensor) -> Failure | None:
+        if self.disk is None:
+            return Failure("missing", "the manager ordered a disk read, but its tier has no disk level here")
+        return self.disk.read_into(slot, key, out)
+
+    def _read_host(self, slot: int, key: bytes, out: torch.Tensor, bad_slots: set[int]) -> Failure | None:
+        if slot in bad_slots:
+            return Failure("prefetch_failed", f"host slot {slot} was not filled in this batch")
+        return self.host.read_into(slot, key, out)  # type: ignore[union-attr]
+
+    def _failure(self, o: Order, f: Failure) -> None:
+        self._count(f"failed_{f.reason}", 1)
+        logger.info("kvpool connector: %s failed (%s: %s)", o, f.reason, f.detail)
+
+    def _reported(self, batch: int, failed: list[Order]) -> None:
+        rep: dict = {"batch": batch}
+        if failed:
+            rep["failed"] = [o.to_wire() for o in failed]
+        self.report.reports.append(rep)
+
+    def _count(self, name: str, n: int) -> None:
+        self.report.counts[name] = self.report.counts.get(name, 0) + n
+
+    def take_errors(self) -> set[int]:
+        errors, self.errors = self.errors, set()
+        return errors
+
+    def take_report(self) -> NodeStepReport | None:
+        report, self.report = self.report, NodeStepReport()
+        return report if report.reports or report.counts else None
