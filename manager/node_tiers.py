@@ -149,7 +149,7 @@ class NodeTiers:
             tier.leave_engine(sid)
 
     def usage(self) -> dict:
-        return {layout: {**tier.usage(), "host_file": host_file(self.settings.host_dir, layout),
+        return {layout: {**tier.usage(), "host_file": host_file(self.info[layout].host_dir, layout),
                          "disk_dir": self.info[layout].disk_dir}
                 for layout, tier in self.tiers.items()}
 

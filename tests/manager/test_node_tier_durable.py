@@ -238,3 +238,12 @@ def test_an_engines_tier_its_batches_and_its_place_in_front_recover(ns, tmp_path
     res = alloc(back, sid, "a", 1, PREFIXES[2] + [1])
     host_saves = [o for o in res["node"]["post"] if o["op"] == "save" and o["level"] == "host"]
     assert len(host_saves) == 4  # saved at once for the engine (each written down to disk too)
+
+
+def test_a_manager_without_a_node_tier_reports_the_recovered_ones(ns, tmp_path):
+    srv = server(ns[0], tmp_path)
+    workload(srv, 10)
+    back = server(ns[0], tmp_path, node_tier_memory=0, node_tier_disk=None, node_tier_disk_size=0)
+    admin = ok(call(back, "hello", role="admin"))["sid"]
+    (usage,) = ok(call(back, "stats", admin))["manager"]["node_tiers"].values()
+    assert usage["host_file"] == host_file(str(tmp_path), back.registry.node_tier_list()[0][0].layout)
