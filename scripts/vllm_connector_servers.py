@@ -16,11 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vs_vllm_servers import Server, _free_port
+from vs_vllm_servers import KVPOOL_CLI, Server, _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = os.environ.get("KVPOOL_VLLM_VENV", "/work/vllm-venv")
-KVPOOL_CLI = [sys.executable, "-c", "import sys; from kvpool.cli.main import cli; sys.exit(cli())"]
 BLOCK_SIZE = 32
 
 

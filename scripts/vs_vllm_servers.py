@@ -7,16 +7,16 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpool.shared.procs import CLI as KVPOOL_CLI
+
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 512, 8, 8, 4, 1536
 VOCAB = 2048  # the tokenizer's target size; the model takes the trained tokenizer's actual size
 BLOCK_SIZE, KV_BYTES, MAX_MODEL_LEN = 32, 1 << 30, 1024
-KVPOOL_CLI = [sys.executable, "-c", "import sys; from kvpool.cli.main import cli; sys.exit(cli())"]
 
 
 def _corpus() -> list[str]:

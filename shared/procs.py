@@ -10,7 +10,10 @@ from __future__ import annotations
 import socket
 import sys
 
-CLI = [sys.executable, "-c", "import sys; from kvpool.cli.main import cli; sys.exit(cli())"]
+# -P: the child's working directory is not put on its sys.path. In a checkout, the repository
+# root holds kvpool's subpackages under their short names, and its kernels/ would shadow Hugging
+# Face's `kernels` distribution, which transformers 5.25 imports (tests/conftest.py)
+CLI = [sys.executable, "-P", "-c", "import sys; from kvpool.cli.main import cli; sys.exit(cli())"]
 
 
 def free_port() -> int:
