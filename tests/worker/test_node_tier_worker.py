@@ -78,6 +78,7 @@ def test_a_disk_read_that_never_returns_is_recomputed_after_the_deadline(tmp_pat
     settle(a)
     assert tier[0].evict("host", 10_000) >= 4  # the prefix is on disk only
     hashes = _hashes(a, prompt)
+    assert b.runner.node.reads.timeout_s == 0.5  # the worker's setting
     fifo = b.runner.node.disk.path(tier[0].disk.blocks.cached[hashes[1]])
     fifo.unlink()
     os.mkfifo(fifo)
