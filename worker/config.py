@@ -98,6 +98,7 @@ class WorkerConfig:
     host_kv_memory: int = field(default=0, metadata=BYTES)  # host memory offered for the pool's host tier (0: none)
     host_kv_policy: str = "demote"  # or "write_through": when blocks are copied to the host tier (docs/operating.md)
     node_tier: bool = True  # use the manager's node tier of this layout when it has one (single-shard pools)
+    node_tier_read_timeout: float = 5.0  # seconds a step waits for its node-tier disk reads (then recomputes)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     static_prealloc: bool = False  # baseline: reserve max_model_len slots per request
@@ -150,6 +151,8 @@ class WorkerConfig:
             raise ValueError(f"cpu_memory_budget must be positive bytes, got {self.cpu_memory_budget}")
         if self.host_kv_memory < 0:
             raise ValueError(f"host_kv_memory must be bytes >= 0 (0: no host tier), got {self.host_kv_memory}")
+        if not 0 < self.node_tier_read_timeout <= 3600:  # also refuses NaN
+            raise ValueError(f"node_tier_read_timeout must be seconds in (0, 3600], got {self.node_tier_read_timeout!r}")
         if self.host_kv_policy not in HOST_POLICIES:
             raise ValueError(f"host_kv_policy must be one of {', '.join(HOST_POLICIES)}, got {self.host_kv_policy!r}")
         if type(self.threads) is not int or self.threads < 0:

@@ -34,7 +34,7 @@ from kvpool.worker.block_manager import BlockManager, ManagerReset
 from kvpool.worker.draw import draw_tokens
 from kvpool.worker.kv_cache import kv_spec
 from kvpool.worker.model import LlamaForCausalLM
-from kvpool.worker.node_copier import NodeCopier
+from kvpool.worker.node_copier import READ_TIMEOUT_S, NodeCopier
 from kvpool.worker.node_store import StoreLayout
 from kvpool.worker.profiler import check_fits
 from kvpool.worker.request import Request
@@ -61,7 +61,7 @@ class Engine:
     def __init__(self, model: LlamaForCausalLM, block_manager: BlockManager, scheduler: Scheduler,
                  available_kv_bytes: int, *, seed: int = 0, tp: TPLeader | None = None,
                  overlap: bool = True, host_kv_bytes: int = 0, host_kv_policy: str = "demote",
-                 node_model: str | None = None) -> None:
+                 node_model: str | None = None, node_read_timeout_s: float = READ_TIMEOUT_S) -> None:
         self.model = model
         self.bm = block_manager
         self.scheduler = scheduler
@@ -72,6 +72,7 @@ class Engine:
         # the weights' identity, offered at registration: the manager then puts the node tier of
         # this layout behind the pool (worker/node_copier.py); None: no node tier
         self.node_model = node_model
+        self.node_read_timeout_s = node_read_timeout_s  # a step's wait for its disk reads (worker/node_reads.py)
         self.node_tier: NodeTierInfo | None = None
         self._node_reports: list[NodeReport] = []  # node-tier batches run, not yet told to the manager
         p = next(model.parameters())
@@ -140,7 +141,7 @@ class Engine:
             self.runner.take_node_reports()  # type: ignore[union-attr]  # an earlier registration's: meaningless now
             return
         layout = StoreLayout(self.spec, self.node_model or "", 0, 1)
-        self.runner.attach_node(NodeCopier(self.runner.kv_caches, info, layout))  # type: ignore[union-attr]
+        self.runner.attach_node(NodeCopier(self.runner.kv_caches, info, layout, self.node_read_timeout_s))  # type: ignore[union-attr]
         self.node_tier = info
         logger.info("node tier of layout %s: %d host slots in %s, disk %s", info.layout, info.host_slots - 1,
                     info.host_dir, f"{info.disk_slots - 1} slots in {info.disk_dir}" if info.disk_dir else "none")

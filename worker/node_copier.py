@@ -18,11 +18,18 @@ come in two lists (shared/node_orders.py ``NodeOrders``), run in the order given
     forward did not fill (its sequence left the batch: finished, aborted, preempted) is not run
     and reported failed, so no other tokens are ever stored under its hash.
 
+The disk reads of a run (its prefetches) start together when it starts, on a few threads of
+their own (worker/node_reads.py), and run while the orders before them do; each is waited on
+with the run's one deadline (``read_timeout_s``, the worker's ``node_tier_read_timeout``). A
+read that misses it fails as a read that does not verify, and its block is never used: the host
+slot it was to fill is written here, by the step's thread, only with a block that arrived in time.
+
 Every order that does not land (a read that does not verify: a flipped byte, a torn or missing
-slot, a block of another layout or key; a write to a full disk) is reported to the manager in
-the step's ``NodeReport``, which drops the hash from that level. A load into the device that
-did not verify leaves its block zeroed (node_store.py), never served: ``recompute`` moves each
-sequence that reads such a block back to its start, so this very forward pass computes it.
+slot, a block of another layout or key; a disk read past its deadline; a write to a full disk)
+is reported to the manager in the step's ``NodeReport``, which drops the hash from that level.
+A load into the device that did not verify leaves its block zeroed (node_store.py), never
+served: ``recompute`` moves each sequence that reads such a block back to its start, so this
+very forward pass computes it.
 """
 
 from __future__ import annotations
@@ -35,10 +42,13 @@ import torch
 
 from kvpool.shared.node_orders import Load, Order, Save
 from kvpool.shared.node_tier import NodeTierInfo
+from kvpool.worker.node_reads import DiskReads, Read
 from kvpool.worker.node_store import DiskStore, Failure, HostStore, NodeStoreError, StoreLayout
 from kvpool.worker.step_plan import Batch
 
 logger = logging.getLogger(__name__)
+
+READ_TIMEOUT_S = 5.0  # the worker's node_tier_read_timeout: how long a step waits for its disk reads
 
 
 @dataclass
@@ -56,10 +66,28 @@ class NodeCopyStats:
         self.failures[reason] = self.failures.get(reason, 0) + 1
 
 
+@dataclass
+class _Run:
+    """One ``run``'s working state."""
+
+    gathered: dict[tuple[str, int], torch.Tensor]  # the blocks saves to host read, by (source, block)
+    staging: torch.Tensor  # [loads, layers, 2, ...]: the host -> device loads' blocks
+    loads: dict[int, int]  # id(host -> device load) -> its staging row
+    reads: dict[int, Read]  # id(disk -> host load) -> its disk read, started with the run
+    deadline: float  # time.monotonic() by which every disk read is in, or missed
+    covered: set[int] | None
+    bad_slots: set[int] = field(default_factory=set)  # host slots a failed prefetch did not fill
+    # host slots a prefetch of this run filled, with the verified block it wrote: the load
+    # behind it takes that block instead of reading and checksumming the slot again
+    fresh: dict[int, tuple[bytes, torch.Tensor]] = field(default_factory=dict)
+    landed: list[tuple[int, int]] = field(default_factory=list)  # (staging row, device block)
+
+
 class NodeCopier:
     """One layout's stores, mapped by this worker, and the copies of its steps."""
 
-    def __init__(self, device_caches: list[torch.Tensor], info: NodeTierInfo, layout: StoreLayout) -> None:
+    def __init__(self, device_caches: list[torch.Tensor], info: NodeTierInfo, layout: StoreLayout,
+                 read_timeout_s: float = READ_TIMEOUT_S) -> None:
         if layout.name != info.layout:
             raise NodeStoreError(f"the manager's node tier is for layout {info.layout}, this worker's blocks are "
                                  f"layout {layout.name}: a different model, dtype or block shape")
@@ -67,6 +95,7 @@ class NodeCopier:
         self.device = device_caches[0].device
         self.host = HostStore(layout, info.host_slots, info.host_dir)
         self.disk: DiskStore | None = None
+        self.reads: DiskReads | None = None
         if info.disk_dir is not None:
             # no fsync: a file the rename committed but a power loss tore fails its checksum on
             # read and is recomputed, so an fsync per block (milliseconds on the step's critical
@@ -74,10 +103,13 @@ class NodeCopier:
             self.disk = DiskStore(layout, info.disk_dir, info.disk_bytes, fsync=False)
             if self.disk.num_slots != info.disk_slots:
                 raise NodeStoreError(f"disk level: {self.disk.num_slots} slots here, {info.disk_slots} at the manager")
+            self.reads = DiskReads(self.disk, read_timeout_s)
         self.stats = NodeCopyStats()
         self._staged: tuple[torch.Tensor | None, list[tuple[int, int]]] = (None, [])  # loads not yet landed
 
     def close(self) -> None:
+        if self.reads is not None:
+            self.reads.close()
         self.host.close()
 
     def count_recomputed(self, num_tokens: int) -> None:
@@ -95,25 +127,26 @@ class NodeCopier:
         if not orders:
             return [], set()
         start = time.perf_counter()
+        # the disk reads first, all at once: the manager holds every disk slot a batch reads, so
+        # no order of it writes one (worker/node_reads.py)
+        prefetches = [o for o in orders if type(o) is Load and o.frm == "disk"]
+        reads = {id(o): self._reads().start(o.src, o.key) for o in prefetches}
+        deadline = time.monotonic() + (self.reads.timeout_s if self.reads is not None else 0.0)
         saves = [o for o in orders if type(o) is Save and o.to == "host"]
-        gathered = self._gather_saves(saves, private)
         loads = {id(o): row for row, o in enumerate(o for o in orders if type(o) is Load and o.frm == "host")}
-        staging = torch.empty((len(loads), *self.layout.block_shape), dtype=self.layout.dtype)
+        r = _Run(self._gather_saves(saves, private),
+                 torch.empty((len(loads), *self.layout.block_shape), dtype=self.layout.dtype), loads, reads, deadline,
+                 covered)
         failed: list[Order] = []
-        bad_slots: set[int] = set()  # host slots a failed prefetch did not fill
-        # host slots a prefetch of this run filled, with the verified block it wrote: the load
-        # behind it takes that block instead of reading and checksumming the slot again
-        fresh: dict[int, tuple[bytes, torch.Tensor]] = {}
-        landed: list[tuple[int, int]] = []  # (staging row, device block)
         for o in orders:
-            f = self._one(o, gathered, staging, loads, bad_slots, fresh, covered, landed)
+            f = self._one(o, r)
             if f is not None:
                 failed.append(o)
                 self.stats.failed(f.reason)
                 if type(o) is Load and o.frm == "disk":
-                    bad_slots.add(o.dst)
+                    r.bad_slots.add(o.dst)
                 logger.info("node tier: %s failed (%s: %s)", o, f.reason, f.detail)
-        self._staged = (staging, landed)
+        self._staged = (r.staging, r.landed)
         if not defer_loads:
             self.land_loads()
         self.stats.wall_s += time.perf_counter() - start
@@ -142,32 +175,30 @@ class NodeCopier:
             out.update(zip(((source, b) for b in blocks), self._gather(blocks, caches)))
         return out
 
-    def _one(self, o: Order, gathered: dict[tuple[str, int], torch.Tensor], staging: torch.Tensor, loads: dict[int, int],
-             bad_slots: set[int], fresh: dict[int, tuple[bytes, torch.Tensor]], covered: set[int] | None,
-             landed: list[tuple[int, int]]) -> Failure | None:
+    def _one(self, o: Order, r: _Run) -> Failure | None:
         if type(o) is Save:
             if o.to == "host":
-                if covered is not None and o.src not in covered:
+                if r.covered is not None and o.src not in r.covered:
                     return Failure("not_computed", f"device block {o.src} was not filled by this step")
-                f = self.host.write(o.dst, o.key, gathered[(o.source, o.src)])
+                f = self.host.write(o.dst, o.key, r.gathered[(o.source, o.src)])
             else:
                 block = self.layout.empty_block()
-                f = self._read_host(o.src, o.key, block, bad_slots) or self._disk().write(o.dst, o.key, block)
+                f = self._read_host(o.src, o.key, block, r.bad_slots) or self._disk().write(o.dst, o.key, block)
         elif o.frm == "host":
-            row = loads[id(o)]
-            just = fresh.get(o.src)
+            row = r.loads[id(o)]
+            just = r.fresh.get(o.src)
             if just is not None and just[0] == o.key:
-                staging[row].copy_(just[1])
+                r.staging[row].copy_(just[1])
                 f = None
             else:
-                f = self._read_host(o.src, o.key, staging[row], bad_slots)
+                f = self._read_host(o.src, o.key, r.staging[row], r.bad_slots)
             if f is None:
-                landed.append((row, o.dst))
-        else:
-            block = self.layout.empty_block()
-            f = self._disk().read_into(o.src, o.key, block) or self.host.write(o.dst, o.key, block)
+                r.landed.append((row, o.dst))
+        else:  # the block its read brought, if in time; the host slot is written here, never by the read
+            f, block = self._reads().wait(r.reads[id(o)], o.src, r.deadline)
+            f = f or self.host.write(o.dst, o.key, block)  # type: ignore[arg-type]
             if f is None:
-                fresh[o.dst] = (o.key, block)
+                r.fresh[o.dst] = (o.key, block)  # type: ignore[assignment]
         if f is None:
             (self.stats.saves if type(o) is Save else self.stats.loads)[o.to if type(o) is Save else o.frm] += 1
         return f
@@ -182,6 +213,10 @@ class NodeCopier:
         if self.disk is None:
             raise NodeStoreError("the manager ordered a disk copy but this layout's node tier has no disk level")
         return self.disk
+
+    def _reads(self) -> DiskReads:
+        self._disk()
+        return self.reads  # type: ignore[return-value]
 
     def _gather(self, blocks: list[int], caches: list[torch.Tensor]) -> list[torch.Tensor]:
         """Blocks of ``caches`` (the device's, or the private host tier's) as contiguous CPU

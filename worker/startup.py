@@ -147,7 +147,8 @@ def build_engine(cfg: WorkerConfig, block_manager: BlockManager) -> Engine:
     # rank's copies to agree on each failure)
     node_model = model_identity(cfg.model, cfg.seed) if cfg.node_tier and cfg.tp_size == 1 else None
     return Engine(model, block_manager, sched, kv_bytes, seed=cfg.seed, tp=tp, overlap=cfg.overlap,
-                  host_kv_bytes=host_kv_share(cfg), host_kv_policy=cfg.host_kv_policy, node_model=node_model)
+                  host_kv_bytes=host_kv_share(cfg), host_kv_policy=cfg.host_kv_policy, node_model=node_model,
+                  node_read_timeout_s=cfg.node_tier_read_timeout)
 
 
 def build_follower(cfg: WorkerConfig, block_manager: BlockManager) -> TPFollower:

@@ -20,6 +20,8 @@ def test_parse_bytes():
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=1024), "raise max_num_batched_tokens"),
     (dict(dtype="int8"), "dtype"),
     (dict(kv_cache_memory=0), "kv_cache_memory"),
+    (dict(node_tier_read_timeout=0), "node_tier_read_timeout"),
+    (dict(node_tier_read_timeout=float("nan")), "node_tier_read_timeout"),
 ])
 def test_worker_config_validates(kw, msg):
     with pytest.raises(ValueError, match=msg):

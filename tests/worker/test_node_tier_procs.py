@@ -67,6 +67,30 @@ def test_a_prefix_computed_by_one_pool_is_loaded_by_another_and_disk_faults_are_
     assert nodes.admin.call("check")  # every invariant, the node tier's included
 
 
+def test_a_disk_read_that_never_returns_is_recomputed_after_the_workers_deadline(nodes):
+    """A disk slot whose read blocks for ever (a FIFO nobody writes, as a hung mount blocks): the
+    worker gives up at its --node-tier-read-timeout, recomputes, reports the order failed, and
+    serves on; before the deadline existed the step waited for ever (``generate`` times out)."""
+    a = nodes.worker("a")
+    b = nodes.worker("b", extra=("--node-tier-read-timeout", "0.5"))
+    p = prompt_of(96, 50)
+    assert generate(a, p, N) == truth(p, N)
+    nodes.settled()
+    assert nodes.admin.call("evict", pool="b", n=10_000, tier="node_host")["evicted"] >= 5
+    (fifo,) = nodes.disk_files([hashes(p)[2]]).values()
+    fifo.unlink()
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR)  # a writer that writes nothing: the read blocks
+    try:
+        assert generate(b, p, N) == truth(p, N)
+        nodes.settled()
+        assert worker_stats(b)["node_failures"] == {"deadline": 1, "prefetch_failed": 1}
+        assert nodes.tier()["disk"]["verify_failures"] == 1  # its hash left the disk level
+        assert generate(b, p, N) == truth(p, N)  # the worker serves on
+    finally:
+        os.close(writer)  # the abandoned read returns (short) and its thread is free
+
+
 def test_a_full_disk_drops_the_blocks_it_could_not_write(nodes):
     """A worker whose files cannot grow past 6,000 bytes (RLIMIT_FSIZE: EFBIG, as a full disk fails
     a write): its write-downs fail, the manager drops them, and the other pool recomputes."""

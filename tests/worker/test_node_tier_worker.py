@@ -4,6 +4,9 @@ output and fewer tokens computed; a load that does not verify is recomputed, nev
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 from helpers.node_tier import node_engine, node_tier, settle
 from helpers.worker import greedy, make_prompt, reference
@@ -59,6 +62,43 @@ def test_without_the_check_a_flipped_byte_changes_the_output(tmp_path, monkeypat
     monkeypatch.setattr(node_store.HostStore, "_verify", lambda self, header, key, data: None)
     with pytest.raises(AssertionError):
         test_a_flipped_byte_is_recomputed_not_served(tmp_path)
+
+
+@pytest.mark.timeout(120)  # a read waited on for ever hangs: fail instead
+def test_a_disk_read_that_never_returns_is_recomputed_after_the_deadline(tmp_path):
+    """A disk slot whose read blocks for ever (a FIFO nobody writes, as a hung mount blocks): the
+    step gives up on it at the worker's node_tier_read_timeout, recomputes the block and the
+    rest of the prefix behind it, reports the order failed, and the output is the reference's."""
+    tier = node_tier(tmp_path, host_blocks=32, disk_blocks=32, policy="write_through")
+    a = node_engine(tier, "a")
+    b = node_engine(tier, "b", node_tier_read_timeout=0.5)
+    prompt = make_prompt(70, 4)
+    want = reference(a, prompt, 8)
+    assert a.generate([prompt], greedy(8)) == [[want]]
+    settle(a)
+    assert tier[0].evict("host", 10_000) >= 4  # the prefix is on disk only
+    hashes = _hashes(a, prompt)
+    assert b.runner.node.reads.timeout_s == 0.5  # the worker's setting
+    fifo = b.runner.node.disk.path(tier[0].disk.blocks.cached[hashes[1]])
+    fifo.unlink()
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR)  # a writer that writes nothing: the read blocks
+    try:
+        assert b.generate([prompt], greedy(8)) == [[want]]
+        s = b.stats()
+        assert s["node_failures"] == {"deadline": 1, "prefetch_failed": 1}
+        assert s["node_loads"] == {"host": 3, "disk": 3} and s["node_recomputed_tokens"] == 48
+        settle(a, b)
+        assert tier[0].disk.stats.verify_failures == 1  # reported: the slot's hash left the disk level
+        assert len(tier[0].lookup(hashes)) == 1
+    finally:
+        os.close(writer)  # the abandoned read returns (short) and frees its thread
+    end = time.monotonic() + 20
+    while b.runner.node.reads.late:
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    tier[0].check_invariants()
+    assert not tier[0].batches
 
 
 def _hashes(engine, prompt):

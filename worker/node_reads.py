@@ -1,0 +1,107 @@
+"""The node tier's disk reads, off the step's critical path: a small, bounded set of daemon
+threads reads disk slots into private blocks (a file read releases the GIL) while the step's
+thread runs its other orders, and the step waits for each read with one deadline.
+
+A read that misses its deadline is a failed load like one that does not verify (a ``Failure``
+of reason ``deadline``): the worker reports the order failed, so the manager drops the hash as
+for any failed load, and the forward pass recomputes the block. Nothing waits for it again.
+
+A late read may still be blocked in the file system (a hung network mount; a FIFO in the tests)
+and may complete at any later time. It only ever writes into the block it allocated for itself,
+which nobody else sees: the host slot a prefetch fills is written by the step's own thread
+(worker/node_copier.py), only with a block that arrived within the deadline. So a late read
+never lands in a slot the manager has handed to another block since. A read still queued when
+its deadline passes is cancelled and never runs. The threads are daemons, so one blocked for
+ever holds up neither the step nor the process's exit; while every thread is held by a late
+read, new reads fail at once (``deadline``) instead of queueing behind them for a whole
+deadline each step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+
+from kvpool.worker.node_store import DiskStore, Failure
+
+logger = logging.getLogger(__name__)
+
+READ_THREADS = 4  # disk reads in flight at once (a step's prefetches; more only queue in the kernel)
+
+Read = Future  # of (Failure | None, the verified block | None)
+
+
+class DiskReads:
+    """Verified reads of one disk level's slots, each into a private block, with a deadline."""
+
+    def __init__(self, disk: DiskStore, timeout_s: float, threads: int = READ_THREADS) -> None:
+        if not timeout_s > 0 or threads < 1:
+            raise ValueError(f"need a read timeout > 0 s and at least one thread, got {timeout_s} s, {threads}")
+        self.disk, self.timeout_s, self.threads = disk, timeout_s, threads
+        self._queue: queue.SimpleQueue[tuple[Read, int, bytes] | None] = queue.SimpleQueue()
+        self._started = 0
+        self._lock = threading.Lock()
+        self._late = 0  # reads past their deadline that still hold a thread
+
+    @property
+    def late(self) -> int:
+        """Reads past their deadline still running (each holds a thread)."""
+        return self._late
+
+    def start(self, slot: int, key: bytes) -> Read:
+        """Starts reading disk ``slot`` (the block ``key`` names) into a block of its own."""
+        fut: Read = Future()
+        if self._late >= self.threads:  # every thread is held by a late read: this one would queue
+            fut.set_result((Failure("deadline", f"disk slot {slot}: all {self.threads} reader threads are "
+                                    f"blocked in late reads"), None))
+            return fut
+        if self._started < self.threads:
+            threading.Thread(target=self._serve, name=f"kvpool-disk-read-{self._started}", daemon=True).start()
+            self._started += 1
+        self._queue.put((fut, slot, key))
+        return fut
+
+    def wait(self, fut: Read, slot: int, deadline: float) -> tuple[Failure | None, torch.Tensor | None]:
+        """The read's outcome if it completes by ``deadline`` (``time.monotonic()``); else a
+        ``deadline`` Failure, and the read is abandoned (cancelled if it has not started)."""
+        try:
+            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            pass
+        if not fut.cancel():  # running: it keeps its thread until the file system answers
+            with self._lock:
+                self._late += 1
+            fut.add_done_callback(self._landed_late)  # runs at once if it finished meanwhile
+        return Failure("deadline", f"disk slot {slot}: not read within {self.timeout_s:g} s"), None
+
+    def close(self) -> None:
+        """Idle threads end; one blocked in a late read ends when its read returns."""
+        for _ in range(self._started):
+            self._queue.put(None)
+        self._started = 0
+
+    def _landed_late(self, fut: Read) -> None:
+        with self._lock:
+            self._late -= 1
+        logger.info("node tier: a disk read completed after its deadline; its block was dropped")
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, slot, key = item
+            if not fut.set_running_or_notify_cancel():
+                continue  # abandoned before it started
+            try:
+                block = self.disk.layout.empty_block()
+                failure = self.disk.read_into(slot, key, block)
+                fut.set_result((failure, None if failure is not None else block))
+            except BaseException as e:  # a bug: raised on the step's thread by ``wait``
+                fut.set_exception(e)
