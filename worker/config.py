@@ -17,6 +17,8 @@ from kvpool.shared.logs import LEVELS
 from kvpool.shared.model_config import PRESETS, ModelConfig  # noqa: F401 (re-exported: the worker's names)
 from kvpool.shared.protocol import HOST_POLICIES, default_endpoint
 
+READ_TIMEOUT_S = 5.0  # node_tier_read_timeout's default (worker/node_copier.py)
+
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -98,7 +100,7 @@ class WorkerConfig:
     host_kv_memory: int = field(default=0, metadata=BYTES)  # host memory offered for the pool's host tier (0: none)
     host_kv_policy: str = "demote"  # or "write_through": when blocks are copied to the host tier (docs/operating.md)
     node_tier: bool = True  # use the manager's node tier of this layout when it has one (single-shard pools)
-    node_tier_read_timeout: float = 5.0  # seconds a step waits for its node-tier disk reads (then recomputes)
+    node_tier_read_timeout: float = READ_TIMEOUT_S  # seconds a step waits for its node-tier disk reads (then recomputes)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     static_prealloc: bool = False  # baseline: reserve max_model_len slots per request

@@ -31,10 +31,11 @@ from kvpool.shared.node_tier import NodeTierInfo
 from kvpool.shared.protocol import ManagerError
 from kvpool.shared.step_ops import Free
 from kvpool.worker.block_manager import BlockManager, ManagerReset
+from kvpool.worker.config import READ_TIMEOUT_S
 from kvpool.worker.draw import draw_tokens
 from kvpool.worker.kv_cache import kv_spec
 from kvpool.worker.model import LlamaForCausalLM
-from kvpool.worker.node_copier import READ_TIMEOUT_S, NodeCopier
+from kvpool.worker.node_copier import NodeCopier
 from kvpool.worker.node_store import StoreLayout
 from kvpool.worker.profiler import check_fits
 from kvpool.worker.request import Request

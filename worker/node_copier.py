@@ -42,13 +42,13 @@ import torch
 
 from kvpool.shared.node_orders import Load, Order, Save
 from kvpool.shared.node_tier import NodeTierInfo
+from kvpool.worker.config import READ_TIMEOUT_S
 from kvpool.worker.node_reads import DiskReads, Read
 from kvpool.worker.node_store import DiskStore, Failure, HostStore, NodeStoreError, StoreLayout
 from kvpool.worker.step_plan import Batch
 
 logger = logging.getLogger(__name__)
 
-READ_TIMEOUT_S = 5.0  # the worker's node_tier_read_timeout: how long a step waits for its disk reads
 
 
 @dataclass
