@@ -6,7 +6,8 @@ sends what each backlog's client takes, first thing each loop iteration. A backl
 MAX_BACKLOG messages, or older than BACKLOG_TIMEOUT_S, fails its client: the server aborts the
 client's requests, and their error messages replace the backlog. A send to a client whose
 connection is gone (ROUTER_MANDATORY: EHOSTUNREACH) tells the server, which aborts its requests.
-PROTOCOL.md section 12; the server (worker/server.py) owns the socket and the requests.
+PROTOCOL.md section 12. The server (worker/server.py) owns the socket; the requests are
+worker/generate_handler.py's.
 """
 
 from __future__ import annotations
