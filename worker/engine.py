@@ -5,9 +5,9 @@
     while engine.has_work():
         for ev in engine.step(): ...                                          # TokenEvent
 
-With ``overlap`` (the default) step N+1's message goes to the manager before step N's forward
-pass and is collected after it, so the round trip hides behind the compute (``manager_wait_s``
-counts the time a step still waited).
+How a step runs against the manager (plain, or overlapped with the next step's round trip: the
+default) is worker/step_loop.py's, which this class extends; the requests' ids and the events a
+step gives out are worker/live_requests.py's.
 
 The engine owns the KV tensors (allocated once from the num_blocks the manager returned at
 registration) and re-registers when the manager forgot its requests (``ManagerReset``): every
@@ -23,17 +23,14 @@ import dataclasses
 import itertools
 import logging
 import random
-import time
-from dataclasses import dataclass
 
-from kvpool.shared.node_orders import NodeReport
 from kvpool.shared.node_tier import NodeTierInfo
-from kvpool.shared.protocol import ManagerError
 from kvpool.shared.step_ops import Free
 from kvpool.worker.block_manager import BlockManager, ManagerReset
 from kvpool.worker.config import READ_TIMEOUT_S
 from kvpool.worker.draw import draw_tokens
 from kvpool.worker.kv_cache import kv_spec
+from kvpool.worker.live_requests import LiveRequests, TokenEvent, end_events
 from kvpool.worker.model import LlamaForCausalLM
 from kvpool.worker.node_copier import NodeCopier
 from kvpool.worker.node_store import StoreLayout
@@ -41,31 +38,22 @@ from kvpool.worker.profiler import check_fits
 from kvpool.worker.request import Request
 from kvpool.worker.runner import ModelRunner, allocate_runner
 from kvpool.worker.sampler import SamplingParams
-from kvpool.worker.scheduler import Batch, Output, Scheduler, StepPlan, Updated
+from kvpool.worker.scheduler import Batch, Output, Scheduler, Updated
+from kvpool.worker.step_loop import StepLoop
 from kvpool.worker.tp import TPLeader
+
+__all__ = ["Engine", "TokenEvent"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class TokenEvent:
-    request_id: str
-    index: int  # which of the request's n samples
-    token: int | None  # None: the request ended without a token (error, abort)
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" (EOS, a stop id), "length", "abort", "error: ..."
-    logprob: float | None = None  # of the token, when the request asked for logprobs
-    top_logprobs: list[tuple[int, float]] | None = None
-
-
-class Engine:
+class Engine(StepLoop):
     def __init__(self, model: LlamaForCausalLM, block_manager: BlockManager, scheduler: Scheduler,
                  available_kv_bytes: int, *, seed: int = 0, tp: TPLeader | None = None,
                  overlap: bool = True, host_kv_bytes: int = 0, host_kv_policy: str = "demote",
                  node_model: str | None = None, node_read_timeout_s: float = READ_TIMEOUT_S) -> None:
+        super().__init__(block_manager, scheduler, overlap)
         self.model = model
-        self.bm = block_manager
-        self.scheduler = scheduler
         self.available_kv_bytes = available_kv_bytes
         self.host_kv_bytes = host_kv_bytes  # host memory offered for the pool's host tier
         self.host_kv_policy = host_kv_policy  # "demote" or "write_through" (manager/core/host_tier.py)
@@ -75,7 +63,6 @@ class Engine:
         self.node_model = node_model
         self.node_read_timeout_s = node_read_timeout_s  # a step's wait for its disk reads (worker/node_reads.py)
         self.node_tier: NodeTierInfo | None = None
-        self._node_reports: list[NodeReport] = []  # node-tier batches run, not yet told to the manager
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.block_size = scheduler.block_size
@@ -89,18 +76,9 @@ class Engine:
         self.num_blocks = 0
         self.runner: ModelRunner | None = None
         self.registrations = 0
-        self.resets = 0
-        self._lost = False
-        self.overlap = overlap
-        self.manager_wait_s = 0.0  # time a step spent blocked on the manager's answer
-        self._ready: tuple[StepPlan, list[dict], Batch] | None = None  # overlap: answered, not run
         self._rng = random.Random(seed)
         self._request_ids = itertools.count()  # req-0, req-1, ... for add_request without an id
-        # Why the last step made no progress ("draining": the manager refuses admissions), or None.
-        # The serving loop backs off while it is set instead of resending the step at once.
-        self.stalled: str | None = None
-        self._ran = False  # the last step ran a batch
-        self._requests: dict[str, list[Request]] = {}  # request id -> its live samples
+        self._requests = LiveRequests()  # request id -> its live samples
         self.register()
 
     # -- registration ----------------------------------------------------------------------
@@ -174,111 +152,9 @@ class Engine:
         reqs = self._requests.pop(request_id, [])
         for req in reqs:
             self.scheduler.drop(req)
-        return [ev for r in reqs for ev in self._end_events(r, "abort")]
+        return [ev for r in reqs for ev in end_events(r, "abort")]
 
-    @staticmethod
-    def _end_events(req: Request, reason: str) -> list[TokenEvent]:
-        """Final events of a request ended without a token (its unspawned samples included)."""
-        indices = range(req.params.n) if req.holds_all_samples else [req.index]
-        return [TokenEvent(req.request_id, i, None, True, reason) for i in indices]
-
-    def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._lost or self._ready is not None or bool(self._node_reports)
-
-    # -- one step --------------------------------------------------------------------------
-
-    def step(self) -> list[TokenEvent]:
-        """One scheduler step. Raises ManagerUnavailable while the manager cannot be reached to
-        re-register (the caller retries later; requests wait, nothing is lost)."""
-        if self._lost:
-            self.register()
-            self._lost = False
-        self.stalled, self._ran = None, False
-        events = self._step_overlapped() if self.overlap else self._step_plain()
-        if self.scheduler.drain_refused and not events and not self._ran:
-            self.stalled = "draining"
-        return events
-
-    def _schedule_and_wait(self) -> tuple[StepPlan, list[dict]] | None:
-        """Schedules a step and waits for the manager's answer to its ops: (plan, results), or
-        None when there is nothing to do or the manager reset (the step is dropped)."""
-        plan = self.scheduler.schedule()
-        try:
-            ticket = self._send(plan.ops)
-            if not plan.ops and not plan.seqs:
-                return None
-            results = self._wait(ticket) if ticket is not None else []
-        except ManagerReset as e:
-            self._reset(e)
-            return None
-        except ManagerError:
-            self.scheduler.abandon(plan)
-            raise
-        return plan, results
-
-    def _step_plain(self) -> list[TokenEvent]:
-        asked = self._schedule_and_wait()
-        if asked is None:
-            return []
-        plan, results = asked
-        outputs = self._run(plan.batch(results))
-        done = self.scheduler.update(plan, results, outputs)
-        return self._end_with_error(done.errored) + self._token_events(outputs, done)
-
-    def _step_overlapped(self) -> list[TokenEvent]:
-        """Step N's batch runs while the manager answers step N+1's message, which was composed
-        assuming every sequence of step N yields a token (``update`` reconciles: a request that
-        finished frees its extra slot, one refused for space is preempted before it runs)."""
-        sched = self.scheduler
-        ready, self._ready = self._ready, None
-        if ready is None:  # nothing in flight: ask for step N and wait
-            asked = self._schedule_and_wait()
-            if asked is None:
-                return []
-            plan, results = asked
-            ready = (plan, results, plan.batch(results))
-        plan, results, batch = ready
-        following = sched.schedule()  # step N+1
-        try:
-            ticket = self._send(following.ops)
-        except ManagerReset as e:
-            self._reset(e)
-            return []
-        except ManagerError:
-            sched.abandon(following)  # step N's batch was made on it too: it starts over as well
-            raise
-        outputs = self._run(batch)
-        done = sched.update(plan, results, outputs)
-        events = self._end_with_error(done.errored) + self._token_events(outputs, done)
-        try:
-            answers = self._wait(ticket) if ticket is not None else []
-        except ManagerReset as e:
-            self._reset(e)
-            return events
-        except ManagerError as e:
-            logger.warning("the manager refused a step (%s): its requests start over", e)
-            sched.abandon(following)
-            return events
-        if following.ops or following.seqs:
-            self._ready = (following, answers, following.batch(answers))
-        return events
-
-    def _send(self, ops: list) -> object | None:
-        """Sends a step's ``ops`` with the node-tier batches run since the last message; with
-        no ops, those reports alone (a node tier's saves land for other pools only once told)."""
-        reports, self._node_reports = self._node_reports, []
-        if ops:
-            return self.bm.send_step(ops, reports) if reports else self.bm.send_step(ops)
-        if reports:
-            self.bm.node_done(reports)
-        return None
-
-    def _wait(self, ticket: object) -> list[dict]:
-        start = time.perf_counter()
-        try:
-            return self.bm.recv_step(ticket)
-        finally:
-            self.manager_wait_s += time.perf_counter() - start
+    # -- what a step runs (worker/step_loop.py runs the step), the session kept alive ---------
 
     def heartbeat(self) -> bool:
         """Keeps the manager session (and the other tensor-parallel ranks) alive while idle;
@@ -293,19 +169,6 @@ class Engine:
         except ManagerReset as e:
             self._reset(e)
             return False
-
-    def _reset(self, err: Exception) -> None:
-        logger.warning("manager lost our requests (%s): re-registering, recomputing", err)
-        self._ready = None
-        self._node_reports = []  # the manager abandons the batches of a session it lost
-        self.scheduler.reset()
-        self.resets += 1
-        self._lost = True
-
-    def _end_with_error(self, errored: list[Request]) -> list[TokenEvent]:
-        for req in errored:
-            self._forget(req)
-        return [ev for r in errored for ev in self._end_events(r, r.finish_reason or "error")]
 
     def _run(self, batch: Batch) -> list[Output]:
         """The forward pass over ``batch`` and its sampled tokens (an n > 1 request's first
@@ -322,26 +185,8 @@ class Engine:
             return []
         return draw_tokens(batch, logits, self.model.config.eos_token_ids)
 
-    def _token_events(self, outputs: list[Output], done: Updated) -> list[TokenEvent]:
-        """Events of the tokens ``outputs`` drew, as the scheduler's update gave them out."""
-        events = []
-        for out, req in zip(outputs, done.receivers(outputs)):
-            if out.sample:  # a parallel sample the scheduler spawned (the parent may have ended)
-                self._requests.setdefault(req.request_id, []).append(req)
-            if req.finish_reason == "abort":
-                continue  # aborted while its step ran: its final event was sent by abort
-            if req.finish_reason is not None:
-                self._forget(req)
-            events.append(TokenEvent(req.request_id, req.index, out.token, req.finish_reason is not None,
-                                     req.finish_reason, out.logprob, out.top_logprobs))
-        return events
-
-    def _forget(self, req: Request) -> None:
-        reqs = self._requests.get(req.request_id, [])
-        if req in reqs:
-            reqs.remove(req)
-        if not reqs:
-            self._requests.pop(req.request_id, None)
+    def _events(self, outputs: list[Output], done: Updated) -> list[TokenEvent]:
+        return self._requests.end_with_error(done.errored) + self._requests.token_events(outputs, done)
 
     # -- running to completion, shutting down ----------------------------------------------
 

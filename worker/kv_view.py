@@ -8,7 +8,7 @@ lacks (past ``num_hashes_sent``). ``synced_tokens`` is the manager's ``num_token
 A sub-op changes the view when it is sent (the manager is assumed to accept it, so the next
 step, with overlap, builds on it) and again when it is answered: a refused extend puts the view
 back (``undo``), an answer brings the block table. Every change is a method here; the scheduler
-(worker/scheduler.py, worker/running_set.py) calls them.
+(worker/scheduler.py, worker/step_outcome.py, worker/running_set.py) calls them.
 """
 
 from __future__ import annotations

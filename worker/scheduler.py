@@ -34,11 +34,12 @@ for space blocks the ones behind it, and admissions stop while the blocks our re
 no block of growth per running request (a policy on our own holdings; which blocks, and whether
 they fit, the manager decides). Those two flags are the only state one step leaves the next.
 
-Owners: this class holds the policy (what a step does, what an answer means), the flags and the
-manager's request ids; ``RunningSet`` (worker/running_set.py) the queues, the frees and forks
-owed and the counters; a request's records change by their own methods (worker/request.py, its
-``kv`` view and ``step`` state); worker/scheduling_policy.py has the admission-room and victim
-estimates. The EOS ids and the pool's size come in (constructor, ``set_pool_size``).
+Owners: this class holds the policy (what a step does, what the outcome means for the next), the
+flags and the manager's request ids; ``RunningSet`` (worker/running_set.py) the queues, the frees
+and forks owed and the counters; a request's records change by their own methods
+(worker/request.py, its ``kv`` view and ``step`` state); worker/step_outcome.py gives each answer
+and each drawn token to its request; worker/scheduling_policy.py has the admission-room and
+victim estimates. The EOS ids and the pool's size come in (constructor, ``set_pool_size``).
 """
 
 from __future__ import annotations
@@ -48,20 +49,12 @@ import logging
 from collections import deque
 from collections.abc import Collection
 
-from kvpool.shared.step_ops import (
-    Alloc,
-    AllocResult,
-    Extend,
-    ExtendResult,
-    Fork,
-    Forked,
-    Free,
-    Result,
-)
+from kvpool.shared.step_ops import Alloc, Extend, Fork, Free, Result
 from kvpool.worker.kv_view import cdiv
 from kvpool.worker.request import Request
 from kvpool.worker.running_set import RunningSet, SchedulerStats
 from kvpool.worker.scheduling_policy import admission_room, choose_victims
+from kvpool.worker.step_outcome import accept_tokens, apply_answers
 from kvpool.worker.step_plan import Batch, BatchSeq, Output, ScheduledSeq, StepPlan, SubOp, Updated
 from kvpool.worker.step_state import StepState
 
@@ -229,80 +222,20 @@ class Scheduler:
         the requests refused as bad input (they end with an error) and who took each token."""
         if len(results) != len(plan.ops):
             raise RuntimeError(f"manager answered {len(results)} results for {len(plan.ops)} sub-ops")
-        errored: list[Request] = []
-        failed: list[tuple[Request, int]] = []  # (request, tokens) refused for space
-        refused_admissions: list[Request] = []
-        self.head_blocked = False
-        head = next((sub.req for sub in plan.subops if sub.kind == "alloc"), None)  # the queue's head
-        for sub, res in zip(plan.subops, results):
-            req = sub.req
-            if req is not None and req.step.generation != sub.generation:
-                continue  # it moved on (finished, aborted, lost) after the plan was made
-            if sub.kind == "free":
-                if not res.ok and res.code != "unknown_request":  # type: ignore[union-attr]
-                    logger.warning("free refused: %s", res)
-            elif sub.kind == "fork":
-                self._apply_fork(req, res)
-            elif sub.kind in ("extend", "sync"):
-                self._apply_extend(sub, res, failed)
-            elif not self._apply_alloc(sub, res, refused_admissions):
-                errored.append(req)
-            elif not res.ok and res.code == "no_space" and req is head:  # type: ignore[union-attr]
-                self.head_blocked = True
-        self.requests.requeue(refused_admissions)
+        answered = apply_answers(self.requests, plan, results, self.block_size)
+        self.head_blocked = answered.head_refused  # no one overtakes it next step
+        if answered.draining is not None:
+            self.drain_refused = answered.draining
+        self.requests.requeue(answered.refused)
         ran = [(s.step, start, n) for s, start, n, _ in plan.runnable(results)]
-        victims = self._preempt_for(failed) if failed else []
+        victims = self._preempt_for(answered.failed) if answered.failed else []
         self.requests.settle(plan, ran)
-        spawned: list[Request] = []
-        for out in outputs:
-            self._accept(out, spawned)
+        spawned = accept_tokens(self.requests, outputs, self.new_rid, self.eos_token_ids, self.max_model_len)
         for req in victims:  # the ones that ran this step: their blocks go back at the next
             if req in self.running:
                 self.requests.preempt(req)
         self.requests.track_usage()
-        return Updated(errored, spawned)
-
-    def _apply_fork(self, child: Request, res: Result) -> None:
-        if type(res) is Forked:
-            self.requests.set_blocks(child, res.blocks)
-            child.kv.forked(self.block_size)
-        else:
-            logger.warning("fork of %r refused (%s): recomputing it", child, res.msg)  # type: ignore[union-attr]
-            self.requests.lose(child)
-
-    def _apply_extend(self, sub: SubOp, res: Result, failed: list) -> None:
-        req = sub.req
-        if type(res) is ExtendResult:
-            self.requests.add_blocks(req, res.blocks, [(index, dst) for index, _, dst in res.copies])
-            req.kv.extended(sub.kind != "sync", self.block_size)  # a write went through: copied
-            return
-        req.kv.undo(sub.undo)
-        if res.code == "no_space":  # type: ignore[union-attr]
-            failed.append((req, sub.num_tokens))
-        else:
-            logger.warning("extend of %r refused (%s): recomputing it", req, res.msg)  # type: ignore[union-attr]
-            self.requests.lose(req)
-
-    def _apply_alloc(self, sub: SubOp, res: Result, refused: list[Request]) -> bool:
-        """False: refused as bad input."""
-        req = sub.req
-        if type(res) is AllocResult:
-            self.drain_refused = False  # admissions go through again
-            cached = res.cached  # a later step in flight may have moved the counts on: max
-            req.step.admitted(cached)
-            self.requests.set_blocks(req, res.blocks)
-            req.kv.allocated(len(req.tokens), cached, sub.num_tokens, self.block_size)
-            self.requests.count_admission(len(req.tokens), cached)
-            return True
-        req.step.refused()
-        self.requests.withdraw(req)
-        code = res.code  # type: ignore[union-attr]
-        if code in ("no_space", "draining"):
-            self.drain_refused = self.drain_refused or code == "draining"
-            refused.append(req)
-            return True
-        req.finish(f"error: {res.msg}")  # type: ignore[union-attr]
-        return False
+        return Updated(answered.errored, spawned)
 
     def _preempt_for(self, failed: list[tuple[Request, int]]) -> list[Request]:
         """Preempts newest-first until the blocks they hold cover what the refused requests
@@ -318,29 +251,6 @@ class Scheduler:
                 self.requests.rewind(req)
         self.hold_admissions = True
         return victims
-
-    def _accept(self, out: Output, spawned: list[Request]) -> None:
-        """Appends ``out``'s token to the request it goes to: a new parallel sample becomes a
-        request of its own here (added to ``spawned``); checks whether that request ends."""
-        req = out.req
-        if out.sample:
-            req = req.new_sample(out.sample, self.new_rid())
-            self.spawn(out.req, req)
-            spawned.append(req)
-        elif req.holds_all_samples:
-            req.split()  # its first token: the other samples are drawn with it
-        if req.finish_reason is not None:
-            return  # aborted while its step ran
-        req.append(out.token)
-        reason = None
-        if out.token in self.eos_token_ids and not req.params.ignore_eos:
-            reason = "stop"
-        elif out.token in req.params.stop_token_ids:
-            reason = "stop"
-        elif req.num_output >= req.params.max_tokens or len(req.tokens) >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            self.finish(req, reason)
 
     # -- state changes the next message carries (RunningSet makes them) ---------------------
 

@@ -7,9 +7,10 @@ moves on whenever the request leaves the running set or loses its KV, so that th
 plans made before (worker/step_plan.py's ``ScheduledSeq`` and ``SubOp`` keep the generation they
 saw) no longer count. ``in_running``: in the running set (worker/running_set.py counts its blocks).
 
-Only the scheduler changes it (worker/scheduler.py, worker/running_set.py), each change one method
-here. The changes every step makes to every request it runs are made for the whole plan at once
-(``launch``, ``land``: its hot path, a loop here rather than a call per request).
+Only the scheduler changes it (worker/scheduler.py, worker/step_outcome.py, worker/running_set.py),
+each change one method here. The changes every step makes to every request it runs are made for
+the whole plan at once (``launch``, ``land``: its hot path, a loop here rather than a call per
+request).
 """
 
 from __future__ import annotations

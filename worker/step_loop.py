@@ -1,0 +1,166 @@
+"""One engine step against the manager: schedule, send the step message, run, update.
+
+    plain:       schedule N, send it, wait for the answer | run N, update N
+    overlapped:  (N answered before) schedule N+1, send it | run N, update N | wait for N+1's answer
+
+With ``overlap`` (the engine's default) step N+1's message goes to the manager before step N's
+forward pass and is collected after it, so the round trip hides behind the compute
+(``manager_wait_s`` counts the time a step still waited).
+
+``StepLoop`` owns what one step leaves the next: the plan answered but not run yet (overlap), the
+node-tier batches run but not yet told to the manager, whether the manager forgot our requests
+(``ManagerReset``: the next step re-registers and every request is recomputed) and why the last
+step stalled. Its one subclass, the engine (worker/engine.py), registers, runs a batch's forward
+pass (``_run``) and turns what a step did into events (``_events``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvpool.shared.node_orders import NodeReport
+from kvpool.shared.protocol import ManagerError
+from kvpool.worker.block_manager import BlockManager, ManagerReset
+from kvpool.worker.live_requests import TokenEvent
+from kvpool.worker.scheduler import Batch, Output, Scheduler, StepPlan, Updated
+
+logger = logging.getLogger(__name__)
+
+
+class StepLoop:
+    def __init__(self, block_manager: BlockManager, scheduler: Scheduler, overlap: bool) -> None:
+        self.bm = block_manager
+        self.scheduler = scheduler
+        self.overlap = overlap
+        self.resets = 0
+        self.manager_wait_s = 0.0  # time a step spent blocked on the manager's answer
+        # Why the last step made no progress ("draining": the manager refuses admissions), or None.
+        # The serving loop backs off while it is set instead of resending the step at once.
+        self.stalled: str | None = None
+        self._lost = False
+        self._ready: tuple[StepPlan, list[dict], Batch] | None = None  # overlap: answered, not run
+        self._ran = False  # the last step ran a batch
+        self._node_reports: list[NodeReport] = []  # node-tier batches run, not yet told to the manager
+
+    # -- what the engine adds ----------------------------------------------------------------
+
+    def register(self) -> None:
+        """(Re-)registers with the manager."""
+        raise NotImplementedError
+
+    def _run(self, batch: Batch) -> list[Output]:
+        """The forward pass over ``batch`` and the tokens it drew."""
+        raise NotImplementedError
+
+    def _events(self, outputs: list[Output], done: Updated) -> list[TokenEvent]:
+        """The events of a step: its requests that ended with an error, the tokens drawn."""
+        raise NotImplementedError
+
+    # -- one step --------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self._lost or self._ready is not None or bool(self._node_reports)
+
+    def step(self) -> list[TokenEvent]:
+        """One scheduler step. Raises ManagerUnavailable while the manager cannot be reached to
+        re-register (the caller retries later; requests wait, nothing is lost)."""
+        if self._lost:
+            self.register()
+            self._lost = False
+        self.stalled, self._ran = None, False
+        events = self._step_overlapped() if self.overlap else self._step_plain()
+        if self.scheduler.drain_refused and not events and not self._ran:
+            self.stalled = "draining"
+        return events
+
+    def _schedule_and_wait(self) -> tuple[StepPlan, list[dict]] | None:
+        """Schedules a step and waits for the manager's answer to its ops: (plan, results), or
+        None when there is nothing to do or the manager reset (the step is dropped)."""
+        plan = self.scheduler.schedule()
+        try:
+            ticket = self._send(plan.ops)
+            if not plan.ops and not plan.seqs:
+                return None
+            results = self._wait(ticket) if ticket is not None else []
+        except ManagerReset as e:
+            self._reset(e)
+            return None
+        except ManagerError:
+            self.scheduler.abandon(plan)
+            raise
+        return plan, results
+
+    def _step_plain(self) -> list[TokenEvent]:
+        asked = self._schedule_and_wait()
+        if asked is None:
+            return []
+        plan, results = asked
+        outputs = self._run(plan.batch(results))
+        done = self.scheduler.update(plan, results, outputs)
+        return self._events(outputs, done)
+
+    def _step_overlapped(self) -> list[TokenEvent]:
+        """Step N's batch runs while the manager answers step N+1's message, which was composed
+        assuming every sequence of step N yields a token (``update`` reconciles: a request that
+        finished frees its extra slot, one refused for space is preempted before it runs)."""
+        sched = self.scheduler
+        ready, self._ready = self._ready, None
+        if ready is None:  # nothing in flight: ask for step N and wait
+            asked = self._schedule_and_wait()
+            if asked is None:
+                return []
+            plan, results = asked
+            ready = (plan, results, plan.batch(results))
+        plan, results, batch = ready
+        following = sched.schedule()  # step N+1
+        try:
+            ticket = self._send(following.ops)
+        except ManagerReset as e:
+            self._reset(e)
+            return []
+        except ManagerError:
+            sched.abandon(following)  # step N's batch was made on it too: it starts over as well
+            raise
+        outputs = self._run(batch)
+        done = sched.update(plan, results, outputs)
+        events = self._events(outputs, done)
+        try:
+            answers = self._wait(ticket) if ticket is not None else []
+        except ManagerReset as e:
+            self._reset(e)
+            return events
+        except ManagerError as e:
+            logger.warning("the manager refused a step (%s): its requests start over", e)
+            sched.abandon(following)
+            return events
+        if following.ops or following.seqs:
+            self._ready = (following, answers, following.batch(answers))
+        return events
+
+    # -- the manager's side ----------------------------------------------------------------
+
+    def _send(self, ops: list) -> object | None:
+        """Sends a step's ``ops`` with the node-tier batches run since the last message; with
+        no ops, those reports alone (a node tier's saves land for other pools only once told)."""
+        reports, self._node_reports = self._node_reports, []
+        if ops:
+            return self.bm.send_step(ops, reports) if reports else self.bm.send_step(ops)
+        if reports:
+            self.bm.node_done(reports)
+        return None
+
+    def _wait(self, ticket: object) -> list[dict]:
+        start = time.perf_counter()
+        try:
+            return self.bm.recv_step(ticket)
+        finally:
+            self.manager_wait_s += time.perf_counter() - start
+
+    def _reset(self, err: Exception) -> None:
+        logger.warning("manager lost our requests (%s): re-registering, recomputing", err)
+        self._ready = None
+        self._node_reports = []  # the manager abandons the batches of a session it lost
+        self.scheduler.reset()
+        self.resets += 1
+        self._lost = True
