@@ -1,7 +1,7 @@
 """One message through the manager, without sockets: decode, validate, dispatch, answer.
 
 ``Dispatcher.handle`` turns one payload into an ``Answer`` (manager/ops.py), or None when a
-forked check answers it later. The op table is manager/ops.py's ``OPS``, filled where the
+forked check answers it later; ``handle_frames`` first checks the ROUTER envelope around it. The op table is manager/ops.py's ``OPS``, filled where the
 handlers are defined (manager/handlers.py); each handler gets a ``Call``. Nothing a client sends
 escapes as an exception: bad input becomes an error answer and changes nothing.
 """
@@ -33,6 +33,14 @@ class Dispatcher:
         self.max_message_bytes, self.max_objects = max_message_bytes, max_objects
         self.admin_key_missing = admin_key_missing
         self.who = NO_WHO  # (session number, message id, op) of the message handled last
+
+    def handle_frames(self, frames: list[bytes], now: float) -> Answer | None:
+        """[routing-id, payload] or [routing-id, b"", payload] -> its answer, not yet encoded;
+        None to drop a malformed envelope (counted), or when a forked check answers it later."""
+        if len(frames) == 2 or (len(frames) == 3 and not frames[1]):
+            return self.handle(frames[-1], now, tuple(frames[:-1]))
+        self.stats.dropped += 1
+        return None
 
     def handle(self, payload: bytes, now: float, envelope: tuple[bytes, ...] | None = None) -> Answer | None:
         """Decodes, validates and dispatches one request; its answer, or None when a forked

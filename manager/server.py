@@ -9,14 +9,16 @@ Without persistence and KV events there is nothing to commit or publish first, a
 leaves as soon as its message is handled.
 Nothing a client sends can kill the loop: bad input becomes an error reply (or, with a
 malformed envelope, a counted drop) and changes nothing. Framing: shared/protocol.py.
-CURVE, KV-event sockets, metrics and systemd notify hang off the loop in manager/loop_hooks.py.
+
+The loop's parts, each in its own module: the socket (manager/router_socket.py), one message
+(manager/dispatch.py), the commit and what it decides about the replies (manager/group_commit.py),
+the timed chores: expiry and idle collections (manager/timers.py). CURVE, KV-event sockets,
+metrics and systemd notify hang off the loop in manager/loop_hooks.py.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
 import time
 import uuid
 
@@ -26,36 +28,32 @@ from kvpool.manager.busy_poll import BusyPoll
 from kvpool.manager.check_job import CheckJobs
 from kvpool.manager.config import ManagerConfig
 from kvpool.manager.dispatch import Dispatcher
-from kvpool.manager.external.ops import attachment
+from kvpool.manager.group_commit import GroupCommit
 from kvpool.manager.guards import Bounds
 from kvpool.manager.handlers import Handlers
 from kvpool.manager.loop_hooks import LoopHooks
 from kvpool.manager.node_tiers import NodeTiers
 from kvpool.manager.ops import OPS, Answer
 from kvpool.manager.registry import Registry
+from kvpool.manager.router_socket import RouterSocket
 from kvpool.manager.stats import ServerStats
-from kvpool.manager.store.base import (
-    EventSink,
-    Fenced,
-    NullSink,
-    StateStore,
-    StoreUnavailable,
-)
+from kvpool.manager.store.base import EventSink, NullSink, StateStore
 from kvpool.manager.store.recovery import Recovery, settle_heap
 from kvpool.manager.store_config import open_store
-from kvpool.shared.bind import ensure_private_dir, runtime_dir
+from kvpool.manager.timers import LoopTimers
 from kvpool.shared.protocol import max_containers
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["OPS", "Server"]  # OPS: the dispatch table (manager/ops.py)
 MAX_POLL_MS = 100  # the loop wakes at least this often (expiry checks, stop requests)
-GC_EVERY_S = 30.0  # cyclic garbage is collected in an idle iteration at most this often
 # Plain ints: pyzmq's enum members cost more to look up and combine than the call they flag.
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class Server:
+    """The daemon: builds the loop's parts from the config, binds, serves, closes."""
+
     def __init__(
         self,
         cfg: ManagerConfig,
@@ -73,7 +71,6 @@ class Server:
         self.store: StateStore = store or open_store(cfg)
         self.recovery = Recovery(self.store, self.registry, lease_ms=cfg.lease_ms, new_registry=self.new_registry,
                                  errors=self.stats.errors, request_stop=self.request_stop)
-        self.publisher: EventSink = publisher or NullSink()
         self.handlers = Handlers(
             self.registry, self.stats, max_sub_ops=cfg.max_sub_ops, max_message_bytes=cfg.max_message_bytes,
             admin_key=cfg.admin_key, request_stop=self.request_stop,
@@ -88,12 +85,13 @@ class Server:
                                      max_message_bytes=cfg.max_message_bytes,
                                      max_objects=max_containers(cfg.max_sub_ops),  # maps + arrays per message
                                      admin_key_missing=cfg.admin_key is None)
+        self.group_commit = GroupCommit(self.registry, self.store, self.recovery, self.checks, self.stats,
+                                        publisher or NullSink())
+        self.timers = LoopTimers(self.registry, self.stats, session_timeout_s=cfg.session_timeout_s)
         self._stop = False
-        self._expiry_every = min(cfg.session_timeout_s / 4, 1.0)
-        self._next_expiry = 0.0
-        self._next_gc = 0.0
         self.ctx: zmq.Context | None = None
-        self.sock: zmq.Socket | None = None
+        self.router = RouterSocket(self.stats, endpoint=cfg.endpoint, ipc_path=cfg.ipc_path, send_hwm=cfg.send_hwm,
+                                   max_message_bytes=cfg.max_message_bytes)
         self.hooks = LoopHooks(cfg, self.registry, self.stats, externals=self.handlers.external_rows)
 
     def new_registry(self, incarnation: str) -> Registry:
@@ -102,6 +100,16 @@ class Server:
         return Registry(incarnation, session_timeout_s=cfg.session_timeout_s, max_sessions=cfg.max_sessions,
                         max_pools=cfg.max_pools, max_blocks=cfg.max_blocks, kv_events=self._kv_events,
                         node_tiers=NodeTiers(settings, self._kv_events) if settings is not None else None)
+
+    @property
+    def sock(self) -> zmq.Socket | None:
+        """The bound ROUTER socket (None before ``bind`` and after ``close``)."""
+        return self.router.sock
+
+    @property
+    def publisher(self) -> EventSink:
+        """Where the committed iteration's KV events go (manager/group_commit.py)."""
+        return self.group_commit.publisher
 
     @property
     def incarnation(self) -> str:
@@ -131,49 +139,17 @@ class Server:
 
     def handle_frames(self, frames: list[bytes], now: float) -> list[bytes] | None:
         """[routing-id, payload] or [routing-id, b"", payload] -> reply frames; None to drop."""
-        answer = self._answer(frames, now)
+        answer = self.dispatcher.handle_frames(frames, now)
         return None if answer is None else answer.frames()
-
-    def _answer(self, frames: list[bytes], now: float) -> Answer | None:
-        """``handle_frames``' answer, not yet encoded; None to drop (or when a forked check
-        answers it later)."""
-        if len(frames) == 2 or (len(frames) == 3 and not frames[1]):
-            return self.dispatcher.handle(frames[-1], now, tuple(frames[:-1]))
-        self.stats.dropped += 1
-        return None
 
     # -- the loop --------------------------------------------------------------------------
 
     def bind(self) -> None:
         cfg = self.cfg
-        if cfg.ipc_path:
-            directory = os.path.dirname(cfg.ipc_path) or "."
-            if os.path.abspath(directory) == os.path.abspath(runtime_dir()):  # the default: must be ours alone
-                ensure_private_dir(directory)
-            else:
-                os.makedirs(directory, mode=0o700, exist_ok=True)
         self.ctx = zmq.Context()
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot be queued raises: we count it
-        sock.setsockopt(zmq.SNDHWM, cfg.send_hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_message_bytes)  # beyond this the peer is cut off
-        sock.setsockopt(zmq.LINGER, 1000)
-        try:
-            self.hooks.secure(self.ctx, sock)  # CURVE, before bind
-            sock.bind(cfg.endpoint)
-        except (zmq.ZMQError, ValueError):
-            sock.close(linger=0)  # an open socket would block the context's term()
-            raise
-        self.sock = sock
-        self.publisher = self.hooks.start(self.ctx, sock, self.publisher)
-        if cfg.vllm_events_endpoint:  # attached vLLM servers publish here (manager/external/feed.py)
-            try:
-                feed = self.handlers.start_external(cfg.vllm_events_endpoint)
-            except zmq.ZMQError as e:
-                raise RuntimeError(f"cannot bind vllm_events_endpoint {cfg.vllm_events_endpoint}: {e}") from None
-            logger.info("vLLM KV events of attached servers on %s", feed.bound)
-        for entry in cfg.attach:  # checked by the config
-            self.handlers.attach_configured(attachment(entry))
+        sock = self.router.bind(self.ctx, self.hooks.secure)
+        self.group_commit.publish_to(self.hooks.start(self.ctx, sock, self.publisher))
+        self.handlers.open_configured(cfg.vllm_events_endpoint, cfg.attach)  # manager/external/ops.py
         logger.info("manager %s listening on %s", self.incarnation, cfg.endpoint)
 
     def run(self) -> None:
@@ -185,17 +161,12 @@ class Server:
         else:
             self.store.load(self.registry, time.monotonic())
         self.hooks.ready()  # READY=1: bound and recovered
-        # The state is acyclic and large (per-block lists, the hash map): automatic collections
-        # would traverse all of it every few thousand allocations. Collect when idle instead.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
         try:
-            while not self._stop:
-                self._maybe_gc(idle=not self.run_once(MAX_POLL_MS))
+            with self.timers.collecting_when_idle():  # the state is large and acyclic (manager/timers.py)
+                while not self._stop:
+                    self._maybe_gc(idle=not self.run_once(MAX_POLL_MS))
         finally:
             self.hooks.stopping()
-            if gc_was_enabled:
-                gc.enable()
             self.close()
         logger.info("manager %s stopped", self.incarnation)
 
@@ -230,7 +201,7 @@ class Server:
         else:
             now, answers = time.monotonic(), []
         if self.mode == "active":
-            if now >= self._next_expiry:
+            if self.timers.expiry_due(now):
                 self._expire(now)
             replies = self._commit(answers)
         else:  # not serving: the answers are errors that changed nothing, and nothing is committed
@@ -238,7 +209,7 @@ class Server:
             if now >= self.recovery.next_activate:
                 self._activate(now)
         sending = time.perf_counter()
-        self._send(replies)
+        self.router.send(replies)
         for who, start, handled, cpu in held:
             self.stats.message_times.observe(who, t0, start, handled, sending, cpu)
         if batch:
@@ -261,7 +232,7 @@ class Server:
         clock, cpu = time.perf_counter, time.thread_time
         dispatcher = self.dispatcher
         start, c0 = clock(), cpu()
-        answer = self._answer(frames, now)
+        answer = dispatcher.handle_frames(frames, now)
         if held is not None:
             handled, used = clock(), cpu() - c0
             if answer is not None:
@@ -271,7 +242,7 @@ class Server:
             reply = answer.frames()  # nothing to commit first: the outcome is known
             handled, used = clock(), cpu() - c0
             self.stats.message_times.observe(dispatcher.who, ready, start, handled, handled, used)
-            self._send([reply])
+            self.router.send([reply])
         return None
 
     def _reply_at_once(self) -> bool:
@@ -281,88 +252,29 @@ class Server:
         the same iteration then waits for the messages ahead of it, not for the whole batch."""
         return not self.store.durable and not self._kv_events and self.mode == "active"
 
+    # -- the iteration's steps, each its owner's (manager/timers.py, manager/group_commit.py) ----
+
     def _maybe_gc(self, idle: bool) -> None:
-        """A full collection in an idle iteration, at most every GC_EVERY_S (10x that if never idle)."""
-        now = time.monotonic()
-        if now >= self._next_gc and (idle or now >= self._next_gc + 9 * GC_EVERY_S):
-            t0 = time.perf_counter()
-            gc.collect()
-            self.stats.observe_gc(time.perf_counter() - t0)
-            self._next_gc = now + GC_EVERY_S
+        self.timers.maybe_gc(idle)
 
     def _expire(self, now: float) -> None:
-        self._next_expiry = now + self._expiry_every
-        for sess, freed in self.registry.expire(now):
-            self.stats.sessions_expired += 1
-            self.stats.expired_requests_freed += freed
-            logger.warning("session %d (%s) silent for %.1fs: expired, %d requests freed",
-                           sess.num, sess.identity, now - sess.last_seen, freed)
-        if self.registry.pins.pins:
-            for pin_id in self.registry.expire_pins(time.time()):  # pins live in wall-clock time
-                logger.info("pin %d expired", pin_id)
+        self.timers.expire(now)
 
     def _commit(self, answers: list[Answer | None] | None = None) -> list[list[bytes]]:
-        """Store commit, then KV events: both before any reply of this iteration goes out; then
-        the iteration's answers encoded, now that the commit's outcome is known.
-
-        The store is called every iteration (it renews its lease when idle). A failed commit
-        acknowledges nothing: the iteration's answers become errors (manager/store/recovery.py).
-        """
-        reg = self.registry
-        if self.recovery.went_back is not None:  # a client saw commits this state lacks: acknowledge nothing
-            return self._failed(StoreUnavailable(self.recovery.went_back), answers or [])
-        t0 = time.perf_counter()
-        dirty = reg.take_dirty()
-        try:
-            self.store.commit(reg, dirty)
-        except (StoreUnavailable, Fenced) as e:
-            return self._failed(e, answers or [])
-        if dirty:
-            self.stats.commit_latency.observe(time.perf_counter() - t0)
-        batches = reg.take_orphan_events()
-        for name, entry in reg.pools.items():
-            events = entry.pool.take_events() if entry.pool is not None else []
-            if events:
-                batches.append((name, entry.epoch, events))
-        batches += [(topic, 0, events) for topic, events in reg.take_node_events()]
-        for name, epoch, events in batches:
-            self.publisher.publish(name, epoch, events)
-            self.stats.event_batches += 1
-            self.stats.events += len(events)
-        replies = [answer.frames() for answer in answers or () if answer is not None]
-        return replies + self.checks.poll()  # forked checks that finished (they mutate nothing)
-
-    def _failed(self, err: Exception, answers: list[Answer | None]) -> list[list[bytes]]:
-        """The commit failed: every answer of the iteration becomes the recovery's error."""
-        pending = [answer for answer in answers if answer is not None]
-        failure = self.recovery.lost_store(err, len(pending))
-        return [answer.failed(failure).frames() for answer in pending]
+        return self.group_commit.commit(answers)
 
     def _activate(self, now: float) -> None:
         """Takes the lease and recovers the state: at start, as a standby, after a store failure;
         then freezes the state just loaded (settle_heap)."""
         if self.recovery.activate(now):
             self.handlers.sync_attachments()  # the state's attached vLLM servers (manager/external/)
-            self._next_expiry = 0.0
+            self.timers.expire_soon()
             self.stats.observe_frozen(settle_heap())
-
-    def _send(self, replies: list[list[bytes]]) -> None:
-        sock = self.sock
-        for frames in replies:
-            try:
-                sock.send_multipart(frames, zmq.NOBLOCK)  # type: ignore[union-attr]
-                self.stats.replies += 1
-            except zmq.ZMQError:  # EAGAIN (client not reading) or EHOSTUNREACH (client gone)
-                self.stats.replies_dropped += 1
 
     def close(self) -> None:
         self.checks.close()
         self.handlers.close_external()
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-            if self.cfg.ipc_path and os.path.exists(self.cfg.ipc_path):
-                os.unlink(self.cfg.ipc_path)  # libzmq leaves the socket file behind
+        self.router.close()
         self.hooks.close_sockets()  # event sockets and the ZAP thread live in self.ctx
         if self.ctx is not None:
             self.ctx.term()

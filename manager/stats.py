@@ -82,7 +82,7 @@ class ServerStats:
     # each recent message's way through the loop (manager/message_times.py): queueing apart
     # from the daemon's own work, per message where ``recent`` has whole iterations
     message_times: MessageTimes = field(default_factory=MessageTimes)
-    gc_collections: int = 0  # the loop's own full collections (manager/server.py _maybe_gc)
+    gc_collections: int = 0  # the loop's own full collections (manager/timers.py maybe_gc)
     gc_s: float = 0.0
     gc_max_s: float = 0.0
     # objects out of the collector's sight, counted when they were frozen (settle_heap): asking

@@ -44,6 +44,18 @@ class ExternalOps:
                                      window_s=self.external_window_s)
         return self.external
 
+    def open_configured(self, events_endpoint: str | None, attach: list[dict]) -> None:
+        """At the manager's start: the feed bound at ``vllm_events_endpoint`` (attached vLLM
+        servers publish there), then the config's ``[[manager.attach]]`` servers."""
+        if events_endpoint:
+            try:
+                feed = self.start_external(events_endpoint)
+            except zmq.ZMQError as e:
+                raise RuntimeError(f"cannot bind vllm_events_endpoint {events_endpoint}: {e}") from None
+            logger.info("vLLM KV events of attached servers on %s", feed.bound)
+        for entry in attach:  # checked by the config
+            self.attach_configured(attachment(entry))
+
     def close_external(self) -> None:
         if self.external is not None:
             self.external.close()

@@ -1,6 +1,7 @@
 """Per-iteration sinks of the manager loop: the state store and the KV-event sink.
 
-The loop (manager/server.py) runs, once per iteration and in this order::
+The loop (manager/server.py; the commit step is manager/group_commit.py) runs, once per iteration
+and in this order::
 
     handle every message -> store.commit(registry, dirty) -> publisher.publish(...) -> send replies
 

@@ -74,7 +74,7 @@ def pending(srv: Server, op: str, sid: str | None = None, **args):
     """One request handled from a peer's frames, its answer not yet encoded: the loop's commit
     (``Server._commit``) decides what it becomes."""
     payload = encode_request(next(_ids), op, sid, args)
-    return srv._answer([b"peer", payload], time.monotonic())
+    return srv.dispatcher.handle_frames([b"peer", payload], time.monotonic())
 
 
 def dump_keys(r, ns: str) -> dict[bytes, bytes]:

@@ -224,12 +224,12 @@ def test_a_failed_background_snapshot_loses_nothing_and_is_retried(ns):
     r, name = ns
     srv = server(name, snapshot_bytes=4096)
     store = srv.store
-    good = store._reconnect
-    store._reconnect = lambda: connect("redis://127.0.0.1:1/0", 0.2)  # the child cannot reach Redis
+    good = store.compaction._reconnect
+    store.compaction._reconnect = lambda: connect("redis://127.0.0.1:1/0", 0.2)  # the child cannot reach Redis
     workload(srv, 30, snapshots_done=True)
     assert store.counts["snapshot_failures"] >= 1 and store.counts["snapshots"] == 1  # only the first one
     assert r.llen(namespace_keys(name)["journal"]) == store.seq  # the journal still holds every batch
-    store._reconnect = good
+    store.compaction._reconnect = good
     workload(srv, 30, seed=1, snapshots_done=True)
     assert store.counts["snapshots"] >= 2
     assert r.llen(namespace_keys(name)["journal"]) == store.seq - store.snap_seq
