@@ -30,6 +30,9 @@ from kvpool.shared.protocol import KVSpec, bad_field, get_int, get_str
 HEADER_BYTES = 64  # a slot's header (worker/node_layout.py HEADER)
 MAX_MODEL_ID = 512  # characters of a model identity
 MAX_PATH = 4096
+# how long a step waits for its disk reads before recomputing what they would have brought
+# (worker/node_reads.py; the worker's node_tier_read_timeout, the vLLM connector's read_timeout_s)
+READ_TIMEOUT_S = 5.0
 
 
 def layout_id(spec: KVSpec, model: str, rank: int = 0, world: int = 1) -> bytes:

@@ -315,7 +315,8 @@ MAY_IMPORT = {
     "devcluster": {"shared", "worker", "client", "frontend", "bench"},  # above the product: nothing in it imports this
     "cli": {"shared", "worker", "manager.core", "frontend", "client", "devcluster", "bench", *CLI_ENTRY_POINTS},
     # adapters to other engines (vLLM's KV connector): nothing of the manager daemon
-    "integrations": {"shared", "client", "kvpool.worker.node_store", "kvpool.worker.node_layout"},
+    "integrations": {"shared", "client", "kvpool.worker.node_store", "kvpool.worker.node_layout",
+                     "kvpool.worker.node_reads"},
 }
 
 

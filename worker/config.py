@@ -15,9 +15,8 @@ from kvpool.shared.bind import check_bind, check_curve_files
 from kvpool.shared.config import BYTES, parse_bytes  # noqa: F401 (re-exported: the worker's names)
 from kvpool.shared.logs import LEVELS
 from kvpool.shared.model_config import PRESETS, ModelConfig  # noqa: F401 (re-exported: the worker's names)
+from kvpool.shared.node_tier import READ_TIMEOUT_S
 from kvpool.shared.protocol import HOST_POLICIES, default_endpoint
-
-READ_TIMEOUT_S = 5.0  # node_tier_read_timeout's default (worker/node_copier.py)
 
 DTYPES = ("float32", "float16", "bfloat16")
 

@@ -24,10 +24,9 @@ import itertools
 import logging
 import random
 
-from kvpool.shared.node_tier import NodeTierInfo
+from kvpool.shared.node_tier import READ_TIMEOUT_S, NodeTierInfo
 from kvpool.shared.step_ops import Free
 from kvpool.worker.block_manager import BlockManager, ManagerReset
-from kvpool.worker.config import READ_TIMEOUT_S
 from kvpool.worker.draw import draw_tokens
 from kvpool.worker.kv_cache import kv_spec
 from kvpool.worker.live_requests import LiveRequests, TokenEvent, end_events

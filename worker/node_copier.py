@@ -41,8 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpool.shared.node_orders import Load, Order, Save
-from kvpool.shared.node_tier import NodeTierInfo
-from kvpool.worker.config import READ_TIMEOUT_S
+from kvpool.shared.node_tier import READ_TIMEOUT_S, NodeTierInfo
 from kvpool.worker.node_reads import DiskReads, Read
 from kvpool.worker.node_store import DiskStore, Failure, HostStore, NodeStoreError, StoreLayout
 from kvpool.worker.step_plan import Batch

@@ -84,7 +84,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                                retry_s=settings.retry_s)
             self.scheduler = KvpoolScheduler(link, spec.block_size)
         else:
-            self.worker = KvpoolWorker(StoreLayout(spec, model))
+            self.worker = KvpoolWorker(StoreLayout(spec, model), settings.read_timeout_s)
             from vllm.platforms import current_platform
 
             self.kind = "cpu" if current_platform.is_cpu() else "split"

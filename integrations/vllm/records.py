@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpool.shared.node_orders import Order
+from kvpool.shared.node_tier import READ_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -19,18 +20,21 @@ class ConnectorSettings:
     """``kv_connector_extra_config`` of ``--kv-transfer-config``: ``manager`` (the manager's
     endpoint, required), ``timeout_s`` (one call's limit, default 2), ``retry_s`` (how long the
     connector leaves a manager that failed alone, default 5), ``node_model`` (the weights'
-    identity in the layout id; default ``vllm:`` + the served model's path and revision)."""
+    identity in the layout id; default ``vllm:`` + the served model's path and revision),
+    ``read_timeout_s`` (how long a step waits for its node-tier disk reads before vLLM
+    recomputes those blocks, default 5: worker/node_reads.py)."""
 
     manager: str
     timeout_s: float = 2.0
     retry_s: float = 5.0
     node_model: str | None = None
+    read_timeout_s: float = READ_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not isinstance(self.manager, str) or not self.manager.startswith(("ipc://", "tcp://")):
             raise ValueError(f'kv_connector_extra_config needs "manager": "ipc://PATH" or "tcp://HOST:PORT" '
                              f"(the kvpool manager's endpoint), got {self.manager!r}")
-        for name in ("timeout_s", "retry_s"):
+        for name in ("timeout_s", "retry_s", "read_timeout_s"):
             v = getattr(self, name)
             if type(v) not in (int, float) or not 0 < v <= 3600:
                 raise ValueError(f"kv_connector_extra_config {name!r} must be seconds in (0, 3600], got {v!r}")
@@ -39,7 +43,7 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra(cls, extra: dict) -> ConnectorSettings:
-        known = {"manager", "timeout_s", "retry_s", "node_model"}
+        known = {"manager", "timeout_s", "retry_s", "node_model", "read_timeout_s"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"kv_connector_extra_config: unknown keys {unknown}; kvpool's connector takes {sorted(known)}")

@@ -4,7 +4,9 @@ node tier's stores (worker/node_store.py), verified, and reports what did not la
 Loads run before the forward pass (vLLM's ``start_load_kv`` of a step with synchronous loads),
 in the order the manager gave: a disk prefetch is read (verified) into its host slot, a host load
 is read (verified) into a staging block and written into vLLM's block only once whole and
-verified, a write-down copies a host slot (verified) to disk. A load that does not verify, and a
+verified, a write-down copies a host slot (verified) to disk. The step's disk reads start first,
+on worker/node_reads.py's threads, and are waited on with one deadline (``read_timeout_s``): a
+read that misses it fails like one that does not verify. A load that does not verify, and a
 block the tier no longer held, is a *load error*: vLLM's block is left as it is and named to vLLM
 (``get_block_ids_with_load_errors``), which recomputes the request from that block (with
 ``kv_load_failure_policy: "recompute"``). Nothing unverified is ever written into vLLM's cache.
@@ -18,6 +20,7 @@ is every order of a store that could not be opened.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -25,15 +28,18 @@ import torch
 from kvpool.integrations.vllm.kv_layout import gather, scatter
 from kvpool.integrations.vllm.records import LoadJob, NodeStepPlan, NodeStepReport, SaveJob
 from kvpool.shared.node_orders import Load, Order, Save
-from kvpool.shared.node_tier import NodeTierInfo
+from kvpool.shared.node_tier import READ_TIMEOUT_S, NodeTierInfo
+from kvpool.worker.node_reads import DiskReads, Read
 from kvpool.worker.node_store import DiskStore, Failure, HostStore, NodeStoreError, StoreLayout
 
 logger = logging.getLogger(__name__)
 
 
 class KvpoolWorker:
-    def __init__(self, layout: StoreLayout) -> None:
+    def __init__(self, layout: StoreLayout, read_timeout_s: float = READ_TIMEOUT_S) -> None:
         self.layout = layout
+        self.read_timeout_s = read_timeout_s
+        self.reads: DiskReads | None = None  # the disk level's reads with a deadline
         self.views: list[torch.Tensor] = []  # per layer [num_blocks, 2, N, H, D] views of vLLM's cache
         self.info: NodeTierInfo | None = None
         self.host: HostStore | None = None
@@ -62,6 +68,7 @@ class KvpoolWorker:
             self.host = HostStore(self.layout, info.host_slots, info.host_dir)
             if info.disk_dir is not None:
                 self.disk = DiskStore(self.layout, info.disk_dir, info.disk_bytes)
+                self.reads = DiskReads(self.disk, self.read_timeout_s)
         except (NodeStoreError, OSError) as e:
             logger.error("kvpool connector: cannot open the node tier's stores: %s", e)
             self.close()
@@ -72,7 +79,9 @@ class KvpoolWorker:
     def close(self) -> None:
         if self.host is not None:
             self.host.close()
-        self.host = self.disk = None
+        if self.reads is not None:
+            self.reads.close()
+        self.host = self.disk = self.reads = None
         self.info = None
 
     # -- loads -------------------------------------------------------------------------------
@@ -101,18 +110,22 @@ class KvpoolWorker:
         if host is None:
             return list(job.orders)
         staged: list[tuple[int, torch.Tensor]] = []
-        for o in job.orders:
-            block = self.layout.empty_block()
+        # every disk read starts now (the batch holds the slots it reads: nothing in it writes them)
+        reads = {i: self.reads.start(o.src, o.key) for i, o in enumerate(job.orders)
+                 if type(o) is Load and o.frm == "disk" and self.reads is not None}
+        deadline = time.monotonic() + self.read_timeout_s
+        for i, o in enumerate(job.orders):
             if type(o) is Load and o.frm == "host":
+                block = self.layout.empty_block()
                 f = self._read_host(o.src, o.key, block, bad_slots)
                 if f is None:
                     staged.append((job.blocks[o.dst - 1], block))
             elif type(o) is Load:  # disk -> host: a prefetch
-                f = self._disk_read(o.src, o.key, block) or host.write(o.dst, o.key, block)
+                f = self._prefetched(o, reads.get(i), deadline)
                 if f is not None:
                     bad_slots.add(o.dst)
             else:
-                f = self._write_down(o, block, bad_slots)
+                f = self._write_down(o, self.layout.empty_block(), bad_slots)
             if f is not None:
                 failed.append(o)
                 self._failure(o, f)
@@ -175,10 +188,12 @@ class KvpoolWorker:
             return Failure("io_error", "the manager ordered a disk copy, but its tier has no disk level here")
         return self._read_host(o.src, o.key, block, bad_slots) or self.disk.write(o.dst, o.key, block)
 
-    def _disk_read(self, slot: int, key: bytes, out: torch.Tensor) -> Failure | None:
-        if self.disk is None:
+    def _prefetched(self, o: Load, read: Read | None, deadline: float) -> Failure | None:
+        """disk slot -> host slot: the read's verified block, if it came by ``deadline``."""
+        if read is None or self.reads is None:
             return Failure("missing", "the manager ordered a disk read, but its tier has no disk level here")
-        return self.disk.read_into(slot, key, out)
+        f, block = self.reads.wait(read, o.src, deadline)
+        return f or self.host.write(o.dst, o.key, block)  # type: ignore[union-attr]
 
     def _read_host(self, slot: int, key: bytes, out: torch.Tensor, bad_slots: set[int]) -> Failure | None:
         if slot in bad_slots:

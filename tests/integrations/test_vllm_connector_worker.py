@@ -5,6 +5,9 @@ tier no longer held is one too, and a block computed over a failed load is never
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from kvpool.integrations.vllm.kv_layout import block_view
@@ -15,7 +18,7 @@ from kvpool.shared.node_orders import Load, Save
 from kvpool.shared.node_tier import NodeTierInfo, host_stride
 from kvpool.shared.protocol import KVSpec
 from kvpool.worker.node_layout import HEADER
-from kvpool.worker.node_store import HostStore, StoreLayout
+from kvpool.worker.node_store import DiskStore, HostStore, StoreLayout
 
 SPEC = KVSpec(block_size=4, num_layers=2, num_kv_heads=2, head_size=8, dtype="float32")
 LAYOUT = StoreLayout(SPEC, "vllm:test")
@@ -80,3 +83,38 @@ def test_without_a_tier_every_load_is_an_error_and_nothing_is_saved(tmp_path):
     save = SaveJob(9, [Save("host", 2, 1, KEYS[0])], {KEYS[0]: ("r", 0)})
     worker.save(NodeStepPlan(other, save=save))
     assert worker.take_report().reports == [{"batch": 9, "failed": [save.orders[0].to_wire()]}]
+
+
+@pytest.mark.timeout(60)  # a disk read without a deadline hangs here: fail instead
+def test_a_disk_read_that_never_returns_is_a_load_error_after_the_deadline(tmp_path):
+    """The twin of the worker's deadline (worker/node_reads.py): a disk slot whose read blocks
+    for ever (a FIFO whose writer writes nothing, as a hung mount) fails after ``read_timeout_s``;
+    its host slot and vLLM's block are left alone and vLLM recomputes from there, while the other
+    prefetch of the same batch lands."""
+    worker, store, blocks, _ = setup(tmp_path)
+    worker = KvpoolWorker(LAYOUT, read_timeout_s=0.3)
+    worker.register([block_view(torch.full((8, 2, 4, 16), 7.0), "cpu", 4, 2, 8) for _ in range(2)])
+    disk_dir = tmp_path / "disk"
+    disk = DiskStore(LAYOUT, disk_dir, 8 * (HEADER.size + LAYOUT.block_bytes))
+    assert disk.write(1, KEYS[0], blocks[0]) is None and disk.write(2, KEYS[1], blocks[1]) is None
+    disk.path(2).unlink()
+    os.mkfifo(disk.path(2))
+    writer = os.open(disk.path(2), os.O_RDWR)  # the read of slot 2 blocks until this writes or closes
+    try:
+        tier = NodeTierInfo(LAYOUT.name, str(tmp_path), 8, str(disk_dir), 8 * (HEADER.size + LAYOUT.block_bytes),
+                            8).to_wire()
+        orders = [Load("disk", 1, 4, KEYS[0]), Load("disk", 2, 5, KEYS[1]),
+                  Load("host", 4, 1, KEYS[0]), Load("host", 5, 2, KEYS[1])]
+        worker.load(NodeStepPlan(tier, [LoadJob("r", 3, orders, [2, 3], [], 0)]))
+        torch.testing.assert_close(block_of(worker, 2), blocks[0], rtol=0, atol=0)
+        assert block_of(worker, 3).eq(7.0).all()  # never written: vLLM recomputes it
+        assert worker.take_errors() == {3}
+        report = worker.take_report()
+        assert report.reports == [{"batch": 3, "failed": [orders[1].to_wire(), orders[3].to_wire()]}]
+        assert report.counts["failed_deadline"] == 1 and report.counts["failed_prefetch_failed"] == 1
+        assert worker.reads.late == 1
+    finally:
+        os.close(writer)  # the late read returns (short) and frees its thread
+    out = LAYOUT.empty_block()
+    assert store.read_into(5, KEYS[1], out) is not None  # the late read never reached host slot 5
+    worker.close()
