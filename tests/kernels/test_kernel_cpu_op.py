@@ -127,6 +127,7 @@ def test_kvpool_cpu_kernels_0_keeps_the_torch_path():
 
 @pytest.mark.slow
 @pytest.mark.skipif(cpu_build.compiler() is None, reason="no C++ compiler")
+@pytest.mark.timeout(1200)  # two C++ builds beside each other: minutes on a loaded 2-core machine
 def test_a_fresh_cache_builds_once_and_the_library_computes(tmp_path):
     """The build from nothing (what install.sh runs), then a second process that finds it."""
     res = _run("import sys; from kvpool.kernels import cpu_build; sys.exit(cpu_build.main())",
