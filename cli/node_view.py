@@ -21,7 +21,7 @@ def node_row(layout: str, name: str, u: dict) -> dict:
     removed = ", ".join(f"{k} {v}" for k, v in lv["removed"].items() if v) or "-"
     return {"layout": layout, "level": name, "cached": f"{lv['cached_blocks']}/{lv['num_blocks'] - 1}",
             "hits": lv["hits"], "saves": lv["saves"], "loads": lv["loads"], "verify_failures": lv["verify_failures"],
-            "save_failures": lv["save_failures"], "removed": removed, "policy": u["policy"]}
+            "deadline_misses": lv.get("deadline_misses", 0), "save_failures": lv["save_failures"], "removed": removed, "policy": u["policy"]}
 
 
 def print_node_tiers(tiers: dict) -> None:
@@ -30,5 +30,6 @@ def print_node_tiers(tiers: dict) -> None:
     click.echo("node tiers:")
     table([node_row(layout, name, u) for layout, u in tiers.items() for name in ("host", "disk") if name in u],
           [("LAYOUT", "layout"), ("LEVEL", "level"), ("CACHED", "cached"), ("HITS", "hits"), ("SAVES", "saves"),
-           ("LOADS", "loads"), ("VERIFY_FAILED", "verify_failures"), ("SAVE_FAILED", "save_failures"),
+           ("LOADS", "loads"), ("VERIFY_FAILED", "verify_failures"), ("LATE", "deadline_misses"),
+           ("SAVE_FAILED", "save_failures"),
            ("REMOVED", "removed"), ("POLICY", "policy")])

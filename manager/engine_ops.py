@@ -99,10 +99,12 @@ class EngineOps:
             batch = tier.batches.get((sess.sid, ENGINE, r.batch))
             if batch is None:
                 continue  # abandoned (an ended session, a manager restart): nothing to finish
-            for order in r.failed:
-                if order not in batch.orders:
-                    raise bad_field("node_done.failed", f"orders of batch {r.batch}", order.to_wire())
+            for name, orders in (("failed", r.failed), ("late", r.late)):
+                for order in orders:
+                    if order not in batch.orders:
+                        raise bad_field(f"node_done.{name}", f"orders of batch {r.batch}", order.to_wire())
             checked.append(r)
         for r in checked:
-            self.reg.engine_finish(sess, layout, r.batch, [o.to_wire() for o in r.failed])  # type: ignore[arg-type]
+            self.reg.engine_finish(sess, layout, r.batch, [o.to_wire() for o in r.failed],  # type: ignore[arg-type]
+                                   [o.to_wire() for o in r.late])
         return len(checked)

@@ -47,12 +47,13 @@ class NodeOps:
             batch = batches.get((sess.sid, r.batch))
             if batch is None:
                 continue  # abandoned (a re-formed pool, a manager restart): nothing to finish
-            for order in r.failed:
-                if order not in batch.orders:
-                    raise bad_field("node_done.failed", f"orders of batch {r.batch}", order.to_wire())
+            for name, orders in (("failed", r.failed), ("late", r.late)):
+                for order in orders:
+                    if order not in batch.orders:
+                        raise bad_field(f"node_done.{name}", f"orders of batch {r.batch}", order.to_wire())
             checked.append(r)
         for r in checked:
-            self.reg.node_finish(sess, entry, r.batch, [o.to_wire() for o in r.failed])
+            self.reg.node_finish(sess, entry, r.batch, [o.to_wire() for o in r.failed], [o.to_wire() for o in r.late])
         return len(checked)
 
     @op(admin=True)

@@ -82,17 +82,18 @@ class NodeMutations(Base):
         self.node.ensure_files(layout)
         return self.node.info.get(layout)
 
-    def node_finish(self, sess: Session, entry: PoolEntry, batch: int, failed: list) -> bool:
-        """A worker ran its step ``batch``'s node-tier orders; ``failed`` (wire maps, checked by
-        the caller against the batch) did not land. False: no such batch (abandoned, or of
-        another manager): nothing changes."""
-        return self._apply(NodeFinished(sess.sid, entry.name, batch, failed), type(self)._node_finish, 0.0)
+    def node_finish(self, sess: Session, entry: PoolEntry, batch: int, failed: list, late: list) -> bool:
+        """A worker ran its step ``batch``'s node-tier orders; ``failed`` did not land and
+        ``late`` missed the read deadline (wire maps, checked by the caller against the batch).
+        False: no such batch (abandoned, or of another manager): nothing changes."""
+        return self._apply(NodeFinished(sess.sid, entry.name, batch, failed, late), type(self)._node_finish, 0.0)
 
     def _node_finish(self, rec: NodeFinished, now: float) -> bool:
         pool = self.pools[rec.pool].pool
         if pool is None or pool.node is None or (rec.sid, rec.batch) not in pool.node.tier.batches:
             return False
-        pool.node.tier.finish((rec.sid, rec.batch), [order_from_wire(o) for o in rec.failed])
+        pool.node.tier.finish((rec.sid, rec.batch), [order_from_wire(o) for o in rec.failed],
+                              [order_from_wire(o) for o in rec.late])
         self.dirty.add(rec.pool)
         return True
 
@@ -149,17 +150,18 @@ class NodeMutations(Base):
         return engine_save(self.engine_tier(rec.layout), (rec.sid, ENGINE, rec.batch), rec.blocks, rec.hashes,
                            rec.parents, rec.priority)
 
-    def engine_finish(self, sess: Session, layout: str, batch: int, failed: list) -> bool:
-        """An engine ran its ``batch``; ``failed`` (wire maps, checked by the caller against the
-        batch) did not land. False: no such batch (abandoned, or of an earlier manager)."""
-        return self._apply(EngineFinished(sess.sid, layout, batch, failed), type(self)._engine_finish, 0.0)
+    def engine_finish(self, sess: Session, layout: str, batch: int, failed: list, late: list) -> bool:
+        """An engine ran its ``batch``; ``failed`` did not land and ``late`` missed the read
+        deadline (wire maps, checked by the caller against the batch). False: no such batch
+        (abandoned, or of an earlier manager)."""
+        return self._apply(EngineFinished(sess.sid, layout, batch, failed, late), type(self)._engine_finish, 0.0)
 
     def _engine_finish(self, rec: EngineFinished, now: float) -> bool:
         tier = self.node.tiers.get(rec.layout) if self.node is not None else None
         owner = (rec.sid, ENGINE, rec.batch)
         if tier is None or owner not in tier.batches:
             return False
-        tier.finish(owner, [order_from_wire(o) for o in rec.failed])
+        tier.finish(owner, [order_from_wire(o) for o in rec.failed], [order_from_wire(o) for o in rec.late])
         self.dirty.add(GLOBAL)
         return True
 

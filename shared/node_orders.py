@@ -141,24 +141,36 @@ class NodeOrders:
 @dataclass(frozen=True, slots=True)
 class NodeReport:
     """A worker ran batch ``batch``'s orders; those in ``failed`` did not land (a save that
-    could not be written, a load that did not verify: the worker recomputed those blocks). Wire:
-    ``{batch, failed?}``; a step message carries a list of them (``node_done``), so does the
-    ``node_done`` op."""
+    could not be written, a load that did not verify: the worker recomputed those blocks), and
+    those in ``late`` did not land in time (a disk read past the worker's read deadline: also
+    recomputed, its bytes not known bad; the manager counts it apart from verify failures). An
+    order is in at most one of the two lists. Wire: ``{batch, failed?, late?}``; a step message
+    carries a list of them (``node_done``), so does the ``node_done`` op."""
 
     batch: int
     failed: tuple[Order, ...] = ()
+    late: tuple[Order, ...] = ()
 
     def to_wire(self) -> dict:
         out: dict = {"batch": self.batch}
         if self.failed:
             out["failed"] = [o.to_wire() for o in self.failed]
+        if self.late:
+            out["late"] = [o.to_wire() for o in self.late]
         return out
 
     @classmethod
     def from_wire(cls, m: object) -> NodeReport:
         if type(m) is not dict:
-            raise bad_field("node_done[]", "a map {batch, failed}", m)
-        return cls(_batch(m), tuple(_orders(m, "failed")))
+            raise bad_field("node_done[]", "a map {batch, failed, late}", m)
+        late = tuple(_orders(m, "late"))
+        for o in late:
+            if type(o) is not Load or o.frm != "disk":
+                raise bad_field("node_done.late", "disk loads only (the orders with a deadline)", o.to_wire())
+        failed = tuple(_orders(m, "failed"))
+        if set(failed) & set(late):
+            raise bad_field("node_done.late", "orders not also in failed", [o.to_wire() for o in late])
+        return cls(_batch(m), failed, late)
 
 
 def reports_from_wire(v: object, limit: int = 4096) -> list[NodeReport]:

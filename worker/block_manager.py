@@ -112,7 +112,7 @@ class LocalBlockManager:
     def node_done(self, reports: Sequence[NodeReport]) -> None:
         if self.node_tier is not None:
             for r in reports:
-                self.node_tier[0].finish((self.pool, r.batch), r.failed)
+                self.node_tier[0].finish((self.pool, r.batch), r.failed, r.late)
 
     def recv_step(self, ticket: object) -> list[Result]:
         return ticket  # type: ignore[return-value]

@@ -77,12 +77,15 @@ class WorkerMetrics:
         )
         parts = [family(name, "gauge", help_text, [(lb, v)]) for name, help_text, v in gauges]
         parts += [family(name, "counter", help_text, [(lb, v)]) for name, help_text, v in counters]
+        if "node_layout" in st:  # this worker's copies to and from the node tier (worker/node_copier.py)
+            parts += node_families(st, lb)
         parts.append(histogram_family("kvpool_worker_step_latency_seconds", "One engine step (schedule, "
                                       "manager round trip, forward, sample)", [(lb, self.step_latency)]))
         return "".join(parts)
 
     def close(self) -> None:
         self.server.close()
+
 
     @classmethod
     def start(cls, cfg) -> WorkerMetrics | None:
@@ -96,3 +99,20 @@ class WorkerMetrics:
                              "change metrics_port (0: off)") from None
         logger.info("metrics on http://%s:%d/metrics", cfg.metrics_host, metrics.port)
         return metrics
+
+
+def node_families(st: dict, lb: dict) -> list[str]:
+    """The node tier's counters of a worker's ``stats``: blocks copied by level, failed or late
+    orders by reason (``deadline``: a disk read past node_tier_read_timeout), tokens recomputed."""
+    return [
+        family("kvpool_worker_node_tier_saves_total", "counter", "Blocks this worker wrote into a node-tier level",
+               [({**lb, "level": k}, v) for k, v in sorted(st["node_saves"].items())]),
+        family("kvpool_worker_node_tier_loads_total", "counter", "Blocks this worker read from a node-tier level",
+               [({**lb, "level": k}, v) for k, v in sorted(st["node_loads"].items())]),
+        family("kvpool_worker_node_tier_failures_total", "counter", "Node-tier orders that did not land, by reason",
+               [({**lb, "reason": k}, v) for k, v in sorted(st["node_failures"].items())]),
+        family("kvpool_worker_node_tier_recomputed_tokens_total", "counter",
+               "Tokens computed again because a node-tier load did not land", [(lb, st["node_recomputed_tokens"])]),
+        family("kvpool_worker_node_tier_copy_seconds_total", "counter", "Wall time of node-tier copies on the step",
+               [(lb, st["node_copy_s"])]),
+    ]

@@ -26,7 +26,8 @@ slot it was to fill is written here, by the step's thread, only with a block tha
 
 Every order that does not land (a read that does not verify: a flipped byte, a torn or missing
 slot, a block of another layout or key; a disk read past its deadline; a write to a full disk)
-is reported to the manager in the step's ``NodeReport``, which drops the hash from that level.
+is reported to the manager in the step's ``NodeReport`` (a missed deadline in its ``late``
+list, the rest in ``failed``), which drops the hash from that level.
 A load into the device that did not verify leaves its block zeroed (node_store.py), never
 served: ``recompute`` moves each sequence that reads such a block back to its start, so this
 very forward pass computes it.
@@ -117,14 +118,15 @@ class NodeCopier:
 
     @torch.inference_mode()
     def run(self, orders: list[Order], covered: set[int] | None = None, private: list[torch.Tensor] | None = None,
-            defer_loads: bool = False) -> tuple[list[Order], set[int]]:
-        """Runs ``orders``; returns those that failed and the device blocks a failed load left
-        unwritten. ``covered`` (post orders): the device blocks the forward pass filled.
+            defer_loads: bool = False) -> tuple[list[Order], list[Order], set[int]]:
+        """Runs ``orders``; returns those that failed, the disk loads that missed the read
+        deadline (``late``: the manager counts them apart) and the device blocks a failed load
+        left unwritten. ``covered`` (post orders): the device blocks the forward pass filled.
         ``private``: the private host tier's tensors, which saves of ``source="private"`` read.
         ``defer_loads``: the loads' device writes wait for ``land_loads`` (the host tier's saves
         read those device blocks in between)."""
         if not orders:
-            return [], set()
+            return [], [], set()
         start = time.perf_counter()
         # the disk reads first, all at once: the manager holds every disk slot a batch reads, so
         # no order of it writes one (worker/node_reads.py)
@@ -137,10 +139,11 @@ class NodeCopier:
                  torch.empty((len(loads), *self.layout.block_shape), dtype=self.layout.dtype), loads, reads, deadline,
                  covered)
         failed: list[Order] = []
+        late: list[Order] = []
         for o in orders:
             f = self._one(o, r)
             if f is not None:
-                failed.append(o)
+                (late if f.reason == "deadline" else failed).append(o)
                 self.stats.failed(f.reason)
                 if type(o) is Load and o.frm == "disk":
                     r.bad_slots.add(o.dst)
@@ -150,7 +153,7 @@ class NodeCopier:
             self.land_loads()
         self.stats.wall_s += time.perf_counter() - start
         unwritten = {o.dst for o in failed if type(o) is Load and o.frm == "host"}
-        return failed, unwritten
+        return failed, late, unwritten
 
     def land_loads(self) -> None:
         """The device writes of the last ``run``'s loads that verified."""

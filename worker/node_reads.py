@@ -3,8 +3,9 @@ threads reads disk slots into private blocks (a file read releases the GIL) whil
 thread runs its other orders, and the step waits for each read with one deadline.
 
 A read that misses its deadline is a failed load like one that does not verify (a ``Failure``
-of reason ``deadline``): the worker reports the order failed, so the manager drops the hash as
-for any failed load, and the forward pass recomputes the block. Nothing waits for it again.
+of reason ``deadline``): the worker reports the order late, so the manager drops the hash as
+for any failed load (a slot a read hung on is not tried again) and counts a deadline miss, not
+a verify failure; the forward pass recomputes the block. Nothing waits for it again.
 
 A late read may still be blocked in the file system (a hung network mount; a FIFO in the tests)
 and may complete at any later time. It only ever writes into the block it allocated for itself,

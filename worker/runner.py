@@ -107,7 +107,7 @@ class ModelRunner:
         ``sample`` (a tensor-parallel follower only writes its KV slice and joins the all-reduces)."""
         if plan.node_batch is not None and self.node is None:
             raise RuntimeError("the manager ordered node-tier copies but this worker has no node tier mapped")
-        pre, failed, unwritten = plan.node_pre, [], set()
+        pre, failed, late, unwritten = plan.node_pre, [], [], set()
         if pre:  # in order; its loads into device blocks land below, after the host tier's saves
             # read them. It reads device blocks (and private host blocks) first: before any
             # device write of the step, and before the host tier's saves overwrite host blocks
@@ -115,7 +115,7 @@ class ModelRunner:
             if self.host is not None and any(type(o) is Save and o.source == "private" for o in pre):
                 self.host.settle()  # the private host blocks' last writes have landed
             private = self.host.host_caches if self.host is not None else None
-            failed, unwritten = self.node.run(pre, private=private, defer_loads=True)  # type: ignore[union-attr]
+            failed, late, unwritten = self.node.run(pre, private=private, defer_loads=True)  # type: ignore[union-attr]
         if self.host is not None:  # every step: the last step's saves and writes land (HostCopier.settle)
             # before anything overwrites or reads their blocks
             self.host.run(plan.saves, [] if pre else plan.loads)
@@ -133,7 +133,7 @@ class ModelRunner:
         if plan.node_batch is not None:
             if plan.node_post:
                 failed += self.node.run(plan.node_post, covered_blocks(plan, self.block_size))[0]  # type: ignore[union-attr]
-            self.node_reports.append(NodeReport(plan.node_batch, tuple(failed)))
+            self.node_reports.append(NodeReport(plan.node_batch, tuple(failed), tuple(late)))
         return logits
 
     def _forward(self, plan: Batch, sample: bool) -> torch.Tensor | None:

@@ -92,7 +92,7 @@ class NodeStepPlan:
 
 @dataclass
 class NodeStepReport:
-    """What the workers ran: node-tier reports (``{batch, failed?}`` as PROTOCOL.md's
+    """What the workers ran: node-tier reports (``{batch, failed?, late?}`` as PROTOCOL.md's
     ``node_done`` takes them) and copy counts, summed over the workers."""
 
     reports: list[dict] = field(default_factory=list)

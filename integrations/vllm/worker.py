@@ -27,7 +27,7 @@ import torch
 
 from kvpool.integrations.vllm.kv_layout import gather, scatter
 from kvpool.integrations.vllm.records import LoadJob, NodeStepPlan, NodeStepReport, SaveJob
-from kvpool.shared.node_orders import Load, Order, Save
+from kvpool.shared.node_orders import Load, NodeReport, Order, Save
 from kvpool.shared.node_tier import READ_TIMEOUT_S, NodeTierInfo
 from kvpool.worker.node_reads import DiskReads, Read
 from kvpool.worker.node_store import DiskStore, Failure, HostStore, NodeStoreError, StoreLayout
@@ -47,6 +47,7 @@ class KvpoolWorker:
         self.errors: set[int] = set()  # vLLM blocks whose load failed, until vLLM asks
         self.report = NodeStepReport()
         self.failed_from: dict[str, int] = {}  # this step: request -> its first block index not loaded
+        self.late: set[Order] = set()  # failed orders of the batch being run that missed the read deadline
 
     def register(self, views: Sequence[torch.Tensor]) -> None:
         self.views = list(views)
@@ -201,14 +202,16 @@ class KvpoolWorker:
         return self.host.read_into(slot, key, out)  # type: ignore[union-attr]
 
     def _failure(self, o: Order, f: Failure) -> None:
+        if f.reason == "deadline":  # reported apart: the manager counts a deadline miss
+            self.late.add(o)
         self._count(f"failed_{f.reason}", 1)
         logger.info("kvpool connector: %s failed (%s: %s)", o, f.reason, f.detail)
 
     def _reported(self, batch: int, failed: list[Order]) -> None:
-        rep: dict = {"batch": batch}
-        if failed:
-            rep["failed"] = [o.to_wire() for o in failed]
-        self.report.reports.append(rep)
+        """``{batch, failed?, late?}`` (shared/node_orders.py ``NodeReport``) for the manager."""
+        late, self.late = self.late, set()
+        rep = NodeReport(batch, tuple(o for o in failed if o not in late), tuple(o for o in failed if o in late))
+        self.report.reports.append(rep.to_wire())
 
     def _count(self, name: str, n: int) -> None:
         self.report.counts[name] = self.report.counts.get(name, 0) + n

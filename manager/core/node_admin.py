@@ -124,7 +124,7 @@ class NodeTierAdmin:
                          "cached_blocks": len(bp.cached), "retained_blocks": len(lv.retained),
                          "hits": s.hits, "saves": s.saves, "saves_skipped": s.saves_skipped,
                          "saves_dropped": s.saves_dropped, "save_failures": s.save_failures,
-                         "loads": s.loads, "verify_failures": s.verify_failures,
+                         "loads": s.loads, "verify_failures": s.verify_failures, "deadline_misses": s.deadline_misses,
                          "bytes_saved": s.saves * lv.block_bytes, "bytes_loaded": s.loads * lv.block_bytes,
                          "removed": dict(s.removed)}
         return out

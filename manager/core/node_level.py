@@ -49,6 +49,7 @@ class LevelStats:
     save_failures: int = 0  # saves the worker reported failed (a full disk, an I/O error)
     loads: int = 0  # orders reading this level
     verify_failures: int = 0  # loads whose bytes did not verify (recomputed, never served)
+    deadline_misses: int = 0  # disk loads past the worker's read deadline (recomputed)
     removed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
 
 

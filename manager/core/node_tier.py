@@ -14,8 +14,9 @@ is *landing* until then: unreadable, so no batch loads bytes that are not there 
 one call returns run in the order given (a victim's write-down reads its slot before the save
 that overwrites it); orders of different calls touch different slots, except that several may
 read one readable slot, so calls of a batch may run in any order. ``finish`` takes the orders the
-worker reports failed (a full disk, a load that did not verify): their hashes leave the level,
-counted as save or verify failures, and the pool recomputes those blocks. ``abandon`` (a dead
+worker reports failed (a full disk, a load that did not verify) or late (a disk read past the
+worker's deadline): their hashes leave the level, counted as save or verify failures or deadline
+misses, and the pool recomputes those blocks. ``abandon`` (a dead
 session) drops what the batch was writing.
 
 Policies (``policy``), i.e. when a block reaches the disk level:
@@ -260,19 +261,22 @@ class NodeTier(NodeTierAdmin):
             batch = self.batches[owner] = TierBatch()
         return batch
 
-    def finish(self, owner: object, failed: Sequence[Order] = ()) -> None:
+    def finish(self, owner: object, failed: Sequence[Order] = (), late: Sequence[Order] = ()) -> None:
         """``owner``'s orders ran; those in ``failed`` did not (a save that did not land, a load
-        that did not verify): their hashes leave the tier. Its references end and what it
-        wrote becomes readable."""
+        that did not verify) and those in ``late`` (disk loads) missed the worker's read
+        deadline: their hashes leave the tier either way (a slot a read hung on is not tried
+        again), counted apart. Its references end and what it wrote becomes readable."""
         batch = self.batches.get(owner)
         if batch is None:
-            if failed:
+            if failed or late:
                 raise ValueError(f"failed orders reported for {owner!r}, which has no batch")
             return
-        for order in failed:  # checked before anything changes
+        for order in (*failed, *late):  # checked before anything changes
             if order not in batch.orders:
                 raise ValueError(f"{order} is not an order of {owner!r}'s batch")
         del self.batches[owner]
+        for order in late:  # first: a host load behind a late prefetch is that prefetch's failure
+            self._failed(order, late=True)
         for order in failed:
             self._failed(order)
         self._release(batch)
@@ -307,14 +311,16 @@ class NodeTier(NodeTierAdmin):
             del self.batches[owner]
             self._release(batch)
 
-    def _failed(self, order: Order) -> None:
+    def _failed(self, order: Order, late: bool = False) -> None:
         if isinstance(order, Save):
             lv = self.levels[order.to]
             lv.stats.save_failures += 1
             self._drop_if(lv, order.dst, order.key)
         else:
             lv = self.levels[order.frm]
-            if lv.blocks.block_hash[order.src] == order.key:  # else: its prefetch failed (counted there)
+            if late:
+                lv.stats.deadline_misses += 1
+            elif lv.blocks.block_hash[order.src] == order.key:  # else: its prefetch failed (counted there)
                 lv.stats.verify_failures += 1
             self._drop_if(lv, order.src, order.key)
             if order.frm == "disk":

@@ -20,13 +20,13 @@ On the wire (inside journal batches) a record is a msgpack list, its kind first:
                                                             (+ node_tier, the node-tier settings it joined
                                                              under, only when the manager ran one)
     ["step", sid, msg_id, pool, ops]                        StepRan: run_step again, the same results
-    ["node_done", sid, pool, batch, failed]                 NodeFinished: a node-tier batch ran
+    ["node_done", sid, pool, batch, failed, late?]          NodeFinished: a node-tier batch ran
     ["pin", pool, hashes, ttl_s, now, share]   ["unpin", pin_id, expired]   retention pins (manager/state/pins.py)
     ["node_join", sid, spec, model, rank, world, node_tier]   NodeJoined: an engine joins a layout's node tier
                                                             (node_tier: the settings it joined under)
     ["node_load", sid, layout, batch, hashes, priority]     EngineLoaded: an engine's load batch
     ["node_save", sid, layout, batch, blocks, hashes, parents, priority]   EngineSaved: its save batch
-    ["node_engine_done", sid, layout, batch, failed]        EngineFinished: an engine's batch ran
+    ["node_engine_done", sid, layout, batch, failed, late?] EngineFinished: an engine's batch ran
     ["reset", pool]   ["evict", pool, n]   ["drain", enable]   ["drop", pool] (PoolDropped)
     (reset and evict + tier "host" for the host tier)
     ["attach", {name, model, url, block_size, topic, events, replay}]   ExternalAttached (the attach op)
@@ -112,12 +112,14 @@ class PoolDropped:
 @dataclass(frozen=True)
 class NodeFinished:
     """A worker ran batch ``batch`` of its session's node-tier orders in ``pool``; ``failed``:
-    the orders that did not land, as on the wire (shared/node_orders.py)."""
+    the orders that did not land, ``late``: disk loads past the read deadline, as on the wire
+    (shared/node_orders.py)."""
 
     sid: str
     pool: str
     batch: int
     failed: list
+    late: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -176,12 +178,14 @@ class EngineSaved:
 
 @dataclass(frozen=True)
 class EngineFinished:
-    """An engine ran its batch ``batch``; ``failed``: the orders that did not land (wire maps)."""
+    """An engine ran its batch ``batch``; ``failed``: the orders that did not land, ``late``:
+    disk loads past the read deadline (wire maps)."""
 
     sid: str
     layout: str
     batch: int
     failed: list
+    late: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -227,6 +231,8 @@ def to_wire(rec: Mutation) -> list:
     """The record as the journal's msgpack list (the layout in the module docstring)."""
     kind, names = _LAYOUT[type(rec)]
     wire = [kind, *(getattr(rec, name) for name in names)]
+    if type(rec) in (NodeFinished, EngineFinished) and not rec.late:  # type: ignore[union-attr]
+        wire.pop()  # the layout of journals from before deadline misses were reported apart
     if type(rec) in (CacheReset, BlocksEvicted) and rec.tier == "device":  # type: ignore[union-attr]
         wire.pop()  # the layout of journals from before the host tier
     if type(rec) is ExternalAttached:

@@ -11,8 +11,10 @@ from kvpool.manager.state.mutations import (
     BlocksEvicted,
     CacheReset,
     DrainingSet,
+    EngineFinished,
     ExternalAttached,
     ExternalDetached,
+    NodeFinished,
     PoolDropped,
     SessionEnded,
     SessionOpened,
@@ -25,6 +27,8 @@ from kvpool.manager.store.journal import apply
 from kvpool.shared.protocol import KVSpec
 
 OPS = [{"op": "alloc", "req": 1, "hashes": [], "prompt_len": 5, "max_new": 5}]
+FAILED = {"op": "save", "level": "host", "src": 1, "dst": 2, "key": b"\x01" * 32}
+LATE = {"op": "load", "level": "disk", "src": 3, "dst": 4, "key": b"\x02" * 32}
 WIRE = [
     (SessionOpened("s" * 32, "w", "worker", True, 1), ["open", "s" * 32, "w", "worker", True, 1]),
     (SessionEnded("s" * 32, "expired"), ["end", "s" * 32, "expired"]),
@@ -38,6 +42,11 @@ WIRE = [
      ["attach", {"name": "v0", "model": "m", "url": "http://h:8000", "block_size": 32, "topic": "t", "events": None,
                  "replay": "tcp://h:5571"}]),
     (ExternalDetached("v0"), ["detach", "v0"]),
+    # late: absent from the record when empty (the layout of journals from before it)
+    (NodeFinished("s", "p", 3, [FAILED]), ["node_done", "s", "p", 3, [FAILED]]),
+    (NodeFinished("s", "p", 3, [], [LATE]), ["node_done", "s", "p", 3, [], [LATE]]),
+    (EngineFinished("s", "l", 4, [FAILED]), ["node_engine_done", "s", "l", 4, [FAILED]]),
+    (EngineFinished("s", "l", 4, [FAILED], [LATE]), ["node_engine_done", "s", "l", 4, [FAILED], [LATE]]),
 ]
 
 

@@ -74,7 +74,11 @@ def test_a_bad_report_is_refused_and_changes_nothing(srv):
     hashes = hash_blocks(list(range(9)), 4)
     step(srv, sid, "a", [{"op": "alloc", "req": 1, "hashes": hashes, "prompt_len": 9, "max_new": 9}])
     stranger = {"op": "save", "level": "host", "src": 1, "dst": 1, "key": b"\x01" * 32}
-    for bad in ([{"batch": 1, "failed": [stranger]}], [{"batch": "x"}], "no", [{"batch": 1, "failed": [{"op": 1}]}]):
+    stranger_read = {"op": "load", "level": "disk", "src": 1, "dst": 1, "key": b"\x01" * 32}
+    for bad in ([{"batch": 1, "failed": [stranger]}], [{"batch": "x"}], "no", [{"batch": 1, "failed": [{"op": 1}]}],
+                [{"batch": 1, "late": [stranger]}],  # only a disk load has a deadline
+                [{"batch": 1, "late": [stranger_read]}],  # not an order of the batch
+                [{"batch": 1, "failed": [stranger_read], "late": [stranger_read]}], [{"batch": 1, "late": "x"}]):
         reply = call(srv, "node_done", sid, pool="a", reports=bad)
         assert reply["status"] == "bad_field", reply
     (usage,) = ok(call(srv, "stats", sid))["manager"]["node_tiers"].values()

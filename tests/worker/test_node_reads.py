@@ -58,8 +58,8 @@ def test_a_read_past_its_deadline_fails_and_its_block_never_lands_even_when_it_c
     writer = stuck(disk.path(2))
     try:
         orders = [Load("disk", 1, 1, K1), Load("disk", 2, 2, K2), Load("host", 1, 1, K1), Load("host", 2, 2, K2)]
-        failed, unwritten = copier.run(orders)
-        assert failed == [orders[1], orders[3]] and unwritten == {2}
+        failed, late, unwritten = copier.run(orders)
+        assert failed == [orders[3]] and late == [orders[1]] and unwritten == {2}
         assert copier.stats.failures == {"deadline": 1, "prefetch_failed": 1}
         assert copier.stats.loads == {"host": 1, "disk": 1}
         assert torch.equal(torch.stack([c[:, 1] for c in copier.device_caches]), b1)  # the one in time landed

@@ -11,7 +11,9 @@ import pytest
 from helpers.node_tier import node_engine, node_tier, settle
 from helpers.worker import greedy, make_prompt, reference
 
+from kvpool.shared.metrics import parse_text
 from kvpool.shared.node_orders import Load
+from kvpool.worker.metrics import WorkerMetrics
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
@@ -68,7 +70,7 @@ def test_without_the_check_a_flipped_byte_changes_the_output(tmp_path, monkeypat
 def test_a_disk_read_that_never_returns_is_recomputed_after_the_deadline(tmp_path):
     """A disk slot whose read blocks for ever (a FIFO nobody writes, as a hung mount blocks): the
     step gives up on it at the worker's node_tier_read_timeout, recomputes the block and the
-    rest of the prefix behind it, reports the order failed, and the output is the reference's."""
+    rest of the prefix behind it, reports the order late, and the output is the reference's."""
     tier = node_tier(tmp_path, host_blocks=32, disk_blocks=32, policy="write_through")
     a = node_engine(tier, "a")
     b = node_engine(tier, "b", node_tier_read_timeout=0.5)
@@ -89,7 +91,18 @@ def test_a_disk_read_that_never_returns_is_recomputed_after_the_deadline(tmp_pat
         assert s["node_failures"] == {"deadline": 1, "prefetch_failed": 1}
         assert s["node_loads"] == {"host": 3, "disk": 3} and s["node_recomputed_tokens"] == 48
         settle(a, b)
-        assert tier[0].disk.stats.verify_failures == 1  # reported: the slot's hash left the disk level
+        # reported late: the slot's hash left the disk level, counted as a deadline miss (the
+        # prefetch behind it is the worker's own failure, never reported: the host level's load)
+        assert (tier[0].disk.stats.deadline_misses, tier[0].disk.stats.verify_failures) == (1, 0)
+        assert tier[0].host.stats.verify_failures == 0
+        metrics = WorkerMetrics("b", "127.0.0.1", 0)  # and in the worker's Prometheus text
+        try:
+            got = parse_text(metrics.render(b, time.monotonic()))
+        finally:
+            metrics.close()
+        assert got[("kvpool_worker_node_tier_failures_total", (("pool", "b"), ("reason", "deadline")))] == 1
+        assert got[("kvpool_worker_node_tier_loads_total", (("level", "disk"), ("pool", "b")))] == 3
+        assert got[("kvpool_worker_node_tier_recomputed_tokens_total", (("pool", "b"),))] == 48
         assert len(tier[0].lookup(hashes)) == 1
     finally:
         os.close(writer)  # the abandoned read returns (short) and frees its thread

@@ -159,6 +159,22 @@ def test_failed_orders_leave_the_tier_counted_per_level():
     t.check_invariants()
 
 
+def test_a_late_disk_load_leaves_both_levels_as_a_deadline_miss_not_a_verify_failure():
+    t = make_tier()
+    fill(t, "a", [1, 2, 3, 4])  # h(1) on disk slot 1
+    hits = t.lookup([h(1)])
+    orders = t.prefetch("p", hits)
+    prefetch = orders[-1]
+    assert isinstance(prefetch, Load) and prefetch.frm == "disk"
+    t.finish("p", late=[prefetch])  # the read missed the worker's deadline
+    assert t.lookup([h(1)]) == []  # a slot a read hung on is not tried again
+    assert (t.disk.stats.deadline_misses, t.disk.stats.verify_failures) == (1, 0)
+    assert t.usage()["disk"]["deadline_misses"] == 1
+    with pytest.raises(ValueError, match="has no batch"):
+        t.finish("q", late=[prefetch])  # no batch: refused
+    t.check_invariants()
+
+
 def test_abandon_drops_what_the_batch_was_writing():
     t = make_tier()
     t.save("a", 7, h(1), None)
