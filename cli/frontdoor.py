@@ -38,6 +38,9 @@ def _tokenizer_pairs(ctx: click.Context, param: click.Parameter, values: tuple[s
 @click.option("--worker-silence", type=float, default=None,
               help="Seconds a worker, or one request on it, may stay silent before its requests fail [30]; "
                    "workers send a heartbeat every second.")
+@click.option("--manager-grace", type=float, default=None,
+              help="Seconds a manager may fail the worker-list polls, or workers report it unreachable, before "
+                   "new requests to its workers get 503 manager_unreachable [5].")
 @click.option("--log-level", default=None, help="uvicorn's log level [warning].")
 @click.option("--curve-server-key", envvar="KVPOOL_CURVE_SERVER_KEY", default=None,
               help="The managers' public key (NAME.key or Z85 text) when they run CURVE; env KVPOOL_CURVE_SERVER_KEY.")

@@ -83,7 +83,8 @@ def worker_service_options(f):
 @click.option("--max-model-len", default=None, type=int,
               help="Tokens per request, prompt and output [the model's own max_position_embeddings, as vLLM]; "
                    "a longer value is refused before the model loads.")
-@click.option("--max-num-batched-tokens", default=512, show_default=True)
+@click.option("--max-num-batched-tokens", default=2048, show_default=True,
+              help="Tokens one step computes (prefill chunks beside decodes), vLLM's default too.")
 @click.option("--max-num-seqs", default=64, show_default=True)
 @click.option("--memory-utilization", "--gpu-memory-utilization", "memory_utilization", default=0.9,
               show_default=True, help="Share of the device memory for the model and its KV (vLLM's name too).")

@@ -27,7 +27,7 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvpool.client.generate_core import GenerateCore, Stream, WorkerUnavailable
+from kvpool.client.generate_core import MANAGER_GRACE_S, GenerateCore, Stream, WorkerUnavailable
 from kvpool.shared.curve import ClientKeys
 from kvpool.shared.generate import Pong, StatsReply, TokenMessage, pack, parse_reply
 
@@ -39,7 +39,8 @@ class GenerateClient:
     """One DEALER socket to one worker; many requests may be in flight at once."""
 
     def __init__(self, endpoint: str, ctx: zmq.Context | None = None, curve: ClientKeys | None = None, *,
-                 connect_timeout_s: float = 2.0, liveness_s: float = 30.0, manager_grace_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 2.0, liveness_s: float = 30.0,
+                 manager_grace_s: float = MANAGER_GRACE_S) -> None:
         """``curve``: the worker's public key and this client's keys, when the worker runs CURVE."""
         self.endpoint = endpoint
         self.connect_timeout_s, self.liveness_s, self.manager_grace_s = connect_timeout_s, liveness_s, manager_grace_s

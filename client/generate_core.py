@@ -3,7 +3,9 @@
 
 ``GenerateCore`` numbers requests and builds their messages (shared/generate.py's records);
 ``Stream`` reads one request's replies: which samples are still open, a refusal (ValueError),
-and what a heartbeat's ``waiting`` means for the caller (``WorkerUnavailable``).
+and what a heartbeat's ``waiting`` means for the caller (``WorkerUnavailable``). ``Outage``
+holds off "the manager cannot be reached" for a grace: one call that timed out on a loaded
+machine is not an outage (the front door keeps one per request and one per manager it polls).
 """
 
 from __future__ import annotations
@@ -23,6 +25,28 @@ from kvpool.shared.generate import (
     pack,
 )
 from kvpool.shared.sampling import SamplingParams
+
+MANAGER_GRACE_S = 5.0  # how long a manager must stay unreachable before requests give up on it
+
+
+class Outage:
+    """How long something has been reported down, and whether that is past ``grace_s``."""
+
+    __slots__ = ("grace_s", "since")
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.since: float | None = None  # time.monotonic() of the first report since it was last up
+
+    def down(self, now: float) -> float | None:
+        """Reported down at ``now``: the seconds it has been down once past the grace, else None."""
+        if self.since is None:
+            self.since = now
+        lasted = now - self.since
+        return lasted if lasted >= self.grace_s else None
+
+    def up(self) -> None:
+        self.since = None
 
 
 class WorkerUnavailable(RuntimeError):
@@ -65,8 +89,7 @@ class Stream:
     def __init__(self, rid: str, n: int, manager_grace_s: float) -> None:
         self.rid = rid
         self.open_samples = set(range(max(1, n)))  # n < 1: wait for the refusal
-        self.manager_grace_s = manager_grace_s
-        self.manager_down_since: float | None = None
+        self.manager = Outage(manager_grace_s)  # the worker's "manager unreachable" heartbeats
 
     @property
     def done(self) -> bool:
@@ -85,7 +108,7 @@ class Stream:
             return None
         if not isinstance(reply, TokenMessage):
             return None
-        self.manager_down_since = None
+        self.manager.up()
         if reply.finished:
             self.open_samples.discard(reply.index)
         return reply
@@ -97,11 +120,9 @@ class Stream:
             raise WorkerUnavailable("the manager is draining: it admits no new requests (an operator ran "
                                     "`kvpool drain`; `kvpool drain --cancel` ends it); retry later", "draining")
         if reason != "manager_unreachable":
-            self.manager_down_since = None
+            self.manager.up()
             return
-        now = time.monotonic()
-        if self.manager_down_since is None:
-            self.manager_down_since = now
-        elif now - self.manager_down_since >= self.manager_grace_s:
-            raise WorkerUnavailable(f"the worker cannot reach its manager (for {now - self.manager_down_since:.0f}s); "
+        lasted = self.manager.down(time.monotonic())
+        if lasted is not None:
+            raise WorkerUnavailable(f"the worker cannot reach its manager (for {lasted:.0f}s); "
                                     "check `kvpool status` on the worker's host", "manager_unreachable")

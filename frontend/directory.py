@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import zmq.asyncio
 
 from kvpool.client.generate_async import WorkerLink
+from kvpool.client.generate_core import MANAGER_GRACE_S, Outage
 from kvpool.client.manager_async import AsyncManagerClient
 from kvpool.shared.bind import check_connect
 from kvpool.shared.curve import ClientKeys
@@ -118,7 +119,8 @@ class Located:
 
 class Directory:
     def __init__(self, managers: list[str], *, poll_s: float = 0.5, silence_s: float = 30.0,
-                 timeout_s: float = 2.0, manager_keys: ClientKeys | None = None,
+                 timeout_s: float = 2.0, manager_grace_s: float = MANAGER_GRACE_S,
+                 manager_keys: ClientKeys | None = None,
                  worker_keys: ClientKeys | None = None, insecure: bool = False) -> None:
         if not managers:
             raise ValueError("the front door needs at least one manager endpoint (--manager)")
@@ -130,7 +132,8 @@ class Directory:
         self.poll_s, self.silence_s = poll_s, silence_s
         self.workers: dict[tuple[int, str], Worker] = {}
         self.externals: dict[tuple[int, str], External] = {}
-        self.reachable = [False] * len(managers)
+        self.reachable = [False] * len(managers)  # answered its last poll, or failed them for less than the grace
+        self.outages = [Outage(manager_grace_s) for _ in managers]
         self.draining = [False] * len(managers)  # the manager said so at the last poll (kvpool drain)
         self._task: asyncio.Task | None = None
         self.changes = 0
@@ -152,10 +155,15 @@ class Directory:
             try:
                 reply = await client.call("workers", retry=True)
             except ManagerError as e:
-                if self.reachable[i]:
-                    logger.warning("manager %s: %s (keeping its last known workers)", self.endpoints[i], e)
-                self.reachable[i] = False
+                lasted = self.outages[i].down(time.monotonic())
+                if self.reachable[i] and lasted is not None:
+                    logger.warning("manager %s: %s, for %.1f s (keeping its last known workers; new requests to "
+                                   "them get 503 until it answers)", self.endpoints[i], e, lasted)
+                    self.reachable[i] = False
+                elif self.reachable[i]:
+                    logger.info("manager %s: %s (within the %g s grace)", self.endpoints[i], e, self.outages[i].grace_s)
                 continue
+            self.outages[i].up()
             self.reachable[i] = True
             self.draining[i] = reply.get("draining") is True
             await self._apply(i, reply["workers"])

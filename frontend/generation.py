@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from kvpool.client.generate_core import MANAGER_GRACE_S, Outage
 from kvpool.frontend.detokenizer import IncrementalDetokenizer
 from kvpool.frontend.errors import RETRY_AFTER_S, UNAVAILABLE, APIError, unavailable
 from kvpool.frontend.router import Decision
@@ -83,16 +84,28 @@ def cut_at_stop(pending: str, stops: list[str], final: bool) -> tuple[str, bool,
 class PromptRun:
     def __init__(self, tokenizer: Tokenizer, prompt: list[int], decision: Decision, *, n: int, first_index: int,
                  stops: list[str], params: dict, cache_salt: str | None, timing: Timing,
-                 token_ids_in_logprobs: bool = False, silence_s: float = 30.0) -> None:
+                 token_ids_in_logprobs: bool = False, silence_s: float = 30.0,
+                 manager_grace_s: float = MANAGER_GRACE_S) -> None:
         """``silence_s``: the longest wait for a message of this request (the worker sends a
         heartbeat every second): past it the request fails, is aborted on the worker and its load
-        forgotten, whatever happened to its messages."""
+        forgotten, whatever happened to its messages. ``manager_grace_s``: how long the worker
+        may report its manager unreachable before a request not yet generating gets its 503."""
         self.tok, self.prompt, self.decision = tokenizer, prompt, decision
         self.stops, self.params, self.cache_salt, self.timing = stops, params, cache_salt, timing
         self.choices = [Choice(first_index + i, IncrementalDetokenizer(tokenizer, prompt)) for i in range(n)]
         self.want_logprobs = params.get("logprobs") is not None
         self.token_ids_in_logprobs = token_ids_in_logprobs
         self.silence_s = silence_s
+        self.manager = Outage(manager_grace_s)
+
+    def _held(self, waiting: str | None) -> bool:
+        """Whether a heartbeat's ``waiting`` means the request cannot move: a drain at once, a
+        lost manager once the worker has reported it for ``manager_grace_s`` (one manager call
+        that timed out on a loaded machine is no outage: the worker retries it)."""
+        if waiting != "manager_unreachable":
+            self.manager.up()
+            return waiting in UNAVAILABLE
+        return self.manager.down(time.monotonic()) is not None
 
     @property
     def completion_tokens(self) -> int:
@@ -125,7 +138,7 @@ class PromptRun:
                 if isinstance(msg, Heartbeat):
                     # queued behind a drain or a lost manager, nothing generated yet: say so now (503)
                     # instead of holding the client; a request already generating keeps going
-                    if msg.waiting in UNAVAILABLE and self.completion_tokens == 0:
+                    if self._held(msg.waiting) and self.completion_tokens == 0:
                         raise unavailable(msg.waiting, f" (worker {self.decision.worker.name})")
                     continue
                 if not isinstance(msg, TokenMessage):

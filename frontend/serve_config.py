@@ -63,6 +63,7 @@ class ServeConfig:
     kv_overlap_weight: float = 2.0
     poll_interval: float = 0.5
     worker_silence: float = 30.0
+    manager_grace: float = 5.0  # seconds a manager may fail polls (or workers report it lost) before 503s
     tokenizers: dict = field(default_factory=dict)  # model name -> tokenizer directory
     log_level: str = "warning"
     curve_server_key: str | None = None  # the managers' public key: NAME.key or its Z85 text
@@ -131,4 +132,5 @@ class ServeConfig:
             worker_keys = ClientKeys.load(self.worker_curve_key, self.curve_key_file)
         return FrontDoorConfig(tuple(self.managers or [default_endpoint()]), self.policy, self.kv_overlap_weight,
                                self.poll_interval, self.worker_silence, tuple(self.tokenizers.items()),
-                               manager_keys=manager_keys, worker_keys=worker_keys, insecure=self.insecure)
+                               manager_keys=manager_keys, worker_keys=worker_keys, insecure=self.insecure,
+                               manager_grace_s=self.manager_grace)

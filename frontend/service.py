@@ -8,6 +8,7 @@ import asyncio
 from collections import Counter
 from dataclasses import dataclass
 
+from kvpool.client.generate_core import MANAGER_GRACE_S
 from kvpool.frontend.chat_template import TemplateError
 from kvpool.frontend.directory import Directory, External, Located, Worker
 from kvpool.frontend.errors import RETRY_AFTER_S, APIError, bad_param, unavailable
@@ -41,6 +42,9 @@ class FrontDoorConfig:
     # kv-aware: count the prefixes of running prompts routed to a worker as its future hits
     # (frontend/router.py); False routes on the manager's locate alone (bench_router compares)
     count_routed: bool = True
+    # a manager is taken for lost (new requests get 503 manager_unreachable) once its polls, or a
+    # worker's heartbeats, have said so for this long: one slow answer on a loaded machine is not
+    manager_grace_s: float = MANAGER_GRACE_S
 
     def __post_init__(self) -> None:
         if not self.managers:
@@ -52,13 +56,16 @@ class FrontDoorConfig:
             raise ValueError(f"poll_s must be in [0.01, 60] seconds, got {self.poll_s}")
         if self.silence_s <= 0:
             raise ValueError(f"silence_s must be positive, got {self.silence_s}")
+        if not 0 <= self.manager_grace_s <= 600:
+            raise ValueError(f"manager_grace_s must be in [0, 600] seconds, got {self.manager_grace_s}")
 
 
 class FrontDoor:
     def __init__(self, cfg: FrontDoorConfig) -> None:
         self.cfg = cfg
         self.directory = Directory(list(cfg.managers), poll_s=cfg.poll_s, silence_s=cfg.silence_s,
-                                   manager_keys=cfg.manager_keys, worker_keys=cfg.worker_keys, insecure=cfg.insecure)
+                                   manager_grace_s=cfg.manager_grace_s, manager_keys=cfg.manager_keys,
+                                   worker_keys=cfg.worker_keys, insecure=cfg.insecure)
         self.router = KVRouter(cfg.policy, cfg.overlap_weight)
         self.metrics = FrontDoorMetrics()
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -215,7 +222,8 @@ class FrontDoor:
                 params = {**req.worker_params, "max_tokens": budget}
                 pr = PromptRun(tok, ids, d, n=req.n, first_index=k * req.n, stops=req.stop, params=params,
                                cache_salt=req.cache_salt, timing=timing,
-                               token_ids_in_logprobs=req.token_ids_in_logprobs, silence_s=self.cfg.silence_s)
+                               token_ids_in_logprobs=req.token_ids_in_logprobs, silence_s=self.cfg.silence_s,
+                               manager_grace_s=self.cfg.manager_grace_s)
                 run.runs.append(pr)
                 self.live.setdefault(d.worker.key, set()).add(pr)  # counted at once: the next request sees it
                 if chain and self.cfg.count_routed:

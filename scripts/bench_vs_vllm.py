@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -127,6 +128,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kvpool-threads", type=int, default=0, help="kvpool worker --threads (0: its default)")
+    ap.add_argument("--kvpool-worker-args", default="", help="more `kvpool worker` flags, one string "
+                    "(e.g. '--max-num-batched-tokens 2048')")
     ap.add_argument("--vllm-compile", action="store_true", help="let vLLM compile (drops --enforce-eager)")
     ap.add_argument("--run-timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None, help="also write the medians and every run here")
@@ -139,7 +142,7 @@ def main() -> None:
         tmp = Path(tmp_dir)
         args.checkpoint = str(build_checkpoint(Path(args.checkpoint or tmp / "ckpt"), args.seed))
         servers = [start_vllm(args.vllm_venv, args.checkpoint, tmp, compile_=args.vllm_compile),
-                   start_kvpool(args.checkpoint, tmp, args.kvpool_threads)]
+                   start_kvpool(args.checkpoint, tmp, args.kvpool_threads, shlex.split(args.kvpool_worker_args))]
         try:
             wait_all_ready(servers)
             for s in servers:

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,14 +169,15 @@ def start_vllm(venv: str, checkpoint: str, tmp: Path, compile_: bool = False) ->
     return s
 
 
-def start_kvpool(checkpoint: str, tmp: Path, threads: int = 0) -> Server:
-    """A manager, `kvpool worker --model DIR --kv-cache-memory 1GiB` and `kvpool serve`."""
+def start_kvpool(checkpoint: str, tmp: Path, threads: int = 0, worker_args: Sequence[str] = ()) -> Server:
+    """A manager, `kvpool worker --model DIR --kv-cache-memory 1GiB` (and ``worker_args``) and
+    `kvpool serve`."""
     s = Server("kvpool", _free_port())
     manager = f"ipc://{tmp}/manager.sock"
     s.spawn([*KVPOOL_CLI, "manager", "--manager", manager], tmp / "kvpool-manager.log")
     s.spawn([*KVPOOL_CLI, "worker", "--manager", manager, "--pool", "bench", "--endpoint", f"ipc://{tmp}/worker.sock",
              "--model", checkpoint, "--dtype", "float32", "--device", "cpu", "--block-size", str(BLOCK_SIZE),
-             "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", str(KV_BYTES), "--threads", str(threads)],
+             "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", str(KV_BYTES), "--threads", str(threads), *worker_args],
             tmp / "kvpool-worker.log")
     s.spawn([*KVPOOL_CLI, "serve", "--manager", manager, "--host", "127.0.0.1", "--port", str(s.port)],
             tmp / "kvpool-serve.log")

