@@ -100,8 +100,8 @@ def worker_service_options(f):
               help="Use the manager's node tier of this model's layout when it runs one (the default; "
               "single-shard pools; docs/operating.md, \"The node tier\").")
 @click.option("--node-tier-read-timeout", type=float, default=None,
-              help="Seconds a step waits for its node-tier disk reads; a read later than that is "
-              "recomputed, never waited on [5].")
+              help="Seconds a step waits for its node-tier disk reads, and then for its write-downs; a "
+              "read later than that is recomputed, a late write dropped, never waited on [5].")
 @click.option("--no-prefix-caching", is_flag=True, help="Send no block hashes (no prefix reuse).")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", "enable_prefix_caching", default=None,
               help="vLLM's names: prefix caching on (the default) or off.")

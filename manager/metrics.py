@@ -58,7 +58,7 @@ NODE_COUNTERS = (
     ("kvpool_node_tier_save_failures_total", "save_failures", "Saves the worker reported failed (full disk, I/O)"),
     ("kvpool_node_tier_loads_total", "loads", "Orders reading the level"),
     ("kvpool_node_tier_verify_failures_total", "verify_failures", "Loads that did not verify (recomputed, never served)"),
-    ("kvpool_node_tier_deadline_misses_total", "deadline_misses", "Disk loads past the worker's read deadline (recomputed)"),
+    ("kvpool_node_tier_deadline_misses_total", "deadline_misses", "Disk reads and writes past the worker's deadline"),
 )
 MANAGER_COUNTERS = (
     ("kvpool_messages_total", "messages", "Request payloads received (bad ones included)"),

@@ -142,9 +142,9 @@ class NodeOrders:
 class NodeReport:
     """A worker ran batch ``batch``'s orders; those in ``failed`` did not land (a save that
     could not be written, a load that did not verify: the worker recomputed those blocks), and
-    those in ``late`` did not land in time (a disk read past the worker's read deadline: also
-    recomputed, its bytes not known bad; the manager counts it apart from verify failures). An
-    order is in at most one of the two lists. Wire: ``{batch, failed?, late?}``; a step message
+    those in ``late`` did not land in time (a disk read or write-down past the worker's disk
+    deadline: a read is recomputed too; the manager counts them apart from verify and save
+    failures: a slow disk is not a corrupt one). An order is in at most one of the two lists. Wire: ``{batch, failed?, late?}``; a step message
     carries a list of them (``node_done``), so does the ``node_done`` op."""
 
     batch: int
@@ -165,8 +165,8 @@ class NodeReport:
             raise bad_field("node_done[]", "a map {batch, failed, late}", m)
         late = tuple(_orders(m, "late"))
         for o in late:
-            if type(o) is not Load or o.frm != "disk":
-                raise bad_field("node_done.late", "disk loads only (the orders with a deadline)", o.to_wire())
+            if (o.frm if type(o) is Load else o.to) != "disk":
+                raise bad_field("node_done.late", "disk loads and saves only (the orders with a deadline)", o.to_wire())
         failed = tuple(_orders(m, "failed"))
         if set(failed) & set(late):
             raise bad_field("node_done.late", "orders not also in failed", [o.to_wire() for o in late])

@@ -30,8 +30,9 @@ from kvpool.shared.protocol import KVSpec, bad_field, get_int, get_str
 HEADER_BYTES = 64  # a slot's header (worker/node_layout.py HEADER)
 MAX_MODEL_ID = 512  # characters of a model identity
 MAX_PATH = 4096
-# how long a step waits for its disk reads before recomputing what they would have brought
-# (worker/node_reads.py; the worker's node_tier_read_timeout, the vLLM connector's read_timeout_s)
+# how long a step waits for its disk reads (recomputing what they would have brought) and its
+# write-downs (dropped)
+# (worker/node_disk_io.py; the worker's node_tier_read_timeout, the vLLM connector's read_timeout_s)
 READ_TIMEOUT_S = 5.0
 
 

@@ -316,7 +316,7 @@ MAY_IMPORT = {
     "cli": {"shared", "worker", "manager.core", "frontend", "client", "devcluster", "bench", *CLI_ENTRY_POINTS},
     # adapters to other engines (vLLM's KV connector): nothing of the manager daemon
     "integrations": {"shared", "client", "kvpool.worker.node_store", "kvpool.worker.node_layout",
-                     "kvpool.worker.node_reads"},
+                     "kvpool.worker.node_disk_io"},
 }
 
 

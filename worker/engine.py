@@ -60,7 +60,7 @@ class Engine(StepLoop):
         # the weights' identity, offered at registration: the manager then puts the node tier of
         # this layout behind the pool (worker/node_copier.py); None: no node tier
         self.node_model = node_model
-        self.node_read_timeout_s = node_read_timeout_s  # a step's wait for its disk reads (worker/node_reads.py)
+        self.node_read_timeout_s = node_read_timeout_s  # a step's wait for its disk reads (worker/node_disk_io.py)
         self.node_tier: NodeTierInfo | None = None
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device

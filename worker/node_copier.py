@@ -19,13 +19,17 @@ come in two lists (shared/node_orders.py ``NodeOrders``), run in the order given
     and reported failed, so no other tokens are ever stored under its hash.
 
 The disk reads of a run (its prefetches) start together when it starts, on a few threads of
-their own (worker/node_reads.py), and run while the orders before them do; each is waited on
+their own (worker/node_disk_io.py), and run while the orders before them do; each is waited on
 with the run's one deadline (``read_timeout_s``, the worker's ``node_tier_read_timeout``). A
 read that misses it fails as a read that does not verify, and its block is never used: the host
 slot it was to fill is written here, by the step's thread, only with a block that arrived in time.
+A write-down reads its host slot here, in order (a later order of the run may overwrite that
+slot), and hands the file write to the same threads; the run waits for its writes at its end,
+at most ``read_timeout_s`` again: a write that misses it is reported late and its hash dropped.
 
 Every order that does not land (a read that does not verify: a flipped byte, a torn or missing
-slot, a block of another layout or key; a disk read past its deadline; a write to a full disk)
+slot, a block of another layout or key; a disk read or write past its deadline; a write to a
+full disk)
 is reported to the manager in the step's ``NodeReport`` (a missed deadline in its ``late``
 list, the rest in ``failed``), which drops the hash from that level.
 A load into the device that did not verify leaves its block zeroed (node_store.py), never
@@ -43,11 +47,12 @@ import torch
 
 from kvpool.shared.node_orders import Load, Order, Save
 from kvpool.shared.node_tier import READ_TIMEOUT_S, NodeTierInfo
-from kvpool.worker.node_reads import DiskReads, Read
+from kvpool.worker.node_disk_io import DiskIO, Pending
 from kvpool.worker.node_store import DiskStore, Failure, HostStore, NodeStoreError, StoreLayout
 from kvpool.worker.step_plan import Batch
 
 logger = logging.getLogger(__name__)
+WRITING = Failure("writing", "")  # _one's answer for a write-down under way (not a failure)
 
 
 
@@ -73,7 +78,7 @@ class _Run:
     gathered: dict[tuple[str, int], torch.Tensor]  # the blocks saves to host read, by (source, block)
     staging: torch.Tensor  # [loads, layers, 2, ...]: the host -> device loads' blocks
     loads: dict[int, int]  # id(host -> device load) -> its staging row
-    reads: dict[int, Read]  # id(disk -> host load) -> its disk read, started with the run
+    reads: dict[int, Pending]  # id(disk -> host load) -> its disk read, started with the run
     deadline: float  # time.monotonic() by which every disk read is in, or missed
     covered: set[int] | None
     bad_slots: set[int] = field(default_factory=set)  # host slots a failed prefetch did not fill
@@ -81,6 +86,7 @@ class _Run:
     # behind it takes that block instead of reading and checksumming the slot again
     fresh: dict[int, tuple[bytes, torch.Tensor]] = field(default_factory=dict)
     landed: list[tuple[int, int]] = field(default_factory=list)  # (staging row, device block)
+    writes: list[tuple[Save, Pending]] = field(default_factory=list)  # write-downs under way, in order
 
 
 class NodeCopier:
@@ -95,7 +101,7 @@ class NodeCopier:
         self.device = device_caches[0].device
         self.host = HostStore(layout, info.host_slots, info.host_dir)
         self.disk: DiskStore | None = None
-        self.reads: DiskReads | None = None
+        self.disk_io: DiskIO | None = None
         if info.disk_dir is not None:
             # no fsync: a file the rename committed but a power loss tore fails its checksum on
             # read and is recomputed, so an fsync per block (milliseconds on the step's critical
@@ -103,13 +109,13 @@ class NodeCopier:
             self.disk = DiskStore(layout, info.disk_dir, info.disk_bytes, fsync=False)
             if self.disk.num_slots != info.disk_slots:
                 raise NodeStoreError(f"disk level: {self.disk.num_slots} slots here, {info.disk_slots} at the manager")
-            self.reads = DiskReads(self.disk, read_timeout_s)
+            self.disk_io = DiskIO(self.disk, read_timeout_s)
         self.stats = NodeCopyStats()
         self._staged: tuple[torch.Tensor | None, list[tuple[int, int]]] = (None, [])  # loads not yet landed
 
     def close(self) -> None:
-        if self.reads is not None:
-            self.reads.close()
+        if self.disk_io is not None:
+            self.disk_io.close()
         self.host.close()
 
     def count_recomputed(self, num_tokens: int) -> None:
@@ -119,7 +125,7 @@ class NodeCopier:
     @torch.inference_mode()
     def run(self, orders: list[Order], covered: set[int] | None = None, private: list[torch.Tensor] | None = None,
             defer_loads: bool = False) -> tuple[list[Order], list[Order], set[int]]:
-        """Runs ``orders``; returns those that failed, the disk loads that missed the read
+        """Runs ``orders``; returns those that failed, the disk reads and writes that missed the
         deadline (``late``: the manager counts them apart) and the device blocks a failed load
         left unwritten. ``covered`` (post orders): the device blocks the forward pass filled.
         ``private``: the private host tier's tensors, which saves of ``source="private"`` read.
@@ -129,10 +135,10 @@ class NodeCopier:
             return [], [], set()
         start = time.perf_counter()
         # the disk reads first, all at once: the manager holds every disk slot a batch reads, so
-        # no order of it writes one (worker/node_reads.py)
+        # no order of it writes one (worker/node_disk_io.py)
         prefetches = [o for o in orders if type(o) is Load and o.frm == "disk"]
-        reads = {id(o): self._reads().start(o.src, o.key) for o in prefetches}
-        deadline = time.monotonic() + (self.reads.timeout_s if self.reads is not None else 0.0)
+        reads = {id(o): self._io().start(o.src, o.key) for o in prefetches}
+        deadline = time.monotonic() + (self.disk_io.timeout_s if self.disk_io is not None else 0.0)
         saves = [o for o in orders if type(o) is Save and o.to == "host"]
         loads = {id(o): row for row, o in enumerate(o for o in orders if type(o) is Load and o.frm == "host")}
         r = _Run(self._gather_saves(saves, private),
@@ -140,14 +146,25 @@ class NodeCopier:
                  covered)
         failed: list[Order] = []
         late: list[Order] = []
+
+        def outcome(o: Order, f: Failure | None) -> None:
+            if f is None:
+                (self.stats.saves if type(o) is Save else self.stats.loads)[o.to if type(o) is Save else o.frm] += 1
+                return
+            (late if f.reason == "deadline" else failed).append(o)
+            self.stats.failed(f.reason)
+            if type(o) is Load and o.frm == "disk":
+                r.bad_slots.add(o.dst)
+            logger.info("node tier: %s failed (%s: %s)", o, f.reason, f.detail)
+
         for o in orders:
             f = self._one(o, r)
-            if f is not None:
-                (late if f.reason == "deadline" else failed).append(o)
-                self.stats.failed(f.reason)
-                if type(o) is Load and o.frm == "disk":
-                    r.bad_slots.add(o.dst)
-                logger.info("node tier: %s failed (%s: %s)", o, f.reason, f.detail)
+            if f is not WRITING:
+                outcome(o, f)
+        if r.writes:  # the write-downs' files, written while the orders after them ran
+            write_deadline = time.monotonic() + self._io().timeout_s
+            for o, pending in r.writes:
+                outcome(o, self._io().wait(pending, o.dst, write_deadline)[0])
         self._staged = (r.staging, r.landed)
         if not defer_loads:
             self.land_loads()
@@ -178,14 +195,19 @@ class NodeCopier:
         return out
 
     def _one(self, o: Order, r: _Run) -> Failure | None:
+        """Runs ``o``: its failure, None, or ``WRITING`` (a write-down whose file is being
+        written: ``run`` waits for it at its end)."""
         if type(o) is Save:
             if o.to == "host":
                 if r.covered is not None and o.src not in r.covered:
                     return Failure("not_computed", f"device block {o.src} was not filled by this step")
                 f = self.host.write(o.dst, o.key, r.gathered[(o.source, o.src)])
-            else:
+            else:  # the host slot read now, in order; the file written on the disk I/O threads
                 block = self.layout.empty_block()
-                f = self._read_host(o.src, o.key, block, r.bad_slots) or self._disk().write(o.dst, o.key, block)
+                f = self._read_host(o.src, o.key, block, r.bad_slots)
+                if f is None:
+                    r.writes.append((o, self._io().start_write(o.dst, o.key, block)))
+                    return WRITING
         elif o.frm == "host":
             row = r.loads[id(o)]
             just = r.fresh.get(o.src)
@@ -197,12 +219,10 @@ class NodeCopier:
             if f is None:
                 r.landed.append((row, o.dst))
         else:  # the block its read brought, if in time; the host slot is written here, never by the read
-            f, block = self._reads().wait(r.reads[id(o)], o.src, r.deadline)
+            f, block = self._io().wait(r.reads[id(o)], o.src, r.deadline)
             f = f or self.host.write(o.dst, o.key, block)  # type: ignore[arg-type]
             if f is None:
                 r.fresh[o.dst] = (o.key, block)  # type: ignore[assignment]
-        if f is None:
-            (self.stats.saves if type(o) is Save else self.stats.loads)[o.to if type(o) is Save else o.frm] += 1
         return f
 
     def _read_host(self, slot: int, key: bytes, out: torch.Tensor, bad_slots: set[int]) -> Failure | None:
@@ -216,9 +236,9 @@ class NodeCopier:
             raise NodeStoreError("the manager ordered a disk copy but this layout's node tier has no disk level")
         return self.disk
 
-    def _reads(self) -> DiskReads:
+    def _io(self) -> DiskIO:
         self._disk()
-        return self.reads  # type: ignore[return-value]
+        return self.disk_io  # type: ignore[return-value]
 
     def _gather(self, blocks: list[int], caches: list[torch.Tensor]) -> list[torch.Tensor]:
         """Blocks of ``caches`` (the device's, or the private host tier's) as contiguous CPU

@@ -22,7 +22,7 @@ class ConnectorSettings:
     connector leaves a manager that failed alone, default 5), ``node_model`` (the weights'
     identity in the layout id; default ``vllm:`` + the served model's path and revision),
     ``read_timeout_s`` (how long a step waits for its node-tier disk reads before vLLM
-    recomputes those blocks, default 5: worker/node_reads.py)."""
+    recomputes those blocks, and then for its write-downs, default 5: worker/node_disk_io.py)."""
 
     manager: str
     timeout_s: float = 2.0

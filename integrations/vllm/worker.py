@@ -5,8 +5,10 @@ Loads run before the forward pass (vLLM's ``start_load_kv`` of a step with synch
 in the order the manager gave: a disk prefetch is read (verified) into its host slot, a host load
 is read (verified) into a staging block and written into vLLM's block only once whole and
 verified, a write-down copies a host slot (verified) to disk. The step's disk reads start first,
-on worker/node_reads.py's threads, and are waited on with one deadline (``read_timeout_s``): a
-read that misses it fails like one that does not verify. A load that does not verify, and a
+on worker/node_disk_io.py's threads, and are waited on with one deadline (``read_timeout_s``): a
+read that misses it fails like one that does not verify. A write-down's host slot is read in
+order and its file written on the same threads, waited on at the end of its batch with the same
+timeout: one that misses it is reported late. A load that does not verify, and a
 block the tier no longer held, is a *load error*: vLLM's block is left as it is and named to vLLM
 (``get_block_ids_with_load_errors``), which recomputes the request from that block (with
 ``kv_load_failure_policy: "recompute"``). Nothing unverified is ever written into vLLM's cache.
@@ -29,7 +31,7 @@ from kvpool.integrations.vllm.kv_layout import gather, scatter
 from kvpool.integrations.vllm.records import LoadJob, NodeStepPlan, NodeStepReport, SaveJob
 from kvpool.shared.node_orders import Load, NodeReport, Order, Save
 from kvpool.shared.node_tier import READ_TIMEOUT_S, NodeTierInfo
-from kvpool.worker.node_reads import DiskReads, Read
+from kvpool.worker.node_disk_io import DiskIO, Pending
 from kvpool.worker.node_store import DiskStore, Failure, HostStore, NodeStoreError, StoreLayout
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ class KvpoolWorker:
     def __init__(self, layout: StoreLayout, read_timeout_s: float = READ_TIMEOUT_S) -> None:
         self.layout = layout
         self.read_timeout_s = read_timeout_s
-        self.reads: DiskReads | None = None  # the disk level's reads with a deadline
+        self.disk_io: DiskIO | None = None  # the disk level's reads and writes with a deadline
         self.views: list[torch.Tensor] = []  # per layer [num_blocks, 2, N, H, D] views of vLLM's cache
         self.info: NodeTierInfo | None = None
         self.host: HostStore | None = None
@@ -69,7 +71,7 @@ class KvpoolWorker:
             self.host = HostStore(self.layout, info.host_slots, info.host_dir)
             if info.disk_dir is not None:
                 self.disk = DiskStore(self.layout, info.disk_dir, info.disk_bytes)
-                self.reads = DiskReads(self.disk, self.read_timeout_s)
+                self.disk_io = DiskIO(self.disk, self.read_timeout_s)
         except (NodeStoreError, OSError) as e:
             logger.error("kvpool connector: cannot open the node tier's stores: %s", e)
             self.close()
@@ -80,9 +82,9 @@ class KvpoolWorker:
     def close(self) -> None:
         if self.host is not None:
             self.host.close()
-        if self.reads is not None:
-            self.reads.close()
-        self.host = self.disk = self.reads = None
+        if self.disk_io is not None:
+            self.disk_io.close()
+        self.host = self.disk = self.disk_io = None
         self.info = None
 
     # -- loads -------------------------------------------------------------------------------
@@ -107,13 +109,13 @@ class KvpoolWorker:
                 self._reported(job.batch, failed)
 
     def _run_load(self, job: LoadJob) -> list[Order]:
-        host, failed, bad_slots = self.host, [], set()
+        host, failed, bad_slots, writes = self.host, [], set(), []
         if host is None:
             return list(job.orders)
         staged: list[tuple[int, torch.Tensor]] = []
         # every disk read starts now (the batch holds the slots it reads: nothing in it writes them)
-        reads = {i: self.reads.start(o.src, o.key) for i, o in enumerate(job.orders)
-                 if type(o) is Load and o.frm == "disk" and self.reads is not None}
+        reads = {i: self.disk_io.start(o.src, o.key) for i, o in enumerate(job.orders)
+                 if type(o) is Load and o.frm == "disk" and self.disk_io is not None}
         deadline = time.monotonic() + self.read_timeout_s
         for i, o in enumerate(job.orders):
             if type(o) is Load and o.frm == "host":
@@ -126,10 +128,11 @@ class KvpoolWorker:
                 if f is not None:
                     bad_slots.add(o.dst)
             else:
-                f = self._write_down(o, self.layout.empty_block(), bad_slots)
+                f = self._write_down(o, bad_slots, writes)
             if f is not None:
                 failed.append(o)
                 self._failure(o, f)
+        failed += self._written(writes)
         if staged:
             scatter(self.views, [b for b, _ in staged], [t for _, t in staged])
             self._count("loaded_blocks", len(staged))
@@ -156,7 +159,7 @@ class KvpoolWorker:
             return list(job.orders)
 
     def _run_save(self, job: SaveJob) -> list[Order]:
-        host, failed, bad_slots = self.host, [], set()
+        host, failed, bad_slots, writes = self.host, [], set(), []
         if host is None:
             return list(job.orders)
         saves = [o for o in job.orders if type(o) is Save and o.to == "host" and not self._after_failed_load(job, o)]
@@ -169,10 +172,11 @@ class KvpoolWorker:
                 if f is not None:
                     bad_slots.add(o.dst)
             else:
-                f = self._write_down(o, self.layout.empty_block(), bad_slots)
+                f = self._write_down(o, bad_slots, writes)
             if f is not None:
                 failed.append(o)
                 self._failure(o, f)
+        failed += self._written(writes)
         self._count("saved_blocks", len(data))
         return failed
 
@@ -183,17 +187,34 @@ class KvpoolWorker:
 
     # -- shared ------------------------------------------------------------------------------
 
-    def _write_down(self, o: Order, block: torch.Tensor, bad_slots: set[int]) -> Failure | None:
-        """host slot -> disk slot (the host bytes verified first)."""
-        if self.disk is None:
+    def _write_down(self, o: Order, bad_slots: set[int], writes: list[tuple[Order, Pending]]) -> Failure | None:
+        """host slot -> disk slot: the host bytes read and verified now, in order; the file
+        written on the disk I/O threads (``writes``; ``_written`` waits for them)."""
+        if self.disk is None or self.disk_io is None:
             return Failure("io_error", "the manager ordered a disk copy, but its tier has no disk level here")
-        return self._read_host(o.src, o.key, block, bad_slots) or self.disk.write(o.dst, o.key, block)
+        block = self.layout.empty_block()
+        f = self._read_host(o.src, o.key, block, bad_slots)
+        if f is None:
+            writes.append((o, self.disk_io.start_write(o.dst, o.key, block)))
+        return f
 
-    def _prefetched(self, o: Load, read: Read | None, deadline: float) -> Failure | None:
+    def _written(self, writes: list[tuple[Order, Pending]]) -> list[Order]:
+        """The write-downs of a batch that failed or missed the deadline (counted)."""
+        failed: list[Order] = []
+        if writes:
+            deadline = time.monotonic() + self.read_timeout_s
+            for o, pending in writes:
+                f = self.disk_io.wait(pending, o.dst, deadline)[0]  # type: ignore[union-attr]
+                if f is not None:
+                    failed.append(o)
+                    self._failure(o, f)
+        return failed
+
+    def _prefetched(self, o: Load, read: Pending | None, deadline: float) -> Failure | None:
         """disk slot -> host slot: the read's verified block, if it came by ``deadline``."""
-        if read is None or self.reads is None:
+        if read is None or self.disk_io is None:
             return Failure("missing", "the manager ordered a disk read, but its tier has no disk level here")
-        f, block = self.reads.wait(read, o.src, deadline)
+        f, block = self.disk_io.wait(read, o.src, deadline)
         return f or self.host.write(o.dst, o.key, block)  # type: ignore[union-attr]
 
     def _read_host(self, slot: int, key: bytes, out: torch.Tensor, bad_slots: set[int]) -> Failure | None:

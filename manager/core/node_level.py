@@ -49,7 +49,7 @@ class LevelStats:
     save_failures: int = 0  # saves the worker reported failed (a full disk, an I/O error)
     loads: int = 0  # orders reading this level
     verify_failures: int = 0  # loads whose bytes did not verify (recomputed, never served)
-    deadline_misses: int = 0  # disk loads past the worker's read deadline (recomputed)
+    deadline_misses: int = 0  # disk reads (recomputed) and writes past the worker's deadline
     removed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
 
 

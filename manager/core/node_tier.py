@@ -14,8 +14,8 @@ is *landing* until then: unreadable, so no batch loads bytes that are not there 
 one call returns run in the order given (a victim's write-down reads its slot before the save
 that overwrites it); orders of different calls touch different slots, except that several may
 read one readable slot, so calls of a batch may run in any order. ``finish`` takes the orders the
-worker reports failed (a full disk, a load that did not verify) or late (a disk read past the
-worker's deadline): their hashes leave the level, counted as save or verify failures or deadline
+worker reports failed (a full disk, a load that did not verify) or late (a disk read or write
+past the worker's deadline): their hashes leave the level, counted as save or verify failures or deadline
 misses, and the pool recomputes those blocks. ``abandon`` (a dead
 session) drops what the batch was writing.
 
@@ -263,8 +263,8 @@ class NodeTier(NodeTierAdmin):
 
     def finish(self, owner: object, failed: Sequence[Order] = (), late: Sequence[Order] = ()) -> None:
         """``owner``'s orders ran; those in ``failed`` did not (a save that did not land, a load
-        that did not verify) and those in ``late`` (disk loads) missed the worker's read
-        deadline: their hashes leave the tier either way (a slot a read hung on is not tried
+        that did not verify) and those in ``late`` (disk reads and writes) missed the worker's
+        deadline: their hashes leave the tier either way (a slot an I/O hung on is not tried
         again), counted apart. Its references end and what it wrote becomes readable."""
         batch = self.batches.get(owner)
         if batch is None:
@@ -314,7 +314,10 @@ class NodeTier(NodeTierAdmin):
     def _failed(self, order: Order, late: bool = False) -> None:
         if isinstance(order, Save):
             lv = self.levels[order.to]
-            lv.stats.save_failures += 1
+            if late:
+                lv.stats.deadline_misses += 1
+            else:
+                lv.stats.save_failures += 1
             self._drop_if(lv, order.dst, order.key)
         else:
             lv = self.levels[order.frm]

@@ -6,6 +6,8 @@ tier no longer held is one too, and a block computed over a failed load is never
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -87,7 +89,7 @@ def test_without_a_tier_every_load_is_an_error_and_nothing_is_saved(tmp_path):
 
 @pytest.mark.timeout(60)  # a disk read without a deadline hangs here: fail instead
 def test_a_disk_read_that_never_returns_is_a_load_error_after_the_deadline(tmp_path):
-    """The twin of the worker's deadline (worker/node_reads.py): a disk slot whose read blocks
+    """The twin of the worker's deadline (worker/node_disk_io.py): a disk slot whose read blocks
     for ever (a FIFO whose writer writes nothing, as a hung mount) fails after ``read_timeout_s``;
     its host slot and vLLM's block are left alone and vLLM recomputes from there, while the other
     prefetch of the same batch lands."""
@@ -113,9 +115,41 @@ def test_a_disk_read_that_never_returns_is_a_load_error_after_the_deadline(tmp_p
         # the late read apart (the manager counts a deadline miss), the host load behind it failed
         assert report.reports == [{"batch": 3, "failed": [orders[3].to_wire()], "late": [orders[1].to_wire()]}]
         assert report.counts["failed_deadline"] == 1 and report.counts["failed_prefetch_failed"] == 1
-        assert worker.reads.late == 1
+        assert worker.disk_io.late == 1
     finally:
         os.close(writer)  # the late read returns (short) and frees its thread
     out = LAYOUT.empty_block()
     assert store.read_into(5, KEYS[1], out) is not None  # the late read never reached host slot 5
+    worker.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_write_down_that_hangs_is_reported_late_and_the_save_job_returns(tmp_path, monkeypatch):
+    """The twin of the worker's write-down deadline: a save job's write-down (host slot -> disk)
+    whose file write hangs is reported ``late`` after ``read_timeout_s``; the host save of the
+    same job lands, and the late write's commit names its own key."""
+    _, store, _, _ = setup(tmp_path)
+    worker = KvpoolWorker(LAYOUT, read_timeout_s=0.3)
+    worker.register([block_view(torch.full((8, 2, 4, 16), 7.0), "cpu", 4, 2, 8) for _ in range(2)])
+    disk_dir = tmp_path / "disk"
+    budget = 8 * (HEADER.size + LAYOUT.block_bytes)
+    tier = NodeTierInfo(LAYOUT.name, str(tmp_path), 8, str(disk_dir), budget, 8).to_wire()
+    worker.load(NodeStepPlan(tier, [LoadJob("r", None, [], [], [], 0)]))  # opens the stores, loads nothing
+    assert worker.disk is not None
+    release, write = threading.Event(), worker.disk.write
+    monkeypatch.setattr(worker.disk, "write", lambda *a: release.wait(30) and write(*a))  # a disk that hangs
+    down, up = Save("disk", 1, 2, KEYS[0]), Save("host", 3, 7, KEYS[7])
+    save = SaveJob(4, [down, up], {KEYS[7]: ("r", 0)})
+    t0 = time.monotonic()
+    worker.save(NodeStepPlan(tier, save=save))
+    assert time.monotonic() - t0 < 20
+    assert worker.take_report().reports == [{"batch": 4, "late": [down.to_wire()]}]
+    out = LAYOUT.empty_block()
+    assert store.read_into(7, KEYS[7], out) is None  # the host save of the same job landed
+    release.set()
+    end = time.monotonic() + 20
+    while worker.disk_io.late:
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    assert DiskStore(LAYOUT, disk_dir, budget).read_into(2, KEYS[1], out).reason == "wrong_key"
     worker.close()

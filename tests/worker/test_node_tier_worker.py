@@ -80,7 +80,7 @@ def test_a_disk_read_that_never_returns_is_recomputed_after_the_deadline(tmp_pat
     settle(a)
     assert tier[0].evict("host", 10_000) >= 4  # the prefix is on disk only
     hashes = _hashes(a, prompt)
-    assert b.runner.node.reads.timeout_s == 0.5  # the worker's setting
+    assert b.runner.node.disk_io.timeout_s == 0.5  # the worker's setting
     fifo = b.runner.node.disk.path(tier[0].disk.blocks.cached[hashes[1]])
     fifo.unlink()
     os.mkfifo(fifo)
@@ -107,7 +107,7 @@ def test_a_disk_read_that_never_returns_is_recomputed_after_the_deadline(tmp_pat
     finally:
         os.close(writer)  # the abandoned read returns (short) and frees its thread
     end = time.monotonic() + 20
-    while b.runner.node.reads.late:
+    while b.runner.node.disk_io.late:
         assert time.monotonic() < end
         time.sleep(0.01)
     tier[0].check_invariants()

@@ -170,6 +170,12 @@ def test_a_late_disk_load_leaves_both_levels_as_a_deadline_miss_not_a_verify_fai
     assert t.lookup([h(1)]) == []  # a slot a read hung on is not tried again
     assert (t.disk.stats.deadline_misses, t.disk.stats.verify_failures) == (1, 0)
     assert t.usage()["disk"]["deadline_misses"] == 1
+    w = make_tier(policy="write_through")  # a late write-down leaves the disk level, the host copy stays
+    (write_down,) = [o for o in w.save("w", 9, h(7), None) if isinstance(o, Save) and o.to == "disk"]
+    w.finish("w", late=[write_down])
+    assert w.disk.readable(h(7)) is None and w.lookup([h(7)])[0].level == "host"
+    assert (w.disk.stats.deadline_misses, w.disk.stats.save_failures) == (1, 0)
+    w.check_invariants()
     with pytest.raises(ValueError, match="has no batch"):
         t.finish("q", late=[prefetch])  # no batch: refused
     t.check_invariants()

@@ -1,20 +1,22 @@
-"""The node tier's disk reads with a deadline (worker/node_reads.py): a read that never returns
-(a FIFO with a writer that never writes, as a hung mount blocks) fails as ``deadline`` after it,
-its host slot is never written even when the read completes later, and reads held by late ones
-fail at once instead of queueing behind them."""
+"""The node tier's disk reads and writes with a deadline (worker/node_disk_io.py): a read that
+never returns (a FIFO with a writer that never writes, as a hung mount blocks) fails as
+``deadline`` after it, its host slot is never written even when the read completes later, and
+reads held by late ones fail at once instead of queueing behind them; a write-down reads its host
+slot in order, and one whose file write hangs is reported late, its late commit never served."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
 import torch
 from helpers.node_tier import MODEL, SPEC, node_tier
 
-from kvpool.shared.node_orders import Load
+from kvpool.shared.node_orders import Load, Save
 from kvpool.worker.node_copier import NodeCopier
-from kvpool.worker.node_reads import DiskReads
+from kvpool.worker.node_disk_io import DiskIO
 from kvpool.worker.node_store import StoreLayout
 
 K1, K2, K3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
@@ -66,7 +68,7 @@ def test_a_read_past_its_deadline_fails_and_its_block_never_lands_even_when_it_c
         os.write(writer, whole)  # the read completes now, verified, long after its deadline
     finally:
         os.close(writer)
-    until(lambda: copier.reads.late == 0)  # its thread is free again
+    until(lambda: copier.disk_io.late == 0)  # its thread is free again
     out = lay.empty_block()
     assert copier.host.read_into(2, K2, out).reason == "uncommitted"  # the late block never reached the slot
     assert not torch.any(torch.stack([c[:, 2] for c in copier.device_caches]))
@@ -76,7 +78,7 @@ def test_reads_held_by_late_ones_fail_at_once_and_the_pool_recovers(copier):
     lay, disk = copier.layout, copier.disk
     for slot, key in ((1, K1), (2, K2)):
         assert disk.write(slot, key, block(lay, slot)) is None
-    reads = DiskReads(disk, 0.2, threads=1)
+    reads = DiskIO(disk, 0.2, threads=1)
     writer = stuck(disk.path(1))
     try:
         first = reads.start(1, K1)
@@ -98,7 +100,7 @@ def test_reads_held_by_late_ones_fail_at_once_and_the_pool_recovers(copier):
 def test_a_read_queued_past_its_deadline_never_runs(copier):
     disk = copier.disk
     assert disk.write(2, K2, block(copier.layout, 2)) is None
-    reads = DiskReads(disk, 0.2, threads=1)
+    reads = DiskIO(disk, 0.2, threads=1)
     writer = stuck(disk.path(1))
     try:
         first = reads.start(1, K1)
@@ -111,3 +113,27 @@ def test_a_read_queued_past_its_deadline_never_runs(copier):
         os.close(writer)
     until(lambda: reads.late == 0)
     reads.close()
+
+
+def test_a_write_down_reads_its_host_slot_in_order_and_a_hung_write_is_late(copier, monkeypatch):
+    lay, disk, host = copier.layout, copier.disk, copier.host
+    b1, b2 = block(lay, 1), block(lay, 2)
+    assert host.write(1, K1, b1) is None
+    for layer, c in enumerate(copier.device_caches):  # device block 2 holds b2
+        c[:, 2] = b2[layer]
+    # the write-down of host slot 1, then a save that reuses that slot: the disk gets b1
+    orders = [Save("disk", 1, 3, K1), Save("host", 2, 1, K2)]
+    assert copier.run(orders) == ([], [], set())
+    out = lay.empty_block()
+    assert disk.read_into(3, K1, out) is None and torch.equal(out, b1)
+    assert copier.stats.saves == {"host": 1, "disk": 1}
+
+    release, write = threading.Event(), disk.write
+    monkeypatch.setattr(disk, "write", lambda *a: release.wait(30) and write(*a))  # a disk that hangs
+    hung = Save("disk", 1, 4, K2)
+    t0 = time.monotonic()
+    assert copier.run([hung]) == ([], [hung], set())  # late, not failed: the manager counts it apart
+    assert time.monotonic() - t0 < 20 and copier.stats.failures == {"deadline": 1}
+    release.set()  # the write commits long after its deadline
+    until(lambda: copier.disk_io.late == 0)
+    assert disk.read_into(4, K3, out).reason == "wrong_key"  # the slot's next block is never served it
