@@ -224,7 +224,7 @@ class Engine(StepLoop):
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "steps": s.steps, "preemptions": s.preemptions, "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens, "computed_tokens": s.computed_tokens,
-            "peak_blocks": s.peak_blocks, "peak_running": s.peak_running,
+            "generated_tokens": self.generated_tokens, "peak_blocks": s.peak_blocks, "peak_running": s.peak_running,
             "registrations": self.registrations, "resets": self.resets, "overlap": self.overlap,
             "manager_wait_s": self.manager_wait_s,
             "tp_size": self.model.tp_size, "kv_cache_bytes": self.runner.kv_bytes if self.runner else 0,

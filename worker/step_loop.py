@@ -34,6 +34,7 @@ class StepLoop:
         self.scheduler = scheduler
         self.overlap = overlap
         self.resets = 0
+        self.generated_tokens = 0  # tokens drawn for requests (prefill and recompute are not counted)
         self.manager_wait_s = 0.0  # time a step spent blocked on the manager's answer
         # Why the last step made no progress ("draining": the manager refuses admissions), or None.
         # The serving loop backs off while it is set instead of resending the step at once.
@@ -70,6 +71,7 @@ class StepLoop:
             self._lost = False
         self.stalled, self._ran = None, False
         events = self._step_overlapped() if self.overlap else self._step_plain()
+        self.generated_tokens += sum(ev.token is not None for ev in events)
         if self.scheduler.drain_refused and not events and not self._ran:
             self.stalled = "draining"
         return events
