@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvpool.manager.core.engine_node import engine_plan
+from kvpool.manager.node_ops import open_reports
 from kvpool.manager.ops import Call, op
 from kvpool.manager.registry_node import ENGINE
 from kvpool.manager.state.entries import Session
 from kvpool.shared.hashing import HASH_BYTES
-from kvpool.shared.node_orders import MAX_SLOT, reports_from_wire
+from kvpool.shared.node_orders import MAX_SLOT
 from kvpool.shared.node_tier import MAX_MODEL_ID
 from kvpool.shared.protocol import (
     MAX_HASHES,
@@ -94,16 +95,7 @@ class EngineOps:
         """Validates every report against its batch first (nothing changes on bad input), then
         finishes each known batch; returns how many."""
         tier = self.reg.engine_tier(layout)
-        checked = []
-        for r in reports_from_wire(reports):
-            batch = tier.batches.get((sess.sid, ENGINE, r.batch))
-            if batch is None:
-                continue  # abandoned (an ended session, a manager restart): nothing to finish
-            for name, orders in (("failed", r.failed), ("late", r.late)):
-                for order in orders:
-                    if order not in batch.orders:
-                        raise bad_field(f"node_done.{name}", f"orders of batch {r.batch}", order.to_wire())
-            checked.append(r)
+        checked = open_reports(reports, lambda batch: tier.batches.get((sess.sid, ENGINE, batch)))
         for r in checked:
             self.reg.engine_finish(sess, layout, r.batch, [o.to_wire() for o in r.failed],  # type: ignore[arg-type]
                                    [o.to_wire() for o in r.late])

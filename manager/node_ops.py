@@ -7,19 +7,39 @@ run; a step message carries the same reports), and the admin ops ``pin``, ``unpi
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvpool.manager.core.node_tier import TierBatch
 from kvpool.manager.core.retention import MAX_TTL_S
 from kvpool.manager.guards import check_owner
 from kvpool.manager.ops import Call, op
 from kvpool.manager.state.entries import PoolEntry, Session
-from kvpool.shared.node_orders import reports_from_wire
+from kvpool.shared.node_orders import NodeReport, reports_from_wire
 from kvpool.shared.protocol import bad_field, get_hashes, get_int
 
 if TYPE_CHECKING:
     from kvpool.manager.registry import Registry
 
 U63 = (1 << 63) - 1
+
+
+def open_reports(reports: object, batch_of: Callable[[int], TierBatch | None]) -> list[NodeReport]:
+    """The reports (a ``node_done`` list) whose batch ``batch_of`` still finds open, each checked
+    against it first: ``bad_field`` for a failed or late order that is not its batch's, and then
+    nothing may change. A batch no longer open (abandoned: an ended session, a re-formed pool, a
+    manager restart) has nothing to finish."""
+    out = []
+    for r in reports_from_wire(reports):
+        batch = batch_of(r.batch)
+        if batch is None:
+            continue
+        for name, orders in (("failed", r.failed), ("late", r.late)):
+            for order in orders:
+                if order not in batch.orders:
+                    raise bad_field(f"node_done.{name}", f"orders of batch {r.batch}", order.to_wire())
+        out.append(r)
+    return out
 
 
 class NodeOps:
@@ -42,16 +62,7 @@ class NodeOps:
         finishes each known batch; returns how many."""
         pool = entry.pool
         batches = pool.node.tier.batches if pool is not None and pool.node is not None else {}
-        checked = []
-        for r in reports_from_wire(reports):
-            batch = batches.get((sess.sid, r.batch))
-            if batch is None:
-                continue  # abandoned (a re-formed pool, a manager restart): nothing to finish
-            for name, orders in (("failed", r.failed), ("late", r.late)):
-                for order in orders:
-                    if order not in batch.orders:
-                        raise bad_field(f"node_done.{name}", f"orders of batch {r.batch}", order.to_wire())
-            checked.append(r)
+        checked = open_reports(reports, lambda batch: batches.get((sess.sid, batch)))
         for r in checked:
             self.reg.node_finish(sess, entry, r.batch, [o.to_wire() for o in r.failed], [o.to_wire() for o in r.late])
         return len(checked)

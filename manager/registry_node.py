@@ -84,7 +84,7 @@ class NodeMutations(Base):
 
     def node_finish(self, sess: Session, entry: PoolEntry, batch: int, failed: list, late: list) -> bool:
         """A worker ran its step ``batch``'s node-tier orders; ``failed`` did not land and
-        ``late`` missed the read deadline (wire maps, checked by the caller against the batch).
+        ``late`` missed its disk deadline (wire maps, checked by the caller against the batch).
         False: no such batch (abandoned, or of another manager): nothing changes."""
         return self._apply(NodeFinished(sess.sid, entry.name, batch, failed, late), type(self)._node_finish, 0.0)
 
@@ -151,7 +151,7 @@ class NodeMutations(Base):
                            rec.parents, rec.priority)
 
     def engine_finish(self, sess: Session, layout: str, batch: int, failed: list, late: list) -> bool:
-        """An engine ran its ``batch``; ``failed`` did not land and ``late`` missed the read
+        """An engine ran its ``batch``; ``failed`` did not land and ``late`` missed its disk
         deadline (wire maps, checked by the caller against the batch). False: no such batch
         (abandoned, or of an earlier manager)."""
         return self._apply(EngineFinished(sess.sid, layout, batch, failed, late), type(self)._engine_finish, 0.0)

@@ -103,7 +103,7 @@ class WorkerMetrics:
 
 def node_families(st: dict, lb: dict) -> list[str]:
     """The node tier's counters of a worker's ``stats``: blocks copied by level, failed or late
-    orders by reason (``deadline``: a disk read past node_tier_read_timeout), tokens recomputed."""
+    orders by reason (``deadline``: a disk read or write past node_tier_read_timeout), tokens recomputed."""
     return [
         family("kvpool_worker_node_tier_saves_total", "counter", "Blocks this worker wrote into a node-tier level",
                [({**lb, "level": k}, v) for k, v in sorted(st["node_saves"].items())]),

@@ -29,9 +29,8 @@ at most ``read_timeout_s`` again: a write that misses it is reported late and it
 
 Every order that does not land (a read that does not verify: a flipped byte, a torn or missing
 slot, a block of another layout or key; a disk read or write past its deadline; a write to a
-full disk)
-is reported to the manager in the step's ``NodeReport`` (a missed deadline in its ``late``
-list, the rest in ``failed``), which drops the hash from that level.
+full disk) is reported to the manager in the step's ``NodeReport`` (a missed deadline in its
+``late`` list, the rest in ``failed``), which drops the hash from that level.
 A load into the device that did not verify leaves its block zeroed (node_store.py), never
 served: ``recompute`` moves each sequence that reads such a block back to its start, so this
 very forward pass computes it.
@@ -52,7 +51,6 @@ from kvpool.worker.node_store import DiskStore, Failure, HostStore, NodeStoreErr
 from kvpool.worker.step_plan import Batch
 
 logger = logging.getLogger(__name__)
-WRITING = Failure("writing", "")  # _one's answer for a write-down under way (not a failure)
 
 
 
@@ -158,9 +156,13 @@ class NodeCopier:
             logger.info("node tier: %s failed (%s: %s)", o, f.reason, f.detail)
 
         for o in orders:
-            f = self._one(o, r)
-            if f is not WRITING:
-                outcome(o, f)
+            if type(o) is Save and o.to == "disk":  # a failed host read now, or its file write below
+                f = self._start_write_down(o, r)
+                if f is None:
+                    continue
+            else:
+                f = self._one(o, r)
+            outcome(o, f)
         if r.writes:  # the write-downs' files, written while the orders after them ran
             write_deadline = time.monotonic() + self._io().timeout_s
             for o, pending in r.writes:
@@ -194,20 +196,21 @@ class NodeCopier:
             out.update(zip(((source, b) for b in blocks), self._gather(blocks, caches)))
         return out
 
+    def _start_write_down(self, o: Save, r: _Run) -> Failure | None:
+        """host slot -> disk slot: the host slot read (verified) now, in order; its file written
+        on the disk I/O threads (``r.writes``, which ``run`` waits for at its end)."""
+        block = self.layout.empty_block()
+        f = self._read_host(o.src, o.key, block, r.bad_slots)
+        if f is None:
+            r.writes.append((o, self._io().start_write(o.dst, o.key, block)))
+        return f
+
     def _one(self, o: Order, r: _Run) -> Failure | None:
-        """Runs ``o``: its failure, None, or ``WRITING`` (a write-down whose file is being
-        written: ``run`` waits for it at its end)."""
+        """Runs ``o`` (a save to host, or a load): its failure, or None."""
         if type(o) is Save:
-            if o.to == "host":
-                if r.covered is not None and o.src not in r.covered:
-                    return Failure("not_computed", f"device block {o.src} was not filled by this step")
-                f = self.host.write(o.dst, o.key, r.gathered[(o.source, o.src)])
-            else:  # the host slot read now, in order; the file written on the disk I/O threads
-                block = self.layout.empty_block()
-                f = self._read_host(o.src, o.key, block, r.bad_slots)
-                if f is None:
-                    r.writes.append((o, self._io().start_write(o.dst, o.key, block)))
-                    return WRITING
+            if r.covered is not None and o.src not in r.covered:
+                return Failure("not_computed", f"device block {o.src} was not filled by this step")
+            f = self.host.write(o.dst, o.key, r.gathered[(o.source, o.src)])
         elif o.frm == "host":
             row = r.loads[id(o)]
             just = r.fresh.get(o.src)

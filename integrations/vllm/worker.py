@@ -49,7 +49,7 @@ class KvpoolWorker:
         self.errors: set[int] = set()  # vLLM blocks whose load failed, until vLLM asks
         self.report = NodeStepReport()
         self.failed_from: dict[str, int] = {}  # this step: request -> its first block index not loaded
-        self.late: set[Order] = set()  # failed orders of the batch being run that missed the read deadline
+        self.late: set[Order] = set()  # failed orders of the batch being run that missed the disk deadline
 
     def register(self, views: Sequence[torch.Tensor]) -> None:
         self.views = list(views)

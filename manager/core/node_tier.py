@@ -15,9 +15,9 @@ one call returns run in the order given (a victim's write-down reads its slot be
 that overwrites it); orders of different calls touch different slots, except that several may
 read one readable slot, so calls of a batch may run in any order. ``finish`` takes the orders the
 worker reports failed (a full disk, a load that did not verify) or late (a disk read or write
-past the worker's deadline): their hashes leave the level, counted as save or verify failures or deadline
-misses, and the pool recomputes those blocks. ``abandon`` (a dead
-session) drops what the batch was writing.
+past the worker's deadline): their hashes leave the level, counted as save or verify failures or
+deadline misses, and the pool recomputes those blocks. ``abandon`` (a dead session) drops what
+the batch was writing.
 
 Policies (``policy``), i.e. when a block reaches the disk level:
   * ``demote`` (default): when a host slot is reused, its hash is written down to disk first if

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from helpers.manager import wait_until
 
 from kvpool.integrations.vllm.kv_layout import block_view
 from kvpool.integrations.vllm.records import LoadJob, NodeStepPlan, SaveJob
@@ -147,9 +148,6 @@ def test_a_write_down_that_hangs_is_reported_late_and_the_save_job_returns(tmp_p
     out = LAYOUT.empty_block()
     assert store.read_into(7, KEYS[7], out) is None  # the host save of the same job landed
     release.set()
-    end = time.monotonic() + 20
-    while worker.disk_io.late:
-        assert time.monotonic() < end
-        time.sleep(0.01)
+    wait_until(lambda: worker.disk_io.late == 0, what="the late write to end")
     assert DiskStore(LAYOUT, disk_dir, budget).read_into(2, KEYS[1], out).reason == "wrong_key"
     worker.close()

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from helpers.manager import wait_until
 from helpers.node_tier import MODEL, SPEC, node_tier
 
 from kvpool.shared.node_orders import Load, Save
@@ -45,13 +46,6 @@ def stuck(path) -> int:
     return os.open(path, os.O_RDWR)
 
 
-def until(cond, timeout_s: float = 20.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < end, "not reached in time"
-        time.sleep(0.01)
-
-
 def test_a_read_past_its_deadline_fails_and_its_block_never_lands_even_when_it_completes(copier):
     lay, disk = copier.layout, copier.disk
     b1, b2 = block(lay, 1), block(lay, 2)
@@ -68,7 +62,7 @@ def test_a_read_past_its_deadline_fails_and_its_block_never_lands_even_when_it_c
         os.write(writer, whole)  # the read completes now, verified, long after its deadline
     finally:
         os.close(writer)
-    until(lambda: copier.disk_io.late == 0)  # its thread is free again
+    wait_until(lambda: copier.disk_io.late == 0)  # its thread is free again
     out = lay.empty_block()
     assert copier.host.read_into(2, K2, out).reason == "uncommitted"  # the late block never reached the slot
     assert not torch.any(torch.stack([c[:, 2] for c in copier.device_caches]))
@@ -82,14 +76,14 @@ def test_reads_held_by_late_ones_fail_at_once_and_the_pool_recovers(copier):
     writer = stuck(disk.path(1))
     try:
         first = reads.start(1, K1)
-        until(first.running)  # blocked in the FIFO
+        wait_until(first.running)  # blocked in the FIFO
         f, got = reads.wait(first, 1, time.monotonic() + 0.2)
         assert f.reason == "deadline" and got is None and reads.late == 1
         fut = reads.start(2, K2)  # the only thread is blocked: no wait for a second deadline
         assert fut.done() and fut.result()[0].reason == "deadline"
     finally:
         os.close(writer)  # the late read ends (a short read, dropped)
-    until(lambda: reads.late == 0)
+    wait_until(lambda: reads.late == 0)
     f, got = reads.wait(reads.start(2, K2), 2, time.monotonic() + 10.0)
     assert f is None and torch.equal(got, block(lay, 2))
     f, got = reads.wait(reads.start(3, K3), 3, time.monotonic() + 10.0)
@@ -104,14 +98,14 @@ def test_a_read_queued_past_its_deadline_never_runs(copier):
     writer = stuck(disk.path(1))
     try:
         first = reads.start(1, K1)
-        until(first.running)
+        wait_until(first.running)
         queued = reads.start(2, K2)  # behind the blocked one
         assert reads.wait(queued, 2, time.monotonic() + 0.2)[0].reason == "deadline"
         assert queued.cancelled() and reads.late == 0  # it never took a thread
         assert reads.wait(first, 1, time.monotonic())[0].reason == "deadline" and reads.late == 1
     finally:
         os.close(writer)
-    until(lambda: reads.late == 0)
+    wait_until(lambda: reads.late == 0)
     reads.close()
 
 
@@ -135,5 +129,5 @@ def test_a_write_down_reads_its_host_slot_in_order_and_a_hung_write_is_late(copi
     assert copier.run([hung]) == ([], [hung], set())  # late, not failed: the manager counts it apart
     assert time.monotonic() - t0 < 20 and copier.stats.failures == {"deadline": 1}
     release.set()  # the write commits long after its deadline
-    until(lambda: copier.disk_io.late == 0)
+    wait_until(lambda: copier.disk_io.late == 0)
     assert disk.read_into(4, K3, out).reason == "wrong_key"  # the slot's next block is never served it
