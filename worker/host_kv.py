@@ -97,6 +97,8 @@ class HostCopier:
         current stream waits for them before whatever it runs next (the forward pass)."""
         if self.in_flight is None and not saves and not loads:
             return
+        self._check(saves, "save")
+        self._check([(d, h) for h, d in loads], "load")
         with self._timed():
             self.settle()
             if not saves and not loads:
@@ -127,6 +129,7 @@ class HostCopier:
         computes those blocks is enqueued on the current stream; they land at the next settle."""
         if not writes:
             return
+        self._check(writes, "write")
         with self._timed():
             side, main = self._streams()
             if self.in_flight is None:
@@ -149,6 +152,15 @@ class HostCopier:
         for kv, dst in step.landing:
             for layer, host in enumerate(self.host_caches):
                 host.index_copy_(1, dst, kv[layer])
+
+    def _check(self, orders: list[tuple[int, int]], what: str) -> None:
+        """Every ``(device, host)`` pair in range, before anything is issued: on CUDA an index out
+        of range is a device-side assert that leaves the context unusable, not an exception."""
+        dev_n, host_n = self.device_caches[0].shape[1], self.num_blocks
+        for d, h in orders:
+            if not (0 <= d < dev_n and 0 <= h < host_n):
+                raise ValueError(f"host tier {what} ({d} device, {h} host) out of range: "
+                                 f"{dev_n} device blocks, {host_n} host blocks")
 
     def _streams(self) -> tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]:
         """(side, main); the main stream is read outside the side's context. None, None on CPU."""

@@ -124,6 +124,22 @@ def test_a_step_saves_and_writes_land_together_in_issue_order():
         assert not host[:, [0, 1, 3, 5]].any()
 
 
+def test_an_order_naming_a_block_out_of_range_is_refused_before_any_copy_starts():
+    """On CUDA an out-of-range index is a device-side assert that poisons the worker's context
+    for good (seen on an H200: index_copy_ out of bounds); the copier checks every order first."""
+    dev = make_caches("cpu")
+    copier = HostCopier(dev, 6)
+    before = blocks_of(dev, list(range(10)))
+    for saves, loads in (([(10, 0)], []), ([(0, 6)], []), ([], [(6, 0)]), ([], [(0, 10)]), ([(-1, 0)], [])):
+        with pytest.raises(ValueError, match="out of range"):
+            copier.run(saves, loads)
+        assert copier.in_flight is None
+    with pytest.raises(ValueError, match="out of range"):
+        copier.write([(3, 6)])
+    assert all(torch.equal(a, b) for a, b in zip(blocks_of(dev, list(range(10))), before))
+    assert copier.stats.saves == copier.stats.loads == copier.stats.writes == 0
+
+
 def test_a_runner_reattached_with_the_same_size_keeps_its_host_blocks():
     from helpers.worker import make_engine
 
@@ -138,7 +154,7 @@ def test_a_runner_reattached_with_the_same_size_keeps_its_host_blocks():
 
 @requires_cuda
 def test_cuda_round_trip_on_the_side_stream_with_main_stream_work_around_it():
-    dev = make_caches("cuda", layers=4, blocks=64, block_size=16, heads=8, head_size=128)  # 128 KiB a block
+    dev = make_caches("cuda", layers=4, blocks=65, block_size=16, heads=8, head_size=128)  # 128 KiB a block; 0..64
     copier = HostCopier(dev, 64)
     assert copier.stream is not None and copier.host_caches[0].is_pinned()
     main = torch.cuda.current_stream()
@@ -161,7 +177,7 @@ def test_cuda_round_trip_on_the_side_stream_with_main_stream_work_around_it():
 
 @requires_cuda
 def test_cuda_writes_on_the_side_stream_wait_for_the_forward_and_land_before_a_load():
-    dev = make_caches("cuda", layers=4, blocks=64, block_size=16, heads=8, head_size=128)
+    dev = make_caches("cuda", layers=4, blocks=65, block_size=16, heads=8, head_size=128)  # loads land in 33..64
     copier = HostCopier(dev, 64)
     main = torch.cuda.current_stream()
     ids = list(range(1, 33))
