@@ -7,6 +7,12 @@ With ``overlap`` (the engine's default) step N+1's message goes to the manager b
 forward pass and is collected after it, so the round trip hides behind the compute
 (``manager_wait_s`` counts the time a step still waited).
 
+A request that arrives while step N computes then joins step N+2, one step later than without
+overlap. Most arrivals follow a finish: a client with a bounded number of requests open sends its
+next one when one ends, and it arrives while the following step computes. So after a step in which
+a request ended, with nobody waiting, the next plan is composed after the forward pass (one round
+trip exposed, ``arrival_waits`` counts them) and such an arrival joins the very next step.
+
 ``StepLoop`` owns what one step leaves the next: the plan answered but not run yet (overlap), the
 node-tier batches run but not yet told to the manager, whether the manager forgot our requests
 (``ManagerReset``: the next step re-registers and every request is recomputed) and why the last
@@ -36,12 +42,14 @@ class StepLoop:
         self.resets = 0
         self.generated_tokens = 0  # tokens drawn for requests (prefill and recompute are not counted)
         self.manager_wait_s = 0.0  # time a step spent blocked on the manager's answer
+        self.arrival_waits = 0  # overlapped steps whose next plan waited for the forward pass
         # Why the last step made no progress ("draining": the manager refuses admissions), or None.
         # The serving loop backs off while it is set instead of resending the step at once.
         self.stalled: str | None = None
         self._lost = False
         self._ready: tuple[StepPlan, list[dict], Batch] | None = None  # overlap: answered, not run
         self._ran = False  # the last step ran a batch
+        self._finished = False  # a request ended in the last step: its client may send the next one
         self._node_reports: list[NodeReport] = []  # node-tier batches run, not yet told to the manager
 
     # -- what the engine adds ----------------------------------------------------------------
@@ -72,6 +80,7 @@ class StepLoop:
         self.stalled, self._ran = None, False
         events = self._step_overlapped() if self.overlap else self._step_plain()
         self.generated_tokens += sum(ev.token is not None for ev in events)
+        self._finished = any(ev.finished for ev in events)
         if self.scheduler.drain_refused and not events and not self._ran:
             self.stalled = "draining"
         return events
@@ -115,6 +124,10 @@ class StepLoop:
             plan, results = asked
             ready = (plan, results, plan.batch(results))
         plan, results, batch = ready
+        if self._finished and not sched.waiting:  # step N+1 is composed after this forward pass
+            self.arrival_waits += 1
+            outputs = self._run(batch)
+            return self._events(outputs, sched.update(plan, results, outputs))
         following = sched.schedule()  # step N+1
         try:
             ticket = self._send(following.ops)
