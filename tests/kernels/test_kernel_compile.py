@@ -23,13 +23,14 @@ def test_kernels_compile_for_a_gpu_target_without_spills():
     print(res.stdout)  # registers, stack and shared memory per variant (pytest -s shows them)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "SPILL" not in res.stdout and res.stdout.count("ok ") == 23, res.stdout
-    assert res.stdout.count("stack     0") == 23, res.stdout
+    assert res.stdout.count("stack     0") >= 21, res.stdout  # all but the timed 16-bit prefill tiles
 
 
 @pytest.mark.parametrize(
     "head_size,avg_rows,qpk,elem_bytes,expected",
     [
-        (128, 64, 1, 2, Tiles(64, 32, 8)),  # prefill, head <= 128: the 64-row tile
+        (128, 64, 1, 2, Tiles(64, 32, 4, 2)),  # prefill, 16-bit, head <= 128: 4 warps timed faster
+        (128, 64, 1, 4, Tiles(64, 32, 8)),  # the same in fp32
         (80, 1, 4, 2, Tiles(16, 32, 4)),  # decode
         (256, 64, 1, 2, Tiles(32, 16, 8)),  # 64 rows would spill at head 256
         (512, 64, 4, 4, Tiles(16, 16, 8)),
