@@ -103,13 +103,20 @@ def test_truncation_ctrl_c_and_a_worker_killed_mid_generation(cluster):
     assert "finished: length (cut at the worker's max_model_len after 1004 of 5000 tokens)" in out.stderr
     gen = long_generate(c)
     wait_for(lambda: worker_stats(c.worker_eps[0])["running"] == 1, what="the request to run")
-    gen.send_signal(signal.SIGINT)
-    assert gen.wait(5) == 130
+    # the worker is held still, so the request cannot end before the interrupt reaches the client
+    # (at load 15 its 1,000 tokens were done between the poll above and the signal)
+    c.workers[0].send_signal(signal.SIGSTOP)
+    try:
+        gen.send_signal(signal.SIGINT)
+        assert gen.wait(5) == 130
+    finally:
+        c.workers[0].send_signal(signal.SIGCONT)
     err = gen.stderr.read()
     assert "interrupted: the request was aborted" in err and "Traceback" not in err
     wait_for(lambda: worker_stats(c.worker_eps[0])["running"] == 0, 5, "the worker to abort it")
     gen = long_generate(c)
     wait_for(lambda: worker_stats(c.worker_eps[0])["running"] == 1, what="the request to run")
+    c.workers[0].send_signal(signal.SIGSTOP)  # mid-generation for certain, as above
     c.workers[0].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
     assert gen.wait(10) == 3 and time.monotonic() - t0 < 5
@@ -156,7 +163,9 @@ def test_drain_backs_off_and_a_replacement_worker_takes_over_only_when_asked(clu
             assert out.returncode == 0 and len(out.stdout.split()) == 3 and "finished: length" in out.stderr
             gen = long_generate(c)  # stopped mid-generation: not a success
             wait_for(lambda: worker_stats(c.worker_eps[0])["running"] == 1, what="the request to run")
+            new.send_signal(signal.SIGSTOP)  # held mid-generation until SIGTERM is pending (as above)
             new.send_signal(signal.SIGTERM)
+            new.send_signal(signal.SIGCONT)
             assert new.wait(15) == 0
             assert gen.wait(10) == 1 and "finished: abort (the worker stopped the request" in gen.stderr.read()
         finally:
