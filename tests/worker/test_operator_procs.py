@@ -108,7 +108,7 @@ def test_truncation_ctrl_c_and_a_worker_killed_mid_generation(cluster):
     c.workers[0].send_signal(signal.SIGSTOP)
     try:
         gen.send_signal(signal.SIGINT)
-        assert gen.wait(5) == 130
+        assert gen.wait(30) == 130  # a bound for a loaded machine: at load 20 its exit took over 5 s
     finally:
         c.workers[0].send_signal(signal.SIGCONT)
     err = gen.stderr.read()
