@@ -107,9 +107,7 @@ class StepLoop:
         if asked is None:
             return []
         plan, results = asked
-        outputs = self._run(plan.batch(results))
-        done = self.scheduler.update(plan, results, outputs)
-        return self._events(outputs, done)
+        return self._run_plan(plan, results, plan.batch(results))
 
     def _step_overlapped(self) -> list[TokenEvent]:
         """Step N's batch runs while the manager answers step N+1's message, which was composed
@@ -126,8 +124,7 @@ class StepLoop:
         plan, results, batch = ready
         if self._finished and not sched.waiting:  # step N+1 is composed after this forward pass
             self.arrival_waits += 1
-            outputs = self._run(batch)
-            return self._events(outputs, sched.update(plan, results, outputs))
+            return self._run_plan(plan, results, batch)
         following = sched.schedule()  # step N+1
         try:
             ticket = self._send(following.ops)
@@ -137,9 +134,7 @@ class StepLoop:
         except ManagerError:
             sched.abandon(following)  # step N's batch was made on it too: it starts over as well
             raise
-        outputs = self._run(batch)
-        done = sched.update(plan, results, outputs)
-        events = self._events(outputs, done)
+        events = self._run_plan(plan, results, batch)
         try:
             answers = self._wait(ticket) if ticket is not None else []
         except ManagerReset as e:
@@ -152,6 +147,11 @@ class StepLoop:
         if following.ops or following.seqs:
             self._ready = (following, answers, following.batch(answers))
         return events
+
+    def _run_plan(self, plan: StepPlan, results: list[dict], batch: Batch) -> list[TokenEvent]:
+        """Runs a plan's batch and applies its answers and tokens: the step's events."""
+        outputs = self._run(batch)
+        return self._events(outputs, self.scheduler.update(plan, results, outputs))
 
     # -- the manager's side ----------------------------------------------------------------
 
