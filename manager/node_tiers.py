@@ -75,37 +75,43 @@ class NodeTiers:
         self.refused: set[str] = set()  # layouts served without a node tier (logged once)
         self.ready: set[str] = set()  # layouts whose files this process has set up (ensure_files)
 
-    def join(self, layout: str, block_size: int, block_bytes: int, s: NodeTierSettings) -> NodeTierInfo | None:
+    def join(self, layout: str, block_size: int, block_bytes: int, s: NodeTierSettings,
+             stores: tuple[str, ...] = ()) -> NodeTierInfo | None:
         """The tier of ``layout``, created under settings ``s`` on first use (its files follow
         in ``ensure_files``); None when they leave no room for it (logged once: the pool is
-        served without one)."""
+        served without one). ``stores``: a tensor-parallel pool's per-rank stores
+        (shared/node_tier.py), each of ``block_bytes`` blocks (one rank's share); the budgets
+        are split between them, so a slot costs what a whole block does."""
         info = self.info.get(layout)
         if info is not None:
             return info
-        slots = host_slots(block_bytes, s.memory_bytes)
+        world = len(stores) or 1
+        memory, disk_bytes = s.memory_bytes // world, s.disk_bytes // world
+        slots = host_slots(block_bytes, memory)
         why = None
         if len(self.tiers) >= s.max_layouts:
             why = f"{s.max_layouts} layouts have node tiers already (node_tier_max_layouts)"
         elif slots < 2:
-            why = (f"node_tier_memory {s.memory_bytes} bytes holds no block of {block_bytes} bytes: raise it to at "
-                   f"least {2 * host_stride(block_bytes)}")
+            why = (f"node_tier_memory {s.memory_bytes} bytes holds no block of {world} x {block_bytes} bytes: raise "
+                   f"it to at least {2 * world * host_stride(block_bytes)}")
         if why is not None:
             if layout not in self.refused:
                 logger.warning("layout %s gets no node tier: %s", layout, why)
                 self.refused.add(layout)
             return None
-        dslots = disk_slots(block_bytes, s.disk_bytes) if s.disk_dir else 0
+        dslots = disk_slots(block_bytes, disk_bytes) if s.disk_dir else 0
         if s.disk_dir and dslots < 2:
-            logger.warning("layout %s: node_tier_disk_size %d holds no block of %d bytes: no disk level",
-                           layout, s.disk_bytes, block_bytes)
+            logger.warning("layout %s: node_tier_disk_size %d holds no block of %d x %d bytes: no disk level",
+                           layout, s.disk_bytes, world, block_bytes)
             dslots = 0
         info = NodeTierInfo(layout, s.host_dir, slots, s.disk_dir if dslots else None,
-                            s.disk_bytes if dslots else 0, dslots, s.policy)
+                            disk_bytes if dslots else 0, dslots, s.policy, stores)
         self.tiers[layout] = NodeTier(slots, dslots, block_size, block_bytes, policy=s.policy,
                                       admit_hits=s.admit_hits, pin_share=s.pin_share, enable_events=self.kv_events)
         self.info[layout] = info
-        logger.info("node tier of layout %s: %d host blocks in %s, %s", layout, slots - 1,
-                    host_file(s.host_dir, layout), f"{dslots - 1} disk blocks in {s.disk_dir}" if dslots else "no disk")
+        logger.info("node tier of layout %s%s: %d host blocks in %s, %s", layout,
+                    f" ({world} tensor-parallel stores)" if stores else "", slots - 1, host_file(s.host_dir, layout),
+                    f"{dslots - 1} disk blocks in {s.disk_dir}" if dslots else "no disk")
         return info
 
     def adopt_tier(self, info: NodeTierInfo, tier: NodeTier) -> None:
@@ -129,13 +135,16 @@ class NodeTiers:
             if name in self.ready or name not in self.tiers:
                 continue
             info, tier = self.info[name], self.tiers[name]
-            kept = _prepare_host(info, tier.host.block_bytes)
-            if tier.disk is not None and info.disk_dir is not None:
-                named = {b for b in range(1, tier.disk.num_blocks) if tier.disk.blocks.block_hash[b] is not None}
-                dropped = _prepare_disk(Path(info.disk_dir) / name, named)
-                logger.info("layout %s: %d disk blocks the index names kept (each verified when read), %d dropped%s",
-                            name, len(named), dropped, "" if kept else "; host memory was not there: its slots "
-                            "fail their checks and are recomputed")
+            named = ({b for b in range(1, tier.disk.num_blocks) if tier.disk.blocks.block_hash[b] is not None}
+                     if tier.disk is not None and info.disk_dir is not None else None)
+            for rank in range(info.world):  # a tensor-parallel pool's: one store per rank
+                store = info.store(rank)
+                kept = _prepare_host(info, store, tier.host.block_bytes)
+                if named is not None:
+                    dropped = _prepare_disk(Path(info.disk_dir) / store, named)  # type: ignore[arg-type]
+                    logger.info("store %s: %d disk blocks the index names kept (each verified when read), %d "
+                                "dropped%s", store, len(named), dropped, "" if kept else "; host memory was not "
+                                "there: its slots fail their checks and are recomputed")
             self.ready.add(name)
 
     def pairs(self) -> list[tuple[NodeTierInfo, NodeTier]]:
@@ -158,10 +167,10 @@ class NodeTiers:
             tier.check_invariants()
 
 
-def _prepare_host(info: NodeTierInfo, block_bytes: int) -> bool:
-    """The host level's file, sized for ``info``'s slots; True when it was there at that size
-    (its slots are kept for the index; else it starts zeroed: every slot uncommitted)."""
-    path = host_file(info.host_dir, info.layout)
+def _prepare_host(info: NodeTierInfo, store: str, block_bytes: int) -> bool:
+    """The host level's file of ``store``, sized for ``info``'s slots; True when it was there at
+    that size (its slots are kept for the index; else it starts zeroed: every slot uncommitted)."""
+    path = host_file(info.host_dir, store)
     size = info.host_slots * host_stride(block_bytes)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:

@@ -27,7 +27,7 @@ from kvpool.manager.state.mutations import (
 )
 from kvpool.manager.state.pins import DEFAULT_SHARE, Pin
 from kvpool.shared.node_orders import Order, order_from_wire
-from kvpool.shared.node_tier import NodeTierInfo, layout_id
+from kvpool.shared.node_tier import NodeTierInfo, layout_id, shard_stores
 from kvpool.shared.protocol import KVSpec, ManagerError
 
 ENGINE = "engine"  # an engine batch's owner is (sid, ENGINE, batch): a pool's is (sid, n), n the tier's number
@@ -53,17 +53,18 @@ class NodeMutations(Base):
         return self.node.settings.to_wire()
 
     def _node_layout(self, rec: ShardRegistered) -> str | None:
-        """The layout of the node tier a single-shard pool's worker offered to map, created on
-        first use under the settings journaled with the registration (None: no node tier, or
-        none for it)."""
-        if rec.node_tier is None or rec.node_model is None or rec.count != 1:
+        """The layout of the node tier a pool's shard offered to map, created on first use under
+        the settings journaled with the registration (None: no node tier, or none for it). Every
+        shard of a tensor-parallel pool names the same tier, with one store per rank
+        (shared/node_tier.py ``shard_stores``)."""
+        if rec.node_tier is None or rec.node_model is None:
             return None
         if self.node is None:  # a replay on a manager that runs none: the live one did
             self.node = NodeTiers(None, self.kv_events)
-        layout = layout_id(rec.spec, rec.node_model, rec.rank, rec.count).hex()
-        info = self.node.join(layout, rec.spec.block_size, rec.spec.block_bytes,
-                              NodeTierSettings.from_wire(rec.node_tier))
-        return layout if info is not None else None
+        stores = shard_stores(rec.spec, rec.node_model, rec.count)
+        info = self.node.join(stores[0], rec.spec.block_size, rec.spec.block_bytes,
+                              NodeTierSettings.from_wire(rec.node_tier), stores if rec.count > 1 else ())
+        return stores[0] if info is not None else None
 
     def relink(self, layout: str) -> None:
         """``layout``'s tier counts the formed pools in front of it (``NodeTier.links``, which

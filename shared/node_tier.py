@@ -17,6 +17,11 @@ of the header and the bytes. Slot 0 is never used (the null slot).
 ``NodeTierInfo`` is what a worker learns at registration (register's reply, ``node_tier``): its
 layout, the shared-memory file of the host level and its slot count, the disk level's directory,
 budget and slot count (none: no disk level).
+
+A tensor-parallel pool of ``world`` ranks has one tier (one bookkeeping: a slot number names the
+same block hash in every rank's store) and one store per rank: rank r's files are named by
+``layout_id(spec, model, r, world)`` (``shard_stores``; the tier is named by rank 0's), sized so
+that all ranks' stores together stay within the configured budgets.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from kvpool.shared.protocol import KVSpec, bad_field, get_int, get_str
 HEADER_BYTES = 64  # a slot's header (worker/node_layout.py HEADER)
 MAX_MODEL_ID = 512  # characters of a model identity
 MAX_PATH = 4096
+MAX_WORLD = 4096  # ranks of a tensor-parallel pool (register's shard_count)
 # how long a step waits for its disk reads (recomputing what they would have brought) and its
 # write-downs (dropped)
 # (worker/node_disk_io.py; the worker's node_tier_read_timeout, the vLLM connector's read_timeout_s)
@@ -45,6 +51,11 @@ def layout_id(spec: KVSpec, model: str, rank: int = 0, world: int = 1) -> bytes:
     wire = {k: v for k, v in spec.to_wire().items() if k != "max_model_len"}
     doc = json.dumps({"spec": wire, "model": model, "rank": rank, "world": world}, sort_keys=True).encode()
     return hashlib.sha256(doc).digest()[:8]
+
+
+def shard_stores(spec: KVSpec, model: str, world: int) -> tuple[str, ...]:
+    """The store names (hex layout ids) of a pool's ranks 0..world-1; the first names its tier."""
+    return tuple(layout_id(spec, model, r, world).hex() for r in range(world))
 
 
 def host_stride(block_bytes: int) -> int:
@@ -80,28 +91,51 @@ class NodeTierInfo:
     """Where one layout's node tier lives, as register's reply hands it to a worker."""
 
     layout: str  # the layout id, hex
-    host_dir: str  # the host level's file is host_file(host_dir, layout)
+    host_dir: str  # rank r's host file is host_file(host_dir, store(r))
     host_slots: int
-    disk_dir: str | None = None  # the disk level's files are under disk_dir/layout/
+    disk_dir: str | None = None  # rank r's disk files are under disk_dir/store(r)/
     disk_bytes: int = 0
     disk_slots: int = 0
     policy: str = "demote"
+    # a tensor-parallel pool's stores, rank by rank (stores[0] == layout); empty: one store, the
+    # layout's. Each rank's host file holds host_slots slots and its disk level disk_bytes
+    stores: tuple[str, ...] = ()
+
+    @property
+    def world(self) -> int:
+        return len(self.stores) or 1
+
+    def store(self, rank: int) -> str:
+        """The store (layout id, hex) rank ``rank`` maps."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} is not in this tier's [0, {self.world})")
+        return self.stores[rank] if self.stores else self.layout
 
     def to_wire(self) -> dict:
         out: dict = {"layout": self.layout, "host_dir": self.host_dir, "host_slots": self.host_slots,
                      "policy": self.policy}
         if self.disk_dir is not None:
             out.update(disk_dir=self.disk_dir, disk_bytes=self.disk_bytes, disk_slots=self.disk_slots)
+        if self.stores:
+            out["stores"] = list(self.stores)
         return out
 
     @classmethod
     def from_wire(cls, m: object) -> NodeTierInfo:
         if type(m) is not dict:
             raise bad_field("node_tier", "a map {layout, host_dir, host_slots, ...}", m)
-        layout = get_str(m, "layout", 16)
-        if len(layout) != 16 or any(c not in "0123456789abcdef" for c in layout):
-            raise bad_field("node_tier.layout", "16 hex digits", layout)
+        layout = _hex_id(get_str(m, "layout", 16), "node_tier.layout")
         disk_dir = get_str(m, "disk_dir", MAX_PATH) if "disk_dir" in m else None
+        stores = m.get("stores", [])
+        if type(stores) is not list or len(stores) > MAX_WORLD or (stores and (len(stores) < 2 or stores[0] != layout)):
+            raise bad_field("node_tier.stores", f"a list of 2 to {MAX_WORLD} layout ids, the first the layout", stores)
         return cls(layout, get_str(m, "host_dir", MAX_PATH), get_int(m, "host_slots", 2, 1 << 40), disk_dir,
                    get_int(m, "disk_bytes", 0, 1 << 62, default=0), get_int(m, "disk_slots", 0, 1 << 40, default=0),
-                   get_str(m, "policy", 32, default="demote"))
+                   get_str(m, "policy", 32, default="demote"),
+                   tuple(_hex_id(s, "node_tier.stores") for s in stores))
+
+
+def _hex_id(v: object, name: str) -> str:
+    if type(v) is not str or len(v) != 16 or any(c not in "0123456789abcdef" for c in v):
+        raise bad_field(name, "16 hex digits", v)
+    return v

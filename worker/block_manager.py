@@ -67,8 +67,11 @@ class LocalBlockManager:
     """An in-process manager of one pool: the same Pool and step executor as the daemon."""
 
     def __init__(self, pool: str = "local", *, enable_caching: bool = True, max_blocks: int | None = None,
-                 node_tier: tuple[NodeTier, NodeTierInfo] | None = None):
+                 node_tier: tuple[NodeTier, NodeTierInfo] | None = None, shard: tuple[int, int] = (0, 1)):
         self.pool = pool
+        # (rank, count) of the tensor-parallel shard this stands in for (tests give each rank
+        # its own in-process manager; only rank 0's pool steps, so only it joins the node tier)
+        self.shard = shard
         self.enable_caching = enable_caching
         self.max_blocks = max_blocks  # cap (tests that want memory pressure)
         self.epoch = 0
@@ -94,8 +97,10 @@ class LocalBlockManager:
             info["host_policy"] = host_kv_policy
         if self.node_tier is not None and node_model is not None:
             tier, where = self.node_tier
-            if layout_id(spec, node_model).hex() == where.layout:
-                self._pool.set_node(tier)
+            rank, count = self.shard
+            if layout_id(spec, node_model, 0, count).hex() == where.layout and where.world == count:
+                if rank == 0:
+                    self._pool.set_node(tier)
                 info["node_tier"] = where.to_wire()
         return info
 

@@ -102,7 +102,7 @@ class WorkerConfig:
     cpu_memory_budget: int = field(default=2 << 30, metadata=BYTES)  # host memory treated as the CPU "device"
     host_kv_memory: int = field(default=0, metadata=BYTES)  # host memory offered for the pool's host tier (0: none)
     host_kv_policy: str = "demote"  # or "write_through": when blocks are copied to the host tier (docs/operating.md)
-    node_tier: bool = True  # use the manager's node tier of this layout when it has one (single-shard pools)
+    node_tier: bool = True  # use the manager's node tier of this layout when it has one (every rank maps its store)
     node_tier_read_timeout: float = READ_TIMEOUT_S  # seconds a step waits for its node-tier disk reads (then writes)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

@@ -190,6 +190,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_size, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
         self.tp_rank, self.tp_size = 0, 1  # which share of the heads this model holds
+        self.reduce: ReduceFn = no_reduce  # the ranks' sum (worker/tp.py agrees on node-tier runs with it)
 
     def shard(self, rank: int, size: int, reduce: ReduceFn) -> None:
         """Keeps rank ``rank``'s share of every layer (in place); ``reduce`` sums the row-parallel
@@ -197,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.shard(rank, size, reduce)
             layer.mlp.shard(rank, size, reduce)
-        self.tp_rank, self.tp_size = rank, size
+        self.tp_rank, self.tp_size, self.reduce = rank, size, reduce
 
     @property
     def local_kv_heads(self) -> int:

@@ -46,6 +46,7 @@ import torch
 
 from kvpool.shared.node_orders import Load, Order, Save
 from kvpool.shared.node_tier import READ_TIMEOUT_S, NodeTierInfo
+from kvpool.shared.protocol import KVSpec
 from kvpool.worker.node_disk_io import DiskIO, Pending
 from kvpool.worker.node_store import DiskStore, Failure, HostStore, NodeStoreError, StoreLayout
 from kvpool.worker.step_plan import Batch
@@ -92,9 +93,12 @@ class NodeCopier:
 
     def __init__(self, device_caches: list[torch.Tensor], info: NodeTierInfo, layout: StoreLayout,
                  read_timeout_s: float = READ_TIMEOUT_S) -> None:
-        if layout.name != info.layout:
-            raise NodeStoreError(f"the manager's node tier is for layout {info.layout}, this worker's blocks are "
-                                 f"layout {layout.name}: a different model, dtype or block shape")
+        # a pool's tier names a store per rank; a tier an engine joined rank by rank is one store
+        expected = info.stores[layout.rank] if layout.rank < len(info.stores) else info.layout
+        if layout.name != expected:
+            raise NodeStoreError(f"the manager's node tier is for layout {info.layout} ({info.world} stores), this "
+                                 f"worker's blocks are layout {layout.name} (rank {layout.rank} of {layout.world}): "
+                                 "a different model, dtype, block shape or tensor-parallel size")
         self.info, self.layout, self.device_caches = info, layout, device_caches
         self.device = device_caches[0].device
         self.host = HostStore(layout, info.host_slots, info.host_dir)
@@ -171,8 +175,7 @@ class NodeCopier:
         if not defer_loads:
             self.land_loads()
         self.stats.wall_s += time.perf_counter() - start
-        unwritten = {o.dst for o in failed if type(o) is Load and o.frm == "host"}
-        return failed, late, unwritten
+        return failed, late, unwritten_blocks(failed)
 
     def land_loads(self) -> None:
         """The device writes of the last ``run``'s loads that verified."""
@@ -260,6 +263,21 @@ class NodeCopier:
         moved = staging.index_select(0, rows).to(self.device)  # [n, layers, 2, ...]
         for layer, cache in enumerate(self.device_caches):
             cache.index_copy_(1, dst, moved[:, layer].transpose(0, 1))
+
+
+def map_stores(caches: list[torch.Tensor], wire: object, spec: KVSpec, model: str, rank: int = 0, world: int = 1,
+               read_timeout_s: float = READ_TIMEOUT_S) -> NodeCopier | None:
+    """Rank ``rank`` of ``world``'s stores of the node tier register's reply named (``wire``,
+    its ``node_tier``; None: none), mapped over ``caches``; a NodeStoreError says what does not
+    match."""
+    if wire is None:
+        return None
+    return NodeCopier(caches, NodeTierInfo.from_wire(wire), StoreLayout(spec, model, rank, world), read_timeout_s)
+
+
+def unwritten_blocks(failed: list[Order]) -> set[int]:
+    """The device blocks the failed host -> device loads among ``failed`` left unwritten."""
+    return {o.dst for o in failed if type(o) is Load and o.frm == "host"}
 
 
 def covered_blocks(batch: Batch, block_size: int) -> set[int]:

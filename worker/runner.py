@@ -8,6 +8,7 @@ takes it as is.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,8 +17,11 @@ from kvpool.shared.node_orders import NodeReport, Save
 from kvpool.worker.host_kv import HostCopier, HostCopyStats
 from kvpool.worker.kv_cache import allocate_kv_caches
 from kvpool.worker.model import LlamaForCausalLM
-from kvpool.worker.node_copier import NodeCopier, covered_blocks, recompute
+from kvpool.worker.node_copier import NodeCopier, covered_blocks, recompute, unwritten_blocks
 from kvpool.worker.step_plan import Batch
+
+if TYPE_CHECKING:
+    from kvpool.worker.tp import NodeAgreement
 
 
 @dataclass
@@ -65,6 +69,8 @@ class ModelRunner:
         self.host: HostCopier | None = None  # the host tier's blocks and copies (worker/host_kv.py)
         self.node: NodeCopier | None = None  # the node tier's stores and copies (worker/node_copier.py)
         self.node_reports: list[NodeReport] = []  # batches run, for the manager (Engine sends them)
+        # a tensor-parallel rank's: every rank's outcome of each node-tier run (worker/tp.py)
+        self.agree: NodeAgreement | None = None
 
     def attach_host(self, num_blocks: int) -> None:
         """Host KV tensors of ``num_blocks`` blocks (none when 0). Tensors of that size already
@@ -116,6 +122,9 @@ class ModelRunner:
                 self.host.settle()  # the private host blocks' last writes have landed
             private = self.host.host_caches if self.host is not None else None
             failed, late, unwritten = self.node.run(pre, private=private, defer_loads=True)  # type: ignore[union-attr]
+            if self.agree is not None:  # what failed on any rank failed: each holds a slice of every block
+                failed, late = self.agree.outcomes(pre, failed, late)
+                unwritten = unwritten_blocks(failed)
         if self.host is not None:  # every step: the last step's saves and writes land (HostCopier.settle)
             # before anything overwrites or reads their blocks
             self.host.run(plan.saves, [] if pre else plan.loads)
@@ -126,13 +135,18 @@ class ModelRunner:
             if self.host is not None and plan.loads:
                 self.host.run([], plan.loads)
         if unwritten:  # never served: the forward pass computes them instead
-            self.node.count_recomputed(recompute(plan, unwritten, self.block_size))  # type: ignore[union-attr]
+            added = (self.agree.restart(plan, unwritten, self.block_size) if self.agree is not None
+                     else recompute(plan, unwritten, self.block_size))
+            self.node.count_recomputed(added)  # type: ignore[union-attr]
         logits = self._forward(plan, sample) if plan.seqs else None
         if plan.writes:  # write-through: the blocks this forward filled, behind its work
             self.host.write(plan.writes)
         if plan.node_batch is not None:
             if plan.node_post:
-                failed += self.node.run(plan.node_post, covered_blocks(plan, self.block_size))[0]  # type: ignore[union-attr]
+                post_failed = self.node.run(plan.node_post, covered_blocks(plan, self.block_size))[0]  # type: ignore[union-attr]
+                if self.agree is not None:
+                    post_failed = self.agree.outcomes(plan.node_post, post_failed, [])[0]
+                failed += post_failed
             self.node_reports.append(NodeReport(plan.node_batch, tuple(failed), tuple(late)))
         return logits
 

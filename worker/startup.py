@@ -143,9 +143,7 @@ def build_engine(cfg: WorkerConfig, block_manager: BlockManager) -> Engine:
                       enable_chunked_prefill=cfg.enable_chunked_prefill,
                       static_prealloc=cfg.static_prealloc, eos_token_ids=model.config.eos_token_ids)
     tp = TPLeader(Channel(rank_device(cfg)), cfg.tp_size) if cfg.tp_size > 1 else None
-    # the node tier serves single-shard pools (a tensor-parallel rank's slice would need every
-    # rank's copies to agree on each failure)
-    node_model = model_identity(cfg.model, cfg.seed) if cfg.node_tier and cfg.tp_size == 1 else None
+    node_model = model_identity(cfg.model, cfg.seed) if cfg.node_tier else None
     return Engine(model, block_manager, sched, kv_bytes, seed=cfg.seed, tp=tp, overlap=cfg.overlap,
                   host_kv_bytes=host_kv_share(cfg), host_kv_policy=cfg.host_kv_policy, node_model=node_model,
                   node_read_timeout_s=cfg.node_tier_read_timeout)
@@ -159,7 +157,9 @@ def build_follower(cfg: WorkerConfig, block_manager: BlockManager) -> TPFollower
     model, kv_bytes = load_rank(cfg)
     return TPFollower(model, block_manager, Channel(rank_device(cfg)), block_size=cfg.block_size,
                       available_kv_bytes=kv_bytes, max_model_len=cfg.max_model_len,
-                      host_kv_bytes=host_kv_share(cfg), host_kv_policy=cfg.host_kv_policy)
+                      host_kv_bytes=host_kv_share(cfg), host_kv_policy=cfg.host_kv_policy,
+                      node_model=model_identity(cfg.model, cfg.seed) if cfg.node_tier else None,
+                      node_read_timeout_s=cfg.node_tier_read_timeout)
 
 
 def serve_rank(cfg: WorkerConfig, manager_eps: list[str], endpoint: str, tp_master: str, tp_timeout: float,

@@ -6,7 +6,9 @@ copy orders; slot mappings follow from them), so every rank builds the same batc
 its slice of the KV heads into the same slots and joins the same all-reduces. Commands::
 
     {"op": "register"}                                   every rank (re-)registers its shard
-    {"op": "step", "seqs": [[ids, start, table, sample], ...], "copies": [[src, dst], ...]}
+    {"op": "step", "seqs": [[ids, start, table, sample], ...], "copies": [[src, dst], ...],
+     "saves"/"loads"/"writes": [[src, dst], ...], "node": {batch, pre, post}}  (node: its orders)
+    {"op": "restart", "seqs": [[i, start, ids], ...]}    within a step: sequences moved back
     {"op": "tick"}                                       idle: rank 0 is alive; heartbeat
     {"op": "stop"}                                       deregister and exit
 
@@ -17,6 +19,13 @@ the process group's timeout, and a dead peer is noticed within a tick: every col
 fails and raises ``TPPeerLost``. Rank 0 stops (freeing its requests and deregistering); the
 followers stop when rank 0 is gone. The manager moves the pool's epoch on when a shard's session
 ends or a shard comes back as a new incarnation, so no rank ever serves the lost slice's cache.
+
+The node tier (worker/node_copier.py) has one store per rank, each holding its slice of every
+block under one slot number; a block moved only if it moved on every rank. So each rank runs the
+step's node orders on its own store and the ranks agree on the outcome (``NodeAgreement``): a
+sum over the ranks of each order's failed and late flags, and a block that any rank could not
+load is recomputed by all of them. The sequences that moves back are rank 0's to say (a follower
+holds no request's tokens): it sends them in a ``restart`` command inside the step.
 """
 
 from __future__ import annotations
@@ -29,10 +38,13 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from kvpool.shared.node_orders import NodeOrders, Order
+from kvpool.shared.node_tier import READ_TIMEOUT_S, NodeTierInfo
 from kvpool.shared.protocol import ManagerError, ManagerRestarted
 from kvpool.worker.block_manager import BlockManager, ManagerReset
 from kvpool.worker.kv_cache import kv_spec
-from kvpool.worker.model import LlamaForCausalLM
+from kvpool.worker.model import LlamaForCausalLM, ReduceFn
+from kvpool.worker.node_copier import map_stores, recompute
 from kvpool.worker.parallel import TPPeerLost
 from kvpool.worker.profiler import check_fits
 from kvpool.worker.runner import ModelRunner, allocate_runner
@@ -43,16 +55,67 @@ HEAD = 4096
 
 
 def encode_plan(plan: Batch) -> dict:
-    return {"op": "step", "seqs": [[s.token_ids, s.start, s.block_table, s.sample] for s in plan.seqs],
-            "copies": [list(c) for c in plan.copies], "saves": [list(c) for c in plan.saves],
-            "loads": [list(c) for c in plan.loads], "writes": [list(c) for c in plan.writes]}
+    out = {"op": "step", "seqs": [[s.token_ids, s.start, s.block_table, s.sample] for s in plan.seqs],
+           "copies": [list(c) for c in plan.copies], "saves": [list(c) for c in plan.saves],
+           "loads": [list(c) for c in plan.loads], "writes": [list(c) for c in plan.writes]}
+    if plan.node_batch is not None:
+        out["node"] = NodeOrders(plan.node_batch, plan.node_pre, plan.node_post).to_wire()
+    return out
 
 
 def decode_plan(msg: dict) -> Batch:
-    return Batch([BatchSeq(ids, start, table, sample) for ids, start, table, sample in msg["seqs"]],
+    plan = Batch([BatchSeq(ids, start, table, sample) for ids, start, table, sample in msg["seqs"]],
                  [(src, dst) for src, dst in msg["copies"]],
                  saves=[(s, d) for s, d in msg.get("saves", ())], loads=[(s, d) for s, d in msg.get("loads", ())],
                  writes=[(s, d) for s, d in msg.get("writes", ())])
+    if "node" in msg:
+        node = NodeOrders.from_wire(msg["node"])
+        plan.node_batch, plan.node_pre, plan.node_post = node.batch, node.pre, node.post
+    return plan
+
+
+class NodeAgreement:
+    """One outcome of each node-tier run for all the ranks of a tensor-parallel pool (module
+    docstring). Rank 0 (``leader``) sends the sequences a failed load moves back; the others
+    receive them."""
+
+    def __init__(self, reduce: ReduceFn, channel: Channel, leader: bool, device: torch.device) -> None:
+        self.reduce, self.channel, self.leader, self.device = reduce, channel, leader, device
+
+    def outcomes(self, orders: list[Order], failed: list[Order], late: list[Order]) -> tuple[list[Order], list[Order]]:
+        """The orders that failed (or were late: missed a disk deadline) on any rank. Every rank
+        passes the same ``orders`` (rank 0's plan) and gets the same lists back."""
+        n = len(orders)
+        flags = torch.zeros(2 * n, dtype=torch.int32)
+        at = {id(o): i for i, o in enumerate(orders)}
+        for o in failed:
+            flags[at[id(o)]] = 1
+        for o in late:
+            flags[n + at[id(o)]] = 1
+        total = self.reduce(flags.to(self.device)).cpu()
+        gone = total[:n] > 0
+        return ([o for o, f in zip(orders, gone.tolist(), strict=True) if f],
+                [o for o, f, lt in zip(orders, gone.tolist(), (total[n:] > 0).tolist(), strict=True) if lt and not f])
+
+    def restart(self, plan: Batch, unwritten: set[int], block_size: int) -> int:
+        """Moves back every sequence that reads an ``unwritten`` block (rank 0 decides and says
+        which, the others apply it); returns the tokens added."""
+        if self.leader:
+            before = [s.start for s in plan.seqs]
+            added = recompute(plan, unwritten, block_size)
+            self.channel.send({"op": "restart", "seqs": [[i, s.start, s.token_ids] for i, (s, b)
+                                                         in enumerate(zip(plan.seqs, before, strict=True))
+                                                         if s.start != b]})
+            return added
+        msg = self.channel.recv()
+        if msg.get("op") != "restart":
+            raise RuntimeError(f"rank 0 sent {msg.get('op')!r} where the step's restart was due")
+        added = 0
+        for i, start, ids in msg["seqs"]:
+            s = plan.seqs[i]
+            added += s.start - start
+            s.start_at(start, ids)
+        return added
 
 
 class Channel:
@@ -127,8 +190,13 @@ class TPFollower:
 
     def __init__(self, model: LlamaForCausalLM, bm: BlockManager, channel: Channel, *, block_size: int,
                  available_kv_bytes: int, max_model_len: int, stop_grace_s: float = 5.0,
-                 host_kv_bytes: int = 0, host_kv_policy: str = "demote") -> None:
+                 host_kv_bytes: int = 0, host_kv_policy: str = "demote", node_model: str | None = None,
+                 node_read_timeout_s: float = READ_TIMEOUT_S) -> None:
         self.model, self.bm, self.channel = model, bm, channel
+        # the weights' identity, offered at registration as rank 0 offers it: the manager then
+        # names the node tier, and this rank maps its own stores of it (None: no node tier)
+        self.node_model, self.node_read_timeout_s = node_model, node_read_timeout_s
+        self.node_tier: NodeTierInfo | None = None
         self.block_size, self.max_model_len = block_size, max_model_len
         self.available_kv_bytes = available_kv_bytes
         self.host_kv_bytes = host_kv_bytes
@@ -171,6 +239,7 @@ class TPFollower:
             if self.runner is None:
                 raise RuntimeError(f"rank 0 sent a step before rank {self.model.tp_rank} could register its shard")
             self.runner.execute(decode_plan(msg), sample=False)
+            self.runner.take_node_reports()  # rank 0 reports the pool's (the ranks agreed on them)
             self.steps += 1
         elif op == "register":
             self.register()
@@ -183,11 +252,14 @@ class TPFollower:
     def register(self) -> None:
         """Registers this shard (its own memory, its slice's spec) and sizes its KV tensors to
         the pool's num_blocks. A failure is logged: rank 0's registration fails with it."""
+        node = {"node_model": self.node_model} if self.node_model is not None else {}
         try:
             try:
-                info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes, self.host_kv_policy)
+                info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes, self.host_kv_policy,
+                                        **node)
             except ManagerRestarted:  # our session had expired: the retry opens a new one
-                info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes, self.host_kv_policy)
+                info = self.bm.register(self.spec, self.available_kv_bytes, self.host_kv_bytes, self.host_kv_policy,
+                                        **node)
         except ManagerError as e:
             logger.warning("rank %d could not register its shard: %s", self.model.tp_rank, e)
             return
@@ -200,8 +272,21 @@ class TPFollower:
             self.runner = allocate_runner(self.model, num_blocks, self.block_size)
             self.num_blocks = num_blocks
         self.runner.attach_host(int(info.get("host_num_blocks", 0)))  # type: ignore[union-attr]
+        self._attach_node(info.get("node_tier"))
         logger.info("rank %d registered its shard of pool %s: %d blocks, %d KV bytes", self.model.tp_rank,
                     self.bm.pool, num_blocks, self.runner.kv_bytes)  # type: ignore[union-attr]
+
+    def _attach_node(self, wire: object) -> None:
+        """Maps this rank's stores of the node tier the manager named (as rank 0 does: Engine)."""
+        runner = self.runner
+        info = None if wire is None else NodeTierInfo.from_wire(wire)
+        if info is not None and info == self.node_tier and runner.node is not None:  # type: ignore[union-attr]
+            return
+        node = map_stores(runner.kv_caches, wire, self.spec, self.node_model or "", self.model.tp_rank,  # type: ignore[union-attr]
+                          self.model.tp_size, self.node_read_timeout_s)
+        runner.attach_node(node)  # type: ignore[union-attr]
+        runner.agree = NodeAgreement(self.model.reduce, self.channel, False, self.device) if node else None  # type: ignore[union-attr]
+        self.node_tier = info
 
     def _heartbeat(self) -> None:
         try:

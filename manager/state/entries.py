@@ -116,8 +116,10 @@ class PoolEntry:
 
     @property
     def node_layout(self) -> str | None:
-        """The node tier of a single-shard pool whose worker mapped its layout's stores."""
-        return self.shards[0].node_layout if self.shard_count == 1 and 0 in self.shards else None
+        """The node tier of a pool whose every shard mapped its stores of that tier's layout
+        (None when one did not: a tensor-parallel pool's ranks copy together or not at all)."""
+        layouts = {s.node_layout for s in self.shards.values()}
+        return layouts.pop() if len(self.shards) == self.shard_count and len(layouts) == 1 else None
 
     @property
     def host_policy(self) -> str:

@@ -8,7 +8,16 @@ from pathlib import Path
 
 from helpers.worker import BLOCK_BYTES, TINY
 from kvpool.manager.core.node_tier import NodeTier
-from kvpool.shared.node_tier import NodeTierInfo, disk_slots, host_file, host_slots, layout_id
+from kvpool.manager.node_tiers import NodeTiers, NodeTierSettings
+from kvpool.shared.node_tier import (
+    NodeTierInfo,
+    disk_slots,
+    host_file,
+    host_slots,
+    host_stride,
+    layout_id,
+    shard_stores,
+)
 from kvpool.shared.protocol import KVSpec
 from kvpool.worker.block_manager import LocalBlockManager
 from kvpool.worker.config import WorkerConfig, model_identity
@@ -31,6 +40,24 @@ def node_tier(tmp: Path, host_blocks: int, disk_blocks: int = 0, policy: str = "
     Path(host_file(str(tmp), layout)).unlink(missing_ok=True)
     info = NodeTierInfo(layout, str(tmp), slots, str(tmp / "disk") if disk_blocks else None, disk_bytes, dslots, policy)
     return NodeTier(slots, dslots, 16, BLOCK_BYTES, policy=policy, **kw), info  # type: ignore[arg-type]
+
+
+def tp_node_tier(tmp: Path, host_blocks: int, world: int = 2, disk_blocks: int = 0,
+                 policy: str = "demote") -> tuple[NodeTier, NodeTierInfo]:
+    """The node tier of the tiny preset sharded over ``world`` tensor-parallel ranks: one
+    bookkeeping, one store per rank (of that rank's heads), as the manager sizes it."""
+    spec = KVSpec(16, TINY.num_layers, TINY.num_kv_heads // world, TINY.head_size, "float32")
+    tiers = NodeTiers(None)
+    settings = NodeTierSettings((host_blocks + 1) * host_stride(spec.block_bytes) * world, str(tmp),
+                                str(tmp / "disk") if disk_blocks else None,
+                                disk_blocks * (64 + spec.block_bytes) * world, policy)
+    stores = shard_stores(spec, MODEL, world)
+    for s in stores:
+        Path(host_file(str(tmp), s)).unlink(missing_ok=True)
+    info = tiers.join(stores[0], 16, spec.block_bytes, settings, stores)
+    assert info is not None and info.host_slots == host_blocks + 1
+    tiers.ensure_files(stores[0])
+    return tiers.tiers[stores[0]], info
 
 
 def node_engine(tier: tuple[NodeTier, NodeTierInfo], pool: str, device_blocks: int = 64, **cfg: object) -> Engine:

@@ -10,7 +10,10 @@ import threading
 import msgpack
 import torch
 
+from helpers.node_tier import MODEL
 from helpers.worker import TINY
+from kvpool.manager.core.node_tier import NodeTier
+from kvpool.shared.node_tier import NodeTierInfo
 from kvpool.worker.block_manager import LocalBlockManager
 from kvpool.worker.engine import Engine
 from kvpool.worker.model import LlamaForCausalLM, ReduceFn, build_model
@@ -90,12 +93,18 @@ class TPPair:
 
     def __init__(self, num_blocks: int = 256, *, size: int = 2, max_blocks: int | None = None,
                  max_model_len: int = 256, max_num_batched_tokens: int = 512, host_blocks: int = 0,
-                 host_kv_policy: str = "demote", overlap: bool = True) -> None:
+                 host_kv_policy: str = "demote", overlap: bool = True,
+                 node_tier: tuple[NodeTier, NodeTierInfo] | None = None, pool: str = "test") -> None:
+        """``node_tier``: the tier (tests/helpers/node_tier.py ``tp_node_tier``) every rank maps
+        its store of; rank 0's in-process manager hands out its orders."""
         models = sharded_models(size)
         channel = QueueChannel(size - 1)
         kv = rank_kv_bytes(num_blocks, size)
         host = {"host_kv_bytes": rank_kv_bytes(host_blocks, size), "host_kv_policy": host_kv_policy}
-        self.followers = [TPFollower(models[r], LocalBlockManager(f"rank{r}", max_blocks=max_blocks),
+        if node_tier is not None:
+            host["node_model"] = MODEL
+        self.followers = [TPFollower(models[r], LocalBlockManager(f"{pool}-rank{r}", max_blocks=max_blocks,
+                                                                  node_tier=node_tier, shard=(r, size)),
                                      channel.follower(r), block_size=16, available_kv_bytes=kv,
                                      max_model_len=max_model_len, **host) for r in range(1, size)]
         self.threads = [threading.Thread(target=f.follow, daemon=True) for f in self.followers]
@@ -103,7 +112,8 @@ class TPPair:
             t.start()
         sched = Scheduler(16, max_num_batched_tokens, 64, max_model_len, eos_token_ids=models[0].config.eos_token_ids)
         self.channel = channel
-        self.engine = Engine(models[0], LocalBlockManager("test", max_blocks=max_blocks), sched, kv,
+        self.engine = Engine(models[0], LocalBlockManager(pool, max_blocks=max_blocks, node_tier=node_tier,
+                                                          shard=(0, size)), sched, kv,
                              tp=TPLeader(channel, size), overlap=overlap, **host)  # type: ignore[arg-type]
         self.settle()  # the followers registered too (each has its own in-process manager)
 

@@ -174,6 +174,38 @@ def test_the_files_a_recovered_index_names_are_kept_and_the_rest_dropped(ns, tmp
         assert f.read(1) == b"\x7f"
 
 
+@pytest.mark.parametrize("snapshot_bytes", [1 << 30, 1024], ids=["journal", "snapshot"])
+def test_a_tensor_parallel_pools_tier_recovers_with_a_store_per_rank(ns, tmp_path, snapshot_bytes):
+    srv = server(ns[0], tmp_path, snapshot_bytes=snapshot_bytes)
+    sids = {}
+    for pool in ("a", "b"):  # two pools of two ranks: the tier is shared, computed blocks saved at once
+        for rank in (0, 1):
+            sid = ok(call(srv, "hello"))["sid"]
+            body = ok(call(srv, "register", sid, pool=pool, shard_rank=rank, shard_count=2, incarnation=f"{rank}",
+                           spec=SPEC, available_kv_bytes=kv_bytes(24), node_model=MODEL))
+            sids.setdefault(pool, sid)
+    stores = body["node_tier"]["stores"]
+    res = alloc(srv, sids["a"], "a", 1, PREFIXES[0])
+    ok(call(srv, "node_done", sids["a"], pool="a", reports=[{"batch": res["node"]["batch"]}]))
+    assert srv._commit([]) == [] and srv.mode == "active"
+    srv.store.wait_for_snapshot()
+    assert (srv.store.stats()["snapshot_seq"] > 0) == (snapshot_bytes < 4096)  # snapshot: the tier's info in it
+    before = state_of(srv.registry)
+    for s in stores:
+        (tmp_path / "d" / s / "0000000099.kv").write_bytes(b"x")  # no slot of the index: dropped
+    srv.registry.node.ready.clear()
+
+    back = server(ns[0], tmp_path)
+    assert back.mode == "active" and state_of(back.registry) == before
+    (info, _), = back.registry.node_tier_list()
+    assert list(info.stores) == stores and info.layout == stores[0]
+    for s in stores:
+        assert os.path.getsize(host_file(str(tmp_path), s)) == info.host_slots * 576
+        assert not (tmp_path / "d" / s / "0000000099.kv").exists()
+    assert alloc(back, sids["b"], "b", 2, PREFIXES[0])["cached"] == 12  # 3 of the 4 blocks: the last is computed
+    back.registry.check_invariants()
+
+
 def test_snapshot_and_restore_carry_pins_with_their_holdings(ns, tmp_path):
     srv = server(ns[0], tmp_path)
     sid = join(srv, "a")

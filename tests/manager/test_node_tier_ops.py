@@ -138,16 +138,42 @@ def test_evict_and_reset_reach_the_node_levels(srv):
     assert call(srv, "evict", admin, pool="a", n=1, tier="node_nvme")["status"] == "bad_field"
 
 
-def test_a_pool_without_node_model_or_of_several_shards_gets_no_tier(srv):
+def test_a_pool_without_node_model_gets_no_tier(srv):
     sid = hello(srv)
     body = ok(call(srv, "register", sid, pool="p", shard_rank=0, shard_count=1, incarnation="i", spec=SPEC,
                    available_kv_bytes=kv_bytes(16)))
     assert "node_tier" not in body
-    body = ok(call(srv, "register", sid, pool="q", shard_rank=0, shard_count=2, incarnation="i", spec=SPEC,
-                   available_kv_bytes=kv_bytes(16), node_model=MODEL))
-    assert "node_tier" not in body
     assert call(srv, "register", sid, pool="r", shard_rank=0, shard_count=1, incarnation="i", spec=SPEC,
                 available_kv_bytes=kv_bytes(16), node_model="")["status"] == "bad_field"
+
+
+def test_a_tensor_parallel_pool_gets_one_tier_with_a_store_per_rank(srv, tmp_path):
+    def register(pool, rank, **kw):
+        return ok(call(srv, "register", hello(srv), pool=pool, shard_rank=rank, shard_count=2, incarnation=f"{rank}",
+                       spec=SPEC, available_kv_bytes=kv_bytes(16), **kw))
+
+    assert "node_tier" not in register("q", 0, node_model=MODEL)  # pending: the tier is the whole pool's
+    info = register("q", 1, node_model=MODEL)["node_tier"]
+    spec = KVSpec.from_wire(SPEC)
+    stores = [layout_id(spec, MODEL, r, 2).hex() for r in (0, 1)]
+    assert info["stores"] == stores and info["layout"] == stores[0] != layout_id(spec, MODEL).hex()
+    assert info["host_slots"] == 32 * 1024 // 576  # node_tier_memory split between the ranks' stores
+    assert info["disk_bytes"] == 64 * 1024 and info["disk_slots"] == 64 * 1024 // 576 + 1
+    for s in stores:  # every rank's files, made by the manager before the reply
+        assert (tmp_path / f"kvpool-node-{s}.host").stat().st_size == info["host_slots"] * 576
+        assert (tmp_path / "d" / s).is_dir()
+    sid = hello(srv)
+    ok(call(srv, "register", sid, pool="q", shard_rank=0, shard_count=2, incarnation="0", spec=SPEC,
+            available_kv_bytes=kv_bytes(16), node_model=MODEL))  # rank 0 again: the reply names the tier now
+    register("q2", 0, node_model=MODEL)
+    assert register("q2", 1, node_model=MODEL)["node_tier"] == info  # a second pool of the layout shares it
+    (res,) = step(srv, sid, "q", [{"op": "alloc", "req": 1, "hashes": hash_blocks(list(range(9)), 4),
+                                   "prompt_len": 9, "max_new": 9}])
+    assert [o["op"] for o in res["node"]["post"]] == ["save"] * 2  # the pool's orders, one batch for both ranks
+    # a pool whose shards do not all offer it gets none (its ranks copy together or not at all)
+    register("m", 0, node_model=MODEL)
+    assert "node_tier" not in register("m", 1)
+    assert ok(call(srv, "check", hello(srv, role="admin")))
 
 
 def test_the_config_says_what_to_change(tmp_path):

@@ -160,3 +160,42 @@ def test_operators_see_the_levels_and_pin_through_the_cli(nodes, tmp_path):
     assert json.loads(cli("pins", "--json"))["pins"] == [] and nodes.tier()["host"]["retained_blocks"] == 0
     metrics = nodes.admin.stats()  # the same counters Prometheus renders (manager/metrics.py)
     assert metrics["pools"]["b"]["node_host_hit_tokens"] == 80
+
+
+def test_tensor_parallel_pools_share_the_tier_each_rank_through_its_own_store(nodes):
+    """Two pools of `kvpool worker --tp-size 2` (a launcher and two ranks over gloo each): one
+    tier for the layout, one store per rank; b loads on both ranks what a computed, and a slice
+    flipped in rank 1's store is recomputed on both ranks."""
+    tp = ("--tp-size", "2", "--tp-timeout", "60")
+    a, b = nodes.worker("a", extra=tp), nodes.worker("b", extra=tp)
+    assert len(list(nodes.shm.glob("kvpool-node-*.host"))) == 2  # rank 0's store and rank 1's
+    p = prompt_of(160, 21)
+    want = truth(p, N)
+    assert generate(a, p, N) == want
+    nodes.settled()
+    assert generate(b, p, N) == want
+    sb = worker_stats(b)
+    assert sb["tp_size"] == 2 and sb["cached_tokens"] == 144 and sb["node_loads"]["host"] == 9
+    assert nodes.pool("b")["node_hit_tokens"] == 144
+
+    q = prompt_of(96, 22)
+    assert generate(a, q, N) == truth(q, N)
+    nodes.settled()
+    (info,) = nodes.admin.stats()["manager"]["node_tiers"].values()
+    key = hashes(q)[2]
+    flipped = 0
+    for f in nodes.shm.glob("kvpool-node-*.host"):  # rank 1's slice only (the tier's file is rank 0's)
+        at = f.read_bytes().find(key)  # the key is at byte 32 of its slot's 64-byte header
+        if at >= 0 and f.name != os.path.basename(info["host_file"]):
+            with open(f, "r+b") as m:  # in place: the workers map the file
+                m.seek(at - 32 + 64 + 100)
+                byte = m.read(1)[0]
+                m.seek(at - 32 + 64 + 100)
+                m.write(bytes([byte ^ 0x10]))
+            flipped += 1
+    assert flipped == 1
+    assert generate(b, q, N) == truth(q, N)
+    nodes.settled()
+    assert worker_stats(b)["node_recomputed_tokens"] == 48  # blocks 2-4 again, on both ranks
+    assert nodes.tier()["host"]["verify_failures"] == 1
+    assert nodes.admin.call("check")
