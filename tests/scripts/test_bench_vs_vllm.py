@@ -11,7 +11,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_vs_vllm import FIGURES, bench_command, build_table, median_figures, parse_result  # noqa: E402
+from bench_vs_vllm import (  # noqa: E402
+    FIGURES,
+    bench_command,
+    build_table,
+    build_tail_table,
+    itl_tail,
+    median_figures,
+    parse_result,
+)
 from vs_vllm_servers import Server, tree_cpu_seconds  # noqa: E402
 
 # The keys `vllm bench serve --save-result --percentile-metrics ttft,tpot,itl
@@ -79,3 +87,19 @@ def test_tree_cpu_seconds_counts_children():
     finally:
         os.killpg(parent.pid, 9)
         parent.wait()
+
+
+def test_itl_tail_finds_the_long_gaps_that_a_prefill_made():
+    # request 0: first token at 0.10, then gaps 10, 50, 10 ms; request 1 arrives meanwhile and
+    # its first token (0.13) comes out inside request 0's 50 ms gap
+    raw = {"start_times": [0.0, 0.11], "ttfts": [0.10, 0.02], "itls": [[0.01, 0.05, 0.01], [0.01]]}
+    tail = itl_tail(raw)
+    assert tail["long_pct"] == pytest.approx(25.0)  # 1 of 4 gaps is over twice the median (10 ms)
+    assert tail["with_prefill_pct"] == pytest.approx(100.0)
+    assert (tail["prefill_groups"], tail["group_size"]) == (2.0, 1.0)
+    together = itl_tail({"start_times": [0.0, 0.001], "ttfts": [0.1, 0.1], "itls": [[0.01, 0.01], [0.01, 0.01]]})
+    assert (together["long_pct"], together["prefill_groups"], together["group_size"]) == (0.0, 1.0, 2.0)
+    table = build_tail_table({"random": {"vllm": together, "kvpool": tail}})
+    assert "| random, 256 in / 64 out | ITL > 2x median (% of gaps) | 0.0 | 25.0 |" in table
+    with pytest.raises(ValueError, match="--save-detailed"):
+        itl_tail({"ttfts": [0.1]})
