@@ -31,6 +31,7 @@ from kvpool.worker.draw import draw_tokens
 from kvpool.worker.kv_cache import kv_spec
 from kvpool.worker.live_requests import LiveRequests, TokenEvent, end_events
 from kvpool.worker.model import LlamaForCausalLM
+from kvpool.worker.node_agreement import NodeAgreement
 from kvpool.worker.node_copier import map_stores
 from kvpool.worker.profiler import check_fits
 from kvpool.worker.request import Request
@@ -38,7 +39,7 @@ from kvpool.worker.runner import ModelRunner, allocate_runner
 from kvpool.worker.sampler import SamplingParams
 from kvpool.worker.scheduler import Batch, Output, Scheduler, Updated
 from kvpool.worker.step_loop import StepLoop
-from kvpool.worker.tp import NodeAgreement, TPLeader
+from kvpool.worker.tp import TPLeader
 
 __all__ = ["Engine", "TokenEvent"]
 
@@ -117,10 +118,10 @@ class Engine(StepLoop):
         if info == self.node_tier and self.runner.node is not None:  # type: ignore[union-attr]
             self.runner.take_node_reports()  # type: ignore[union-attr]  # an earlier registration's: meaningless now
             return
+        # with tensor parallelism the other ranks run the same orders on their stores: one outcome
+        agree = NodeAgreement(self.model.reduce, self.tp.channel, True, self.device) if self.tp is not None else None
         self.runner.attach_node(map_stores(self.runner.kv_caches, wire, self.spec, self.node_model or "", 0,  # type: ignore[union-attr]
-                                           self.model.tp_size, self.node_read_timeout_s))
-        if self.tp is not None:  # the other ranks run the same orders on their stores: one outcome
-            self.runner.agree = NodeAgreement(self.model.reduce, self.tp.channel, True, self.device)  # type: ignore[union-attr]
+                                           self.model.tp_size, self.node_read_timeout_s), agree)
         self.node_tier = info
         logger.info("node tier of layout %s: %d host slots in %s, disk %s", info.layout, info.host_slots - 1,
                     info.host_dir, f"{info.disk_slots - 1} slots in {info.disk_dir}" if info.disk_dir else "none")

@@ -21,7 +21,7 @@ from kvpool.worker.node_copier import NodeCopier, covered_blocks, recompute, unw
 from kvpool.worker.step_plan import Batch
 
 if TYPE_CHECKING:
-    from kvpool.worker.tp import NodeAgreement
+    from kvpool.worker.node_agreement import NodeAgreement
 
 
 @dataclass
@@ -82,11 +82,12 @@ class ModelRunner:
             self.host.settle()  # nothing may still write into the tensors being dropped
         self.host = HostCopier(self.kv_caches, num_blocks) if num_blocks else None
 
-    def attach_node(self, node: NodeCopier | None) -> None:
-        """The node tier's stores of this worker's layout (None: none)."""
+    def attach_node(self, node: NodeCopier | None, agree: NodeAgreement | None = None) -> None:
+        """The node tier's stores of this worker's layout (None: none); ``agree``: a
+        tensor-parallel rank's agreement with the other ranks on each run (worker/node_agreement.py)."""
         if self.node is not None and self.node is not node:
             self.node.close()
-        self.node = node
+        self.node, self.agree = node, agree if node is not None else None
         self.node_reports = []  # reports of batches of an earlier registration mean nothing now
 
     def take_node_reports(self) -> list[NodeReport]:

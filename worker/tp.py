@@ -22,7 +22,7 @@ ends or a shard comes back as a new incarnation, so no rank ever serves the lost
 
 The node tier (worker/node_copier.py) has one store per rank, each holding its slice of every
 block under one slot number; a block moved only if it moved on every rank. So each rank runs the
-step's node orders on its own store and the ranks agree on the outcome (``NodeAgreement``): a
+step's node orders on its own store and the ranks agree on the outcome (worker/node_agreement.py): a
 sum over the ranks of each order's failed and late flags, and a block that any rank could not
 load is recomputed by all of them. The sequences that moves back are rank 0's to say (a follower
 holds no request's tokens): it sends them in a ``restart`` command inside the step.
@@ -38,13 +38,14 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from kvpool.shared.node_orders import NodeOrders, Order
+from kvpool.shared.node_orders import NodeOrders
 from kvpool.shared.node_tier import READ_TIMEOUT_S, NodeTierInfo
 from kvpool.shared.protocol import ManagerError, ManagerRestarted
 from kvpool.worker.block_manager import BlockManager, ManagerReset
 from kvpool.worker.kv_cache import kv_spec
-from kvpool.worker.model import LlamaForCausalLM, ReduceFn
-from kvpool.worker.node_copier import map_stores, recompute
+from kvpool.worker.model import LlamaForCausalLM
+from kvpool.worker.node_agreement import NodeAgreement
+from kvpool.worker.node_copier import map_stores
 from kvpool.worker.parallel import TPPeerLost
 from kvpool.worker.profiler import check_fits
 from kvpool.worker.runner import ModelRunner, allocate_runner
@@ -64,58 +65,13 @@ def encode_plan(plan: Batch) -> dict:
 
 
 def decode_plan(msg: dict) -> Batch:
-    plan = Batch([BatchSeq(ids, start, table, sample) for ids, start, table, sample in msg["seqs"]],
+    node = NodeOrders.from_wire(msg["node"]) if "node" in msg else None
+    return Batch([BatchSeq(ids, start, table, sample) for ids, start, table, sample in msg["seqs"]],
                  [(src, dst) for src, dst in msg["copies"]],
                  saves=[(s, d) for s, d in msg.get("saves", ())], loads=[(s, d) for s, d in msg.get("loads", ())],
-                 writes=[(s, d) for s, d in msg.get("writes", ())])
-    if "node" in msg:
-        node = NodeOrders.from_wire(msg["node"])
-        plan.node_batch, plan.node_pre, plan.node_post = node.batch, node.pre, node.post
-    return plan
-
-
-class NodeAgreement:
-    """One outcome of each node-tier run for all the ranks of a tensor-parallel pool (module
-    docstring). Rank 0 (``leader``) sends the sequences a failed load moves back; the others
-    receive them."""
-
-    def __init__(self, reduce: ReduceFn, channel: Channel, leader: bool, device: torch.device) -> None:
-        self.reduce, self.channel, self.leader, self.device = reduce, channel, leader, device
-
-    def outcomes(self, orders: list[Order], failed: list[Order], late: list[Order]) -> tuple[list[Order], list[Order]]:
-        """The orders that failed (or were late: missed a disk deadline) on any rank. Every rank
-        passes the same ``orders`` (rank 0's plan) and gets the same lists back."""
-        n = len(orders)
-        flags = torch.zeros(2 * n, dtype=torch.int32)
-        at = {id(o): i for i, o in enumerate(orders)}
-        for o in failed:
-            flags[at[id(o)]] = 1
-        for o in late:
-            flags[n + at[id(o)]] = 1
-        total = self.reduce(flags.to(self.device)).cpu()
-        gone = total[:n] > 0
-        return ([o for o, f in zip(orders, gone.tolist(), strict=True) if f],
-                [o for o, f, lt in zip(orders, gone.tolist(), (total[n:] > 0).tolist(), strict=True) if lt and not f])
-
-    def restart(self, plan: Batch, unwritten: set[int], block_size: int) -> int:
-        """Moves back every sequence that reads an ``unwritten`` block (rank 0 decides and says
-        which, the others apply it); returns the tokens added."""
-        if self.leader:
-            before = [s.start for s in plan.seqs]
-            added = recompute(plan, unwritten, block_size)
-            self.channel.send({"op": "restart", "seqs": [[i, s.start, s.token_ids] for i, (s, b)
-                                                         in enumerate(zip(plan.seqs, before, strict=True))
-                                                         if s.start != b]})
-            return added
-        msg = self.channel.recv()
-        if msg.get("op") != "restart":
-            raise RuntimeError(f"rank 0 sent {msg.get('op')!r} where the step's restart was due")
-        added = 0
-        for i, start, ids in msg["seqs"]:
-            s = plan.seqs[i]
-            added += s.start - start
-            s.start_at(start, ids)
-        return added
+                 writes=[(s, d) for s, d in msg.get("writes", ())],
+                 node_pre=node.pre if node else [], node_post=node.post if node else [],
+                 node_batch=node.batch if node else None)
 
 
 class Channel:
@@ -284,8 +240,8 @@ class TPFollower:
             return
         node = map_stores(runner.kv_caches, wire, self.spec, self.node_model or "", self.model.tp_rank,  # type: ignore[union-attr]
                           self.model.tp_size, self.node_read_timeout_s)
-        runner.attach_node(node)  # type: ignore[union-attr]
-        runner.agree = NodeAgreement(self.model.reduce, self.channel, False, self.device) if node else None  # type: ignore[union-attr]
+        agree = NodeAgreement(self.model.reduce, self.channel, False, self.device) if node else None
+        runner.attach_node(node, agree)  # type: ignore[union-attr]
         self.node_tier = info
 
     def _heartbeat(self) -> None:

@@ -98,7 +98,9 @@ def test_a_killed_client_gets_its_blocks_back_after_the_session_timeout(daemon, 
     wait_until(lambda: used() == 0, 30, "the dead session's blocks")
     assert time.monotonic() - killed > 2.0  # freed by the timeout
     m = admin.stats()["manager"]
-    assert m["sessions_expired"] == 1 and m["expired_requests_freed"] == 3
+    # the holder's 3 requests, freed by its expiry (on a loaded machine the test's own admin
+    # session may expire too while the holder starts: it holds no requests and reconnects)
+    assert m["sessions_expired"] >= 1 and m["expired_requests_freed"] == 3
     admin.call("check")
 
 
