@@ -120,7 +120,7 @@ class Engine(StepLoop):
             return
         # with tensor parallelism the other ranks run the same orders on their stores: one outcome
         agree = NodeAgreement(self.model.reduce, self.tp.channel, True, self.device) if self.tp is not None else None
-        self.runner.attach_node(map_stores(self.runner.kv_caches, wire, self.spec, self.node_model or "", 0,  # type: ignore[union-attr]
+        self.runner.attach_node(map_stores(self.runner.kv_caches, info, self.spec, self.node_model or "", 0,  # type: ignore[union-attr]
                                            self.model.tp_size, self.node_read_timeout_s), agree)
         self.node_tier = info
         logger.info("node tier of layout %s: %d host slots in %s, disk %s", info.layout, info.host_slots - 1,

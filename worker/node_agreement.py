@@ -40,10 +40,10 @@ class NodeAgreement:
             flags[at[id(o)]] = 1
         for o in late:
             flags[n + at[id(o)]] = 1
-        total = self.reduce(flags.to(self.device)).cpu()
-        gone = total[:n] > 0
-        return ([o for o, f in zip(orders, gone.tolist(), strict=True) if f],
-                [o for o, f, lt in zip(orders, gone.tolist(), (total[n:] > 0).tolist(), strict=True) if lt and not f])
+        total = (self.reduce(flags.to(self.device)).cpu() > 0).tolist()
+        gone, slow = total[:n], total[n:]
+        return ([o for o, f in zip(orders, gone, strict=True) if f],
+                [o for o, f, lt in zip(orders, gone, slow, strict=True) if lt and not f])
 
     def restart(self, plan: Batch, unwritten: set[int], block_size: int) -> int:
         """Moves back every sequence that reads an ``unwritten`` block (rank 0 decides and says

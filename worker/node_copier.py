@@ -265,14 +265,13 @@ class NodeCopier:
             cache.index_copy_(1, dst, moved[:, layer].transpose(0, 1))
 
 
-def map_stores(caches: list[torch.Tensor], wire: object, spec: KVSpec, model: str, rank: int = 0, world: int = 1,
-               read_timeout_s: float = READ_TIMEOUT_S) -> NodeCopier | None:
-    """Rank ``rank`` of ``world``'s stores of the node tier register's reply named (``wire``,
-    its ``node_tier``; None: none), mapped over ``caches``; a NodeStoreError says what does not
-    match."""
-    if wire is None:
+def map_stores(caches: list[torch.Tensor], info: NodeTierInfo | None, spec: KVSpec, model: str, rank: int = 0,
+               world: int = 1, read_timeout_s: float = READ_TIMEOUT_S) -> NodeCopier | None:
+    """Rank ``rank`` of ``world``'s stores of the node tier register's reply named (``info``;
+    None: none), mapped over ``caches``; a NodeStoreError says what does not match."""
+    if info is None:
         return None
-    return NodeCopier(caches, NodeTierInfo.from_wire(wire), StoreLayout(spec, model, rank, world), read_timeout_s)
+    return NodeCopier(caches, info, StoreLayout(spec, model, rank, world), read_timeout_s)
 
 
 def unwritten_blocks(failed: list[Order]) -> set[int]:

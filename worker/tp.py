@@ -238,7 +238,7 @@ class TPFollower:
         info = None if wire is None else NodeTierInfo.from_wire(wire)
         if info is not None and info == self.node_tier and runner.node is not None:  # type: ignore[union-attr]
             return
-        node = map_stores(runner.kv_caches, wire, self.spec, self.node_model or "", self.model.tp_rank,  # type: ignore[union-attr]
+        node = map_stores(runner.kv_caches, info, self.spec, self.node_model or "", self.model.tp_rank,  # type: ignore[union-attr]
                           self.model.tp_size, self.node_read_timeout_s)
         agree = NodeAgreement(self.model.reduce, self.channel, False, self.device) if node else None
         runner.attach_node(node, agree)  # type: ignore[union-attr]
