@@ -102,8 +102,12 @@ def row(admin, name: str = "v0") -> dict:
     return r
 
 
-def settle(admin, name: str = "v0") -> dict:
-    """Until the mirror has taken every batch published so far (none for half a second)."""
+def settle(admin, name: str = "v0", url: str | None = None, prompt: str | None = None, salt: str | None = None) -> dict:
+    """Until the mirror has taken every batch published so far (none for half a second); with
+    ``prompt``, first until it shows the prompt just computed on ``url`` (its batch may reach the
+    manager after the answer reaches the test, by more than half a second on a busy machine)."""
+    if prompt is not None:
+        vs.wait_for(lambda: hits(admin, url, prompt, salt, name) > 0, f"{name}'s batch of the prompt to arrive")
     last, since = None, time.monotonic()
     while True:
         r = row(admin, name)
@@ -151,7 +155,7 @@ def test_cache_salt_tenants_never_share_credit(fleet):
     url = server.base_url
     p = text(100)
     vs.post(url, "/v1/completions", {"model": vs.MODEL, "prompt": p, "max_tokens": 1, "cache_salt": "tenant-a"})
-    settle(admin)
+    settle(admin, url=url, prompt=p, salt="tenant-a")
     n = hits(admin, url, p, salt="tenant-a")
     assert n >= 3
     assert hits(admin, url, p) == 0 and hits(admin, url, p, salt="tenant-b") == 0
@@ -162,8 +166,7 @@ def test_a_reset_of_vllms_cache_empties_the_mirror(fleet):
     server, admin, _ = fleet
     url = server.base_url
     vs.post(url, "/v1/completions", {"model": vs.MODEL, "prompt": text(200), "max_tokens": 1})
-    settle(admin)
-    assert hits(admin, url, text(200)) > 0
+    settle(admin, url=url, prompt=text(200))
     before = row(admin)["cleared"]
     vs.post(url, "/reset_prefix_cache")
     # vLLM publishes the clear with its next engine step: a request makes one
@@ -178,7 +181,7 @@ def test_attaching_to_a_server_that_published_already_replays_it_from_its_start(
     server, admin, replay_port = fleet
     url = server.base_url
     vs.post(url, "/v1/completions", {"model": vs.MODEL, "prompt": text(300), "max_tokens": 1})
-    settle(admin)
+    settle(admin, url=url, prompt=text(300))
     blocks = row(admin)["blocks"].get("GPU", 0)
     admin.call("detach", name="v0")
     vs.post(url, "/v1/completions", {"model": vs.MODEL, "prompt": text(301), "max_tokens": 1})  # unseen
@@ -226,8 +229,7 @@ def test_the_front_door_routes_each_request_to_the_server_holding_its_prefix(fle
     for k, (name, url) in enumerate(sorted(servers.items()) * 2):
         p = text(400 + k)
         vs.post(url, "/v1/completions", {"model": vs.MODEL, "prompt": p, "max_tokens": 1})  # cached there only
-        settle(admin, name)
-        assert hits(admin, url, p, name=name) > 0
+        settle(admin, name, url, p)
         via = door if k < 2 else Fleet.local_url  # tokens from the server's /tokenize, then the door's own
         r = httpx.post(via + "/v1/completions", json={"model": vs.MODEL, "prompt": p, "max_tokens": 2}, timeout=120)
         assert r.status_code == 200 and r.headers["x-kvpool-worker"] == name, (name, r.headers, r.text[:200])
@@ -253,7 +255,7 @@ def test_a_server_whose_events_stop_while_it_answers_is_stale_then_rebuilt_from_
     server, admin, _ = fleet
     url = Fleet.other.base_url
     vs.post(url, "/v1/completions", {"model": vs.MODEL, "prompt": text(800), "max_tokens": 1})
-    r = settle(admin, "v1")
+    r = settle(admin, "v1", url, text(800))
     assert r["stale"] is None and hits(admin, url, text(800), name="v1") > 0
     vs.wait_for(lambda: row(admin, "v1").get("running") is not None, "v1's /metrics to be polled")
     Fleet.relay.cut()
@@ -314,7 +316,7 @@ def test_a_mixed_fleet_routes_one_model_over_a_kvpool_worker_and_vllm_servers_by
         vs.wait_for(lambda: owners() == {"kvpool"}, "the door to serve the model with the worker too", 300)
         p = text(900)
         vs.post(server.base_url, "/v1/completions", {"model": vs.MODEL, "prompt": p, "max_tokens": 1})
-        settle(admin, "v0")
+        settle(admin, "v0", server.base_url, p)
         r = complete(p)  # v0 holds it: forwarded there, vLLM's answer as it wrote it
         assert r.headers["x-kvpool-worker"] == "v0" and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         for k in range(6):  # new prompts spread by load (nothing cached): one lands on the worker
@@ -341,7 +343,7 @@ def test_a_server_killed_mid_stream_ends_the_clients_stream_with_an_error_event(
     door, victim = Fleet.door_url, Fleet.other
     p = text(600)
     vs.post(victim.base_url, "/v1/completions", {"model": vs.MODEL, "prompt": p, "max_tokens": 1})
-    settle(admin, "v1")
+    assert settle(admin, "v1", victim.base_url, p)["stale"] is None
     events, started = [], time.monotonic()
     with httpx.stream("POST", door + "/v1/completions", timeout=120, json={
             "model": vs.MODEL, "prompt": p, "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
