@@ -77,8 +77,10 @@ def parse_result(raw: dict, cpu_s: float) -> dict[str, float]:
 def itl_tail(raw: dict) -> dict[str, float]:
     """Where the long inter-token gaps of one run come from (the detailed result's per-request
     ``start_times``, ``ttfts``, ``itls``): a gap is long above twice the run's median gap.
-    ``long_pct``: long gaps, % of all; ``with_prefill_pct``: % of the long ones during which
-    another request's first token came out (a prefill ran in that step); ``prefill_groups``:
+    ``long_pct``: long gaps, % of all; ``with_prefill_pct``: % of the long ones during which, or
+    within half a median gap after which, another request's first token came out (a prefill ran
+    in that step: its first token and the gap's closing token leave in the same step, and the
+    two reach the client in either order); ``prefill_groups``:
     the first tokens in groups (a group: first tokens within half a median gap of each other),
     and ``group_size`` their mean size: a wave of arrivals prefilled in one step is one group."""
     starts, ttfts, itls = raw.get("start_times"), raw.get("ttfts"), raw.get("itls")
@@ -95,7 +97,7 @@ def itl_tail(raw: dict) -> dict[str, float]:
         raise ValueError("no inter-token gaps in the result")
     med = statistics.median(b - a for a, b in gaps)
     long = [(a, b) for a, b in gaps if b - a > 2 * med]
-    with_prefill = sum(1 for a, b in long if any(a < f < b for f in firsts))
+    with_prefill = sum(1 for a, b in long if any(a < f <= b + med / 2 for f in firsts))
     groups, last = 0, None
     for f in firsts:
         if last is None or f - last > med / 2:

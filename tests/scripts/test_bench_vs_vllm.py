@@ -97,6 +97,11 @@ def test_itl_tail_finds_the_long_gaps_that_a_prefill_made():
     assert tail["long_pct"] == pytest.approx(25.0)  # 1 of 4 gaps is over twice the median (10 ms)
     assert tail["with_prefill_pct"] == pytest.approx(100.0)
     assert (tail["prefill_groups"], tail["group_size"]) == (2.0, 1.0)
+    # the same step's first token can reach the client just after the gap's closing token
+    late = itl_tail({"start_times": [0.0, 0.11], "ttfts": [0.10, 0.053], "itls": [[0.01, 0.05, 0.01], [0.01]]})
+    assert late["with_prefill_pct"] == pytest.approx(100.0)  # first token at 0.163, the gap ends at 0.16
+    far = itl_tail({"start_times": [0.0, 0.11], "ttfts": [0.10, 0.08], "itls": [[0.01, 0.05, 0.01], [0.01]]})
+    assert far["with_prefill_pct"] == 0.0  # 0.19: a step later, not this gap's
     together = itl_tail({"start_times": [0.0, 0.001], "ttfts": [0.1, 0.1], "itls": [[0.01, 0.01], [0.01, 0.01]]})
     assert (together["long_pct"], together["prefill_groups"], together["group_size"]) == (0.0, 1.0, 2.0)
     table = build_tail_table({"random": {"vllm": together, "kvpool": tail}})

@@ -1,6 +1,7 @@
 """Overlap and arrivals (worker/step_loop.py): a request that arrives while a step computes joins
-the next step when a request ended in the step before (a client sending its next request when
-one ends), and one step later otherwise (the next plan was already sent to the manager)."""
+the next step when the last running requests ended in the step before (a client sending its next
+request when one ends), and one step later otherwise (the next plan was already sent to the
+manager): while others run, a newcomer's prefill never holds back their next token."""
 
 from __future__ import annotations
 
@@ -26,9 +27,8 @@ def steps_to_first_token(engine, rid: str, got: dict[str, list[int]]) -> int:
     raise AssertionError(f"{rid} drew no token")
 
 
-def test_after_a_finish_a_request_arriving_during_the_next_step_joins_the_step_after_it() -> None:
+def test_after_the_last_running_request_ends_an_arrival_during_the_next_step_joins_the_step_after_it() -> None:
     engine = make_engine()
-    engine.add_request(make_prompt(8, 1), greedy(40))
     short = engine.add_request(make_prompt(8, 2), greedy(2))
     run_until_finished(engine, short)
     waits = engine.arrival_waits
@@ -37,6 +37,25 @@ def test_after_a_finish_a_request_arriving_during_the_next_step_joins_the_step_a
     out: dict[str, list[int]] = {}
     assert steps_to_first_token(engine, nxt, out) == 1  # its prefill ran in the very next step
     assert engine.arrival_waits == waits + 1
+    while engine.has_work():
+        for ev in engine.step():
+            if ev.token is not None:
+                out.setdefault(ev.request_id, []).append(ev.token)
+    assert out[nxt] == reference(engine, make_prompt(8, 3), 3)
+    assert_drained(engine)
+
+
+def test_after_a_finish_with_others_running_an_arrival_waits_a_step_behind_their_next_token() -> None:
+    engine = make_engine()
+    long = engine.add_request(make_prompt(8, 1), greedy(40))
+    short = engine.add_request(make_prompt(8, 2), greedy(2))
+    run_until_finished(engine, short)
+    waits = engine.arrival_waits
+    engine.step()  # a step computes; the client's next request arrives meanwhile
+    nxt = engine.add_request(make_prompt(8, 3), greedy(3))
+    out: dict[str, list[int]] = {}
+    assert steps_to_first_token(engine, nxt, out) == 2  # the long one's next token went first
+    assert len(out[long]) == 2 and engine.arrival_waits == waits
     while engine.has_work():
         for ev in engine.step():
             if ev.token is not None:
