@@ -178,8 +178,11 @@ class PromptRun:
             c.finish_reason = self._reason(msg.reason)
             if c.finish_reason == "stop" and tok in self.params.get("stop_token_ids", ()):
                 c.stop_reason = tok  # a stop id, not an eos
-        if not out and not lps and c.finish_reason is None:
-            return None
+        if tok is None and not lps and c.finish_reason is None:
+            return None  # a token message without a token (none of ours today): nothing to tell
+        # one delta per token, its text empty while the detokenizer or a stop string holds it back,
+        # as vLLM streams (its completion and chat servers send a chunk for every token once one
+        # has come): a client timing its chunks sees each token when it was drawn
         delta = Delta(c.index, out, lps, c.finish_reason, c.ids, c.stop_reason,
                       None if c.started else list(self.prompt))
         c.ids, c.started = [], True

@@ -344,6 +344,28 @@ def test_return_token_ids_and_stop_reason_as_vllm_sends_them(stack) -> None:
     assert "token_ids" not in plain["choices"][0]
 
 
+def test_a_stream_sends_one_chunk_per_token_as_vllm_does(stack) -> None:
+    """A token whose text is held back (an incomplete character, or the start of a stop string)
+    still gets its chunk, with empty text, as vLLM's servers send it: a client timing chunks
+    (vLLM's benchmark client does) sees every token when it was drawn."""
+    body = {"model": "tiny", "prompt": [9, 10, 11], "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    whole = httpx.post(stack.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    held = next(ch for ch in whole["text"][:-1] if ch.isascii())  # a stop string's first character
+    for extra in ({}, {"stop": [held + "\x00never"]}):
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            ask = {**body, **extra}
+            if path.endswith("chat/completions"):
+                ask = {**{k: v for k, v in ask.items() if k != "prompt"}, "messages": [{"role": "user", "content": "hi"}]}
+            with httpx.stream("POST", stack.url + path, json={**ask, "stream": True}, timeout=60) as r:
+                chunks = [json.loads(e) for e in sse_events(r.read().decode())[:-1]]
+            per = [c["choices"][0] for c in chunks if "token_ids" in c["choices"][0]]
+            assert [len(c["token_ids"]) for c in per] == [1] * 16, (path, extra)
+            if path == "/v1/completions":
+                assert "".join(c["text"] for c in per) == whole["text"]
+                assert extra == {} or "" in [c["text"] for c in per]  # the held character's chunk had none
+
+
 @pytest.mark.parametrize("field,value", [("use_beam_search", True), ("allowed_token_ids", [5, 6]),
                                          ("prompt_logprobs", 1), ("bad_words", ["x"]), ("length_penalty", 0.5),
                                          ("include_stop_str_in_output", True), ("truncate_prompt_tokens", 3)])

@@ -248,6 +248,27 @@ def test_the_front_door_routes_each_request_to_the_server_holding_its_prefix(fle
     assert bad.status_code == 400  # vLLM's own refusal, as it wrote it
 
 
+def test_vllm_streams_one_chunk_per_token_as_the_door_does(fleet):
+    """What the door's streams follow (frontend/generation.py): vLLM sends a chunk for every
+    token, its text empty while held back (here by a stop string that never completes)."""
+    import json
+
+    import httpx
+
+    server, _, _ = fleet
+    body = {"model": vs.MODEL, "prompt": text(950), "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    whole = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+    held = next(ch for ch in whole["text"][:-1] if ch.isascii())
+    for extra in ({}, {"stop": [held + "\x00never"]}):
+        with httpx.stream("POST", server.base_url + "/v1/completions", json={**body, **extra, "stream": True},
+                          timeout=120) as r:
+            events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+        per = [c["choices"][0] for c in map(json.loads, events[:-1]) if c["choices"]]
+        assert [len(c["token_ids"]) for c in per] == [1] * 16, extra
+        assert "".join(c["text"] for c in per) == whole["text"]
+
+
 def test_a_server_whose_events_stop_while_it_answers_is_stale_then_rebuilt_from_a_clean_state(fleet):
     """v1's events pass a relay; cut, its HTTP still answers and it computes prompts: within the
     manager's window (5 s here) its mirror is stale everywhere it shows; restored, the mirror is
