@@ -133,6 +133,14 @@ class Server:
     def wait_ready(self, timeout: float = 900.0) -> None:
         wait_all_ready([self], timeout)
 
+    def kill(self) -> None:
+        """SIGKILL to every process group of the server at once: a crash, nothing drained."""
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+
     def stop(self) -> None:
         for p in reversed(self.procs):  # the front door first, the manager last
             if p.poll() is None:
