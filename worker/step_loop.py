@@ -129,7 +129,7 @@ class StepLoop:
             plan, results = asked
             ready = (plan, results, plan.batch(results))
         plan, results, batch = ready
-        if self._finished and not sched.waiting and not sched.requests.running:  # N+1 composed after the forward
+        if self._finished and not sched.waiting and not sched.running:  # N+1 composed after the forward
             self.arrival_waits += 1
             return self._run_plan(plan, results, batch)
         following = sched.schedule()  # step N+1

@@ -27,6 +27,17 @@ def steps_to_first_token(engine, rid: str, got: dict[str, list[int]]) -> int:
     raise AssertionError(f"{rid} drew no token")
 
 
+def run_dry_and_check(engine, rid: str, prompt: list[int], n: int, got: dict[str, list[int]]) -> None:
+    """Steps until nothing is left, every token into ``got``; ``rid`` drew the reference's
+    ``n`` tokens for ``prompt`` and the pool is drained."""
+    while engine.has_work():
+        for ev in engine.step():
+            if ev.token is not None:
+                got.setdefault(ev.request_id, []).append(ev.token)
+    assert got[rid] == reference(engine, prompt, n)
+    assert_drained(engine)
+
+
 def test_after_the_last_running_request_ends_an_arrival_during_the_next_step_joins_the_step_after_it() -> None:
     engine = make_engine()
     short = engine.add_request(make_prompt(8, 2), greedy(2))
@@ -37,12 +48,7 @@ def test_after_the_last_running_request_ends_an_arrival_during_the_next_step_joi
     out: dict[str, list[int]] = {}
     assert steps_to_first_token(engine, nxt, out) == 1  # its prefill ran in the very next step
     assert engine.arrival_waits == waits + 1
-    while engine.has_work():
-        for ev in engine.step():
-            if ev.token is not None:
-                out.setdefault(ev.request_id, []).append(ev.token)
-    assert out[nxt] == reference(engine, make_prompt(8, 3), 3)
-    assert_drained(engine)
+    run_dry_and_check(engine, nxt, make_prompt(8, 3), 3, out)
 
 
 def test_after_a_finish_with_others_running_an_arrival_waits_a_step_behind_their_next_token() -> None:
@@ -56,12 +62,7 @@ def test_after_a_finish_with_others_running_an_arrival_waits_a_step_behind_their
     out: dict[str, list[int]] = {}
     assert steps_to_first_token(engine, nxt, out) == 2  # the long one's next token went first
     assert len(out[long]) == 2 and engine.arrival_waits == waits
-    while engine.has_work():
-        for ev in engine.step():
-            if ev.token is not None:
-                out.setdefault(ev.request_id, []).append(ev.token)
-    assert out[nxt] == reference(engine, make_prompt(8, 3), 3)
-    assert_drained(engine)
+    run_dry_and_check(engine, nxt, make_prompt(8, 3), 3, out)
 
 
 def test_without_a_finish_the_next_plan_is_sent_before_the_forward_and_an_arrival_waits_a_step() -> None:
