@@ -134,17 +134,13 @@ class Server:
         wait_all_ready([self], timeout)
 
     def kill(self) -> None:
-        """SIGKILL to every process group of the server at once: a crash, nothing drained."""
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        for p in self.procs:
-            p.wait()
+        """A crash: SIGKILL to every process group of the server, nothing drained."""
+        self.stop(signal.SIGKILL)
 
-    def stop(self) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> None:
         for p in reversed(self.procs):  # the front door first, the manager last
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
+                os.killpg(p.pid, sig)
         for p in reversed(self.procs):
             try:
                 p.wait(timeout=30)
