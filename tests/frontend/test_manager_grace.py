@@ -27,8 +27,12 @@ def test_polls_missed_within_the_grace_keep_a_manager_reachable_and_past_it_do_n
         async def run() -> None:
             d = Directory([endpoint], timeout_s=0.5, manager_grace_s=GRACE_S)
             try:
+                deadline = time.monotonic() + 60
                 await d.refresh()
-                assert d.reachable == [True]
+                while not d.reachable[0]:  # a manager just started can miss a 0.5 s poll on a busy machine
+                    assert time.monotonic() < deadline, "the manager never answered a poll"
+                    await d.refresh()
+                assert d.reachable == [True] and d.outages[0].since is None
                 proc.send_signal(signal.SIGSTOP)
                 try:
                     await d.refresh()  # no answer: the first miss is within the grace whatever the load
