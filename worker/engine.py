@@ -229,6 +229,7 @@ class Engine(StepLoop):
             "generated_tokens": self.generated_tokens, "peak_blocks": s.peak_blocks, "peak_running": s.peak_running,
             "registrations": self.registrations, "resets": self.resets, "overlap": self.overlap,
             "manager_wait_s": self.manager_wait_s, "arrival_waits": self.arrival_waits,
+            "late_admissions": self.late_admissions,
             "tp_size": self.model.tp_size, "kv_cache_bytes": self.runner.kv_bytes if self.runner else 0,
             **self._node_stats(),
         }

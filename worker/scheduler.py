@@ -84,6 +84,7 @@ class Scheduler:
         # The manager refused an admission for draining, and none has gone through since (with
         # overlap the refusal and the next plan's answers alternate: the flag spans them).
         self.drain_refused = False
+        self._left_waiting = False  # the last plan left requests waiting (admit_late)
 
     # The running set's state, read-only here: RunningSet owns it and its changes.
     @property
@@ -140,8 +141,26 @@ class Scheduler:
         if not self.hold_admissions:
             self._admit(plan, budget)
         self.hold_admissions = False
+        self._left_waiting = bool(self.waiting)  # kept out this step: admit_late lets no one pass them
         StepState.launch(plan.seqs)  # each one's next step reads its in-flight counts before this
         return plan
+
+    def admit_late(self, plan: StepPlan) -> StepPlan | None:
+        """Overlap: requests that arrived after ``plan`` was composed (its answers are in, its
+        batch has not run) admitted into what is left of its token budget and sequence slots, as
+        a plan of their own (allocs) that ``plan.join`` appends once the manager answered it.
+        None when nobody can join: no newcomer, admissions held after a preemption, the head of
+        the queue refused for space or draining, or a request the plan itself left waiting (it
+        was kept out by room, slots or budget, and no one overtakes it)."""
+        if not self.waiting or self.hold_admissions or self.head_blocked or self.drain_refused or \
+                self._left_waiting or not plan.seqs:
+            return None
+        extra = StepPlan()
+        self._admit(extra, self.token_budget - sum(s.num_tokens for s in plan.seqs))
+        if not extra.seqs:
+            return None
+        StepState.launch(extra.seqs)
+        return extra
 
     def _schedule_running(self, plan: StepPlan) -> int:
         """Schedules the running requests, oldest first, within the token budget; returns what

@@ -7,18 +7,28 @@ With ``overlap`` (the engine's default) step N+1's message goes to the manager b
 forward pass and is collected after it, so the round trip hides behind the compute
 (``manager_wait_s`` counts the time a step still waited).
 
-A request that arrives while step N computes then joins step N+2, one step later than without
-overlap. Most arrivals follow a finish: a client with a bounded number of requests open sends its
-next one when one ends, and it arrives while the following step computes. So after a step in which
-the last running requests ended, with nobody waiting, the next plan is composed after the forward
-pass (one round trip exposed, ``arrival_waits`` counts them) and such an arrival joins the very
-next step. Not while other requests still run: the arrival's prefill would hold back their next
-token (a 256-token prompt costs several decode steps on a CPU), and the clients of those, ending
-later, would send their next requests after the newcomer's prefill, each again into running
-decodes. Measured with `vllm bench serve` (64 prompts, concurrency 8, scripts/bench_vs_vllm.py):
-taking the shortcut while others ran split each wave of eight arrivals into groups of two or three
-and made 5-6% of all inter-token gaps over twice the median (ITL p99 92-129 ms against a 12 ms
-median); without it the waves stay whole and ITL p99 fell to 36-46 ms.
+A request that arrives while step N computes would then join step N+2, one step later than a
+synchronous scheduler (vLLM's on CPU) admits it. Two paths give it step N+1:
+
+- After a step in which the last running requests ended, with nobody waiting, the next plan is
+  composed after the forward pass (one round trip exposed, ``arrival_waits`` counts them): a
+  client with a bounded number of requests open sends its next one when one ends.
+- Otherwise step N+1's plan is already answered when step N ends; the requests that arrived meanwhile
+  join it by a message of their own, their allocs in what is left of its token budget and sequence
+  slots (``Scheduler.admit_late``; one round trip exposed, ``late_admissions`` counts them), so
+  their prefill runs beside the running requests' next token, as a synchronous scheduler runs it.
+  Not when the plan's answers carry tier copies (they run in the answers' order around the forward
+  pass, and the newcomers' would come after them in the manager's decisions but before them in the
+  batch), and never past a request the plan left waiting.
+
+Measured with `vllm bench serve` against vLLM (scripts/bench_vs_vllm.py, 64 prompts, concurrency 8):
+with arrivals joining step N+2 while others ran, a wave of clients whose requests ended together
+waited one decode step more than vLLM's for its first tokens (shared-prefix mean TTFT 1.07-1.38x
+vLLM's); joining N+1 brought it to 0.96x. An earlier rule let only the arrivals after a finish
+join N+1 while others ran, the rest N+2: that split each wave of arrivals into groups of two or
+three prefilled in different steps, each group's prefill a long gap for every running request
+(ITL p99 92-129 ms against a 12 ms median); admitting every arrival at the next step keeps a
+wave together as far as its arrivals are.
 
 ``StepLoop`` owns what one step leaves the next: the plan answered but not run yet (overlap), the
 node-tier batches run but not yet told to the manager, whether the manager forgot our requests
@@ -50,6 +60,7 @@ class StepLoop:
         self.generated_tokens = 0  # tokens drawn for requests (prefill and recompute are not counted)
         self.manager_wait_s = 0.0  # time a step spent blocked on the manager's answer
         self.arrival_waits = 0  # overlapped steps whose next plan waited for the forward pass
+        self.late_admissions = 0  # overlapped steps that newcomers joined after their plan was answered
         # Why the last step made no progress ("draining": the manager refuses admissions), or None.
         # The serving loop backs off while it is set instead of resending the step at once.
         self.stalled: str | None = None
@@ -128,6 +139,10 @@ class StepLoop:
                 return []
             plan, results = asked
             ready = (plan, results, plan.batch(results))
+        else:
+            ready = self._admit_late(*ready)
+            if ready is None:
+                return []
         plan, results, batch = ready
         if self._finished and not sched.waiting and not sched.running:  # N+1 composed after the forward
             self.arrival_waits += 1
@@ -154,6 +169,31 @@ class StepLoop:
         if following.ops or following.seqs:
             self._ready = (following, answers, following.batch(answers))
         return events
+
+    def _admit_late(self, plan: StepPlan, results: list[dict], batch: Batch) -> tuple[StepPlan, list[dict], Batch] | None:
+        """The requests that arrived while the step before computed join this answered plan
+        (``Scheduler.admit_late``): one more round trip, exposed, for their allocs. Not when the
+        plan's answers carry tier copies (host saves, loads or writes, a node batch): those run
+        in the answers' order around the forward pass, and the newcomers' would come after them
+        in the manager's decisions but before them in the batch. None: the manager reset."""
+        if batch.saves or batch.loads or batch.writes or batch.node_batch is not None:
+            return plan, results, batch
+        extra = self.scheduler.admit_late(plan)
+        if extra is None:
+            return plan, results, batch
+        try:
+            ticket = self._send(extra.ops)
+            answers = self._wait(ticket) if ticket is not None else []
+        except ManagerReset as e:
+            self._reset(e)
+            return None
+        except ManagerError:
+            self.scheduler.abandon(extra)  # the plan ran at the manager; every request starts over
+            raise
+        self.late_admissions += 1
+        plan.join(extra)
+        results = results + answers
+        return plan, results, plan.batch(results)
 
     def _run_plan(self, plan: StepPlan, results: list[dict], batch: Batch) -> list[TokenEvent]:
         """Runs a plan's batch and applies its answers and tokens: the step's events."""

@@ -130,6 +130,17 @@ class StepPlan:
         self.subops.append(sub)
         return len(self.ops) - 1
 
+    def join(self, extra: StepPlan) -> None:
+        """Appends ``extra`` (sent to the manager after this plan: its answers follow this
+        plan's in the results)."""
+        base = len(self.ops)
+        for s in extra.seqs:
+            if s.op >= 0:
+                s.op += base
+        self.ops += extra.ops
+        self.subops += extra.subops
+        self.seqs += extra.seqs
+
     def runnable(self, results: list[Result]) -> Iterator[tuple[ScheduledSeq, int, int, Result | None]]:
         """(seq, start, num_tokens, its sub-op's result) of every sequence that runs: its request
         has not moved on and its sub-op, if it needed one, succeeded."""

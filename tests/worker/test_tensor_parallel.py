@@ -124,6 +124,35 @@ def test_greedy_output_prefix_hits_and_forks_equal_one_shard():
         pair.close()
 
 
+def test_an_arrival_joining_a_plan_late_runs_on_both_ranks_and_equals_one_shard():
+    """A request that arrives while another runs joins the next plan by a message of its own
+    (worker/step_loop.py ``_admit_late``): the follower runs the joined batch as rank 0 does."""
+    pair = TPPair()
+    try:
+        engine = pair.engine
+        forwards = []
+        execute = engine.runner.execute
+        engine.runner.execute = lambda plan: forwards.append(plan) or execute(plan)
+        first, late = make_prompt(30, 1), make_prompt(40, 2)
+        out: dict[str, list[int]] = {}
+        ids = [engine.add_request(first, greedy(12))]
+        for _ in range(3):
+            engine.step()
+        ids.append(engine.add_request(late, greedy(8)))
+        while engine.has_work():
+            for ev in engine.step():
+                if ev.token is not None:
+                    out.setdefault(ev.request_id, []).append(ev.token)
+        assert engine.stats()["late_admissions"] == 1
+        single = make_engine()
+        assert out[ids[1]] == single.generate([late], greedy(8))[0][0]
+        assert out[ids[0]] == single.generate([first], greedy(12))[0][0][-len(out[ids[0]]):]
+        pair.settle()
+        assert pair.followers[0].steps == len(forwards) > 0
+    finally:
+        pair.close()
+
+
 def test_the_follower_applies_copy_on_write_to_its_slice():
     """After the fork step every sample's third block starts with the prompt's 5 tail tokens,
     on rank 1 as on rank 0 (the copy orders travel with the plan)."""
