@@ -10,7 +10,8 @@ op (kernels/paged_attention_cpu.py), one through the torch reference (kernel bac
 call). They run the same batches, alternating every iteration, so a neighbour's load falls on
 both; the figures are the thread's CPU time per forward pass (medians), and the greedy tokens of
 the two must agree. Batches: a decode step of R sequences at context C, a chunk of 64 new tokens
-over a cached context C beside R - 1 decodes, and prefills of 64 and 512 tokens.
+over a cached context C beside R - 1 decodes, R - 1 cached prompts each recomputing its last block
+beside one decode (a wave of clients sending their next prompts), and prefills of 64 and 512 tokens.
 
     .venv/bin/python scripts/bench_forward.py                 # one thread, R=8, C=320
     .venv/bin/python scripts/bench_forward.py --ab attention
@@ -36,7 +37,8 @@ from kvpool.worker.step_plan import Batch, BatchSeq
 
 
 def batches(rows: int, context: int, block: int, vocab: int) -> dict[str, Batch]:
-    """Decode of ``rows`` sequences at ``context`` (distinct blocks each), and two prefills."""
+    """Decode of ``rows`` sequences at ``context`` (distinct blocks each), a chunk beside decodes,
+    a wave of cached prompts' last blocks, and two prefills."""
     g = torch.Generator().manual_seed(0)
     per_seq = -(-(context + 1) // block)
 
@@ -50,6 +52,9 @@ def batches(rows: int, context: int, block: int, vocab: int) -> dict[str, Batch]
     out = {f"decode {rows}x{context}": decode}
     chunk = BatchSeq(ids(64), context, table(0, -(-(context + 64) // block)), True)
     out[f"64 over {context} + {rows - 1} dec"] = Batch(seqs=[chunk, *decode.seqs[1:]])
+    # a wave of cached prompts: each recomputes its last block beside one decode
+    tails = [BatchSeq(ids(block), context - block, table(i, per_seq), True) for i in range(1, rows)]
+    out[f"{rows - 1}x{block} over {context - block} + 1 dec"] = Batch(seqs=[decode.seqs[0], *tails])
     for n in (64, 512):
         out[f"prefill {n}"] = Batch(seqs=[BatchSeq(ids(n), 0, table(0, -(-n // block)), True)])
     return out

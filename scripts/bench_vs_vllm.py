@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -182,6 +183,7 @@ def main() -> None:
     ap.add_argument("--vllm-compile", action="store_true", help="let vLLM compile (drops --enforce-eager)")
     ap.add_argument("--run-timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None, help="also write the medians and every run here")
+    ap.add_argument("--keep", default=None, help="copy every run's detailed `vllm bench` result into this dir")
     args = ap.parse_args()
     vllm_bin = str(Path(args.vllm_venv) / "bin" / "vllm")
     if not os.access(vllm_bin, os.X_OK):
@@ -210,6 +212,11 @@ def main() -> None:
         finally:
             for s in servers:
                 s.stop()
+            if args.keep:
+                keep = Path(args.keep)
+                keep.mkdir(parents=True, exist_ok=True)
+                for f in tmp.glob("*.json"):
+                    shutil.copy(f, keep / f.name)
     results = {w: {name: median_figures(rs) for name, rs in by.items()} for w, by in runs.items()}
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(build_table(results, args.rounds, load))
