@@ -152,8 +152,7 @@ class Scheduler:
         None when nobody can join: no newcomer, admissions held after a preemption, the head of
         the queue refused for space or draining, or a request the plan itself left waiting (it
         was kept out by room, slots or budget, and no one overtakes it)."""
-        if not self.waiting or self.hold_admissions or self.head_blocked or self.drain_refused or \
-                self._left_waiting or not plan.seqs:
+        if not self.waiting or self.hold_admissions or self.head_blocked or self.drain_refused or self._left_waiting:
             return None
         extra = StepPlan()
         self._admit(extra, self.token_budget - sum(s.num_tokens for s in plan.seqs))

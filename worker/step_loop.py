@@ -23,8 +23,8 @@ synchronous scheduler (vLLM's on CPU) admits it. Two paths give it step N+1:
 
 Measured with `vllm bench serve` against vLLM (scripts/bench_vs_vllm.py, 64 prompts, concurrency 8):
 with arrivals joining step N+2 while others ran, a wave of clients whose requests ended together
-waited one decode step more than vLLM's for its first tokens (shared-prefix mean TTFT 1.07-1.38x
-vLLM's); joining N+1 brought it to 0.96x. An earlier rule let only the arrivals after a finish
+waited one decode step more than vLLM's for its first tokens; joining N+1 brought the shared-prefix
+mean TTFT from 1.09x vLLM's to 1.00x in one run serving all three side by side. An earlier rule let only the arrivals after a finish
 join N+1 while others ran, the rest N+2: that split each wave of arrivals into groups of two or
 three prefilled in different steps, each group's prefill a long gap for every running request
 (ITL p99 92-129 ms against a 12 ms median); admitting every arrival at the next step keeps a
