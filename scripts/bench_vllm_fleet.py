@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_vllm_servers import KVPOOL_CLI, Server, _free_port, build_checkpoint, wait_all_ready  # noqa: E402
+from vs_vllm_servers import KVPOOL_CLI, Server, build_checkpoint, free_port, wait_all_ready  # noqa: E402
 
 MODEL = "fleet"
 BLOCK = 32
@@ -53,8 +53,8 @@ WORDS = ("pool block cache prefix manager worker router token kernel tensor queu
 
 
 def start_vllm(venv: str, ckpt: Path, tmp: Path, i: int, events: str, blocks: int) -> tuple[Server, int]:
-    s = Server(f"vllm-{i}", _free_port())
-    replay = _free_port()
+    s = Server(f"vllm-{i}", free_port())
+    replay = free_port()
     cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
            "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": f"v{i}"}
     s.spawn([str(Path(venv) / "bin" / "vllm"), "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(s.port),
@@ -144,7 +144,7 @@ def start_door(tmp: Path, manager: str, policy: str, ckpt: Path, weight: float |
 
 
 def start_router(bin_: str, servers: list[Server], tmp: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     log = open(tmp / "vllm-router.log", "w")
     proc = subprocess.Popen([bin_, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
                              "--worker-urls", *[s.base_url for s in servers]],
@@ -185,7 +185,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvpool-fleet-") as tmp_s:
         tmp = Path(tmp_s)
         ckpt = Path(args.checkpoint) if args.checkpoint else build_checkpoint(tmp / "ckpt")
-        events = f"tcp://127.0.0.1:{_free_port()}"
+        events = f"tcp://127.0.0.1:{free_port()}"
         manager = f"ipc://{tmp}/manager.sock"
         mgr = subprocess.Popen([*KVPOOL_CLI, "manager", "-m", manager, "--vllm-events-endpoint", events],
                                stdout=open(tmp / "manager.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vs_vllm_servers import KVPOOL_CLI, Server, _free_port
+from vs_vllm_servers import KVPOOL_CLI, Server, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = os.environ.get("KVPOOL_VLLM_VENV", "/work/vllm-venv")
@@ -55,7 +55,7 @@ def start_vllm(ckpt: Path, log_dir: Path, name: str, *, package: Path | None, ma
                num_blocks: int = 64, max_model_len: int = 1024, port: int | None = None) -> Server:
     """`vllm serve` (eager, float32, block size 32, prefix caching, ``num_blocks`` KV blocks), with
     kvpool's connector against ``manager`` when ``package`` is given, without it otherwise."""
-    s = Server(name, port or _free_port())
+    s = Server(name, port or free_port())
     cmd = [str(Path(VENV) / "bin" / "vllm"), "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(s.port),
            "--dtype", "float32", "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE),
            "--max-model-len", str(max_model_len), "--served-model-name", "m", "--enforce-eager",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -14,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpool.shared.procs import CLI as KVPOOL_CLI
+from kvpool.shared.procs import free_port
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 512, 8, 8, 4, 1536
 VOCAB = 2048  # the tokenizer's target size; the model takes the trained tokenizer's actual size
@@ -59,12 +59,6 @@ def build_checkpoint(path: Path, seed: int = 0, max_model_len: int = MAX_MODEL_L
                 p.normal_(0.0, 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5)
     model.save_pretrained(path)
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tree_cpu_seconds(roots: list[int]) -> float:
@@ -163,7 +157,7 @@ def wait_all_ready(servers: list[Server], timeout: float = 900.0) -> None:
 def start_vllm(venv: str, checkpoint: str, tmp: Path, compile_: bool = False) -> Server:
     """`vllm serve` with 1 GiB of KV (VLLM_CPU_KVCACHE_SPACE), block size 32, prefix caching;
     ``--enforce-eager`` (no torch.compile or graphs) unless ``compile_``."""
-    s = Server("vllm", _free_port())
+    s = Server("vllm", free_port())
     cmd = [str(Path(venv) / "bin" / "vllm"), "serve", checkpoint, "--host", "127.0.0.1", "--port", str(s.port),
            "--dtype", "float32", "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE),
            "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "bench", "--disable-log-stats"]
@@ -176,7 +170,7 @@ def start_vllm(venv: str, checkpoint: str, tmp: Path, compile_: bool = False) ->
 def start_kvpool(checkpoint: str, tmp: Path, threads: int = 0, worker_args: Sequence[str] = ()) -> Server:
     """A manager, `kvpool worker --model DIR --kv-cache-memory 1GiB` (and ``worker_args``) and
     `kvpool serve`."""
-    s = Server("kvpool", _free_port())
+    s = Server("kvpool", free_port())
     manager = f"ipc://{tmp}/manager.sock"
     s.spawn([*KVPOOL_CLI, "manager", "--manager", manager], tmp / "kvpool-manager.log")
     s.spawn([*KVPOOL_CLI, "worker", "--manager", manager, "--pool", "bench", "--endpoint", f"ipc://{tmp}/worker.sock",

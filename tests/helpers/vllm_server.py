@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))  # the scripts are not a package: as running one does
 
-from vs_vllm_servers import Server, _free_port, build_checkpoint, wait_all_ready  # noqa: E402, F401
+from vs_vllm_servers import Server, build_checkpoint, free_port, wait_all_ready  # noqa: E402, F401
 
 VENV = os.environ.get("KVPOOL_VLLM_VENV", "/work/vllm-venv")
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
@@ -46,7 +46,7 @@ def start(ckpt: Path, log_dir: Path, *, events: str, replay_port: int, topic: st
     """`vllm serve` (eager, float32, prefix caching, ``num_blocks`` KV blocks of 32 tokens)
     publishing its KV events to ``events`` (a manager's vllm_events_endpoint) on ``topic``, its
     replay ROUTER on 127.0.0.1:``replay_port``, /reset_prefix_cache on (dev mode)."""
-    s = Server("vllm", port or _free_port())
+    s = Server("vllm", port or free_port())
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
                  "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": topic}
     cmd = [str(vllm_or_skip()), "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(s.port),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from helpers.manager import CLI, HELPERS, SPEC, kv_bytes, wait_until
 
 from kvpool.client.manager import ManagerClient
 from kvpool.manager.store.base import StoreUnavailable
+from kvpool.shared.procs import free_port
 from kvpool.shared.protocol import encode_request, unpack
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
@@ -185,9 +185,7 @@ def test_a_standby_whose_lease_poll_times_out_stands_by_and_is_not_fenced(namesp
 def test_redis_stopped_then_killed_answers_errors_and_recovers(procs, sock_dir, namespace, tmp_path):
     if shutil.which("redis-server") is None:
         pytest.skip("needs redis-server on PATH")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path), "--save", "",
            "--appendonly", "yes", "--appendfsync", "always"]
     redis_proc = procs(cmd, stdout=subprocess.DEVNULL)
