@@ -23,6 +23,8 @@ assumed). A request whose alloc or first sample of n > 1 is in flight sits that 
 extend built on a step in flight carries ``base``, so it is refused when that step was. ``update``
 reconciles: entries of requests that finished, were aborted or preempted since no longer count,
 and a request refused for space with its next step already sent is rewound (or preempted).
+``admit_late`` admits the requests that arrived after a plan was answered into it, as a plan of
+allocs of their own (one more message; worker/step_loop.py sends it).
 
 Preemption by recompute: when the manager answers no_space to running requests' extends, the
 newest running requests are preempted (the refused ones included) until the blocks they hold
