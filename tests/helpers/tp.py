@@ -117,6 +117,13 @@ class TPPair:
                              tp=TPLeader(channel, size), overlap=overlap, **host)  # type: ignore[arg-type]
         self.settle()  # the followers registered too (each has its own in-process manager)
 
+    def count_forwards(self) -> list:
+        """From now on every batch rank 0's runner executes is appended to the list returned."""
+        forwards: list = []
+        execute = self.engine.runner.execute
+        self.engine.runner.execute = lambda plan: forwards.append(plan) or execute(plan)
+        return forwards
+
     def settle(self) -> None:
         """Waits until the followers have run every command rank 0 sent (no sleeps)."""
         self.channel.wait_handled()

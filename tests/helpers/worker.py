@@ -38,6 +38,21 @@ def greedy(max_tokens: int, n: int = 1) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, n=n)
 
 
+def step_tokens(engine: Engine, got: dict[str, list[int]]) -> list:
+    """One step; every token it drew appended to ``got[request_id]``. Returns its events."""
+    events = engine.step()
+    for ev in events:
+        if ev.token is not None:
+            got.setdefault(ev.request_id, []).append(ev.token)
+    return events
+
+
+def run_dry(engine: Engine, got: dict[str, list[int]]) -> None:
+    """Steps until nothing is left, every token drawn into ``got``."""
+    while engine.has_work():
+        step_tokens(engine, got)
+
+
 def assert_drained(engine: Engine) -> None:
     """Nothing left to do and every block back at the manager, invariants intact."""
     assert not engine.has_work()

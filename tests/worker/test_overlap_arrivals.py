@@ -8,7 +8,16 @@ the answered plan carries tier copies, and never past a request the plan left wa
 from __future__ import annotations
 
 import pytest
-from helpers.worker import BLOCK_BYTES, assert_drained, greedy, make_engine, make_prompt, reference
+from helpers.worker import (
+    BLOCK_BYTES,
+    assert_drained,
+    greedy,
+    make_engine,
+    make_prompt,
+    reference,
+    run_dry,
+    step_tokens,
+)
 
 from kvpool.shared.protocol import ManagerError
 from kvpool.shared.step_ops import Alloc
@@ -24,10 +33,7 @@ def run_until_finished(engine, rid: str) -> None:
 def steps_to_first_token(engine, rid: str, got: dict[str, list[int]]) -> int:
     """Steps until ``rid`` draws a token; every token drawn meanwhile into ``got``."""
     for k in range(1, 20):
-        events = engine.step()
-        for ev in events:
-            if ev.token is not None:
-                got.setdefault(ev.request_id, []).append(ev.token)
+        step_tokens(engine, got)
         if rid in got:
             return k
     raise AssertionError(f"{rid} drew no token")
@@ -36,10 +42,7 @@ def steps_to_first_token(engine, rid: str, got: dict[str, list[int]]) -> int:
 def run_dry_and_check(engine, rid: str, prompt: list[int], n: int, got: dict[str, list[int]]) -> None:
     """Steps until nothing is left, every token into ``got``; ``rid`` drew the reference's
     ``n`` tokens for ``prompt`` and the pool is drained."""
-    while engine.has_work():
-        for ev in engine.step():
-            if ev.token is not None:
-                got.setdefault(ev.request_id, []).append(ev.token)
+    run_dry(engine, got)
     assert got[rid] == reference(engine, prompt, n)
     assert_drained(engine)
 
@@ -84,10 +87,7 @@ def test_newcomers_arriving_together_join_one_step_in_their_order() -> None:
     out: dict[str, list[int]] = {}
     assert steps_to_first_token(engine, ids[-1], out) == 1
     assert all(rid in out for rid in ids) and engine.late_admissions == late + 1  # one message for all three
-    while engine.has_work():
-        for ev in engine.step():
-            if ev.token is not None:
-                out.setdefault(ev.request_id, []).append(ev.token)
+    run_dry(engine, out)
     for rid, p in zip(ids, prompts, strict=True):
         assert out[rid] == reference(engine, p, 4)
     assert_drained(engine)
@@ -101,23 +101,15 @@ def test_a_newcomer_never_passes_a_request_the_plan_left_waiting() -> None:
     engine.step()
     prompts = {engine.add_request(p, greedy(2)): p for p in (make_prompt(200, 4 + i) for i in range(3))}
     out: dict[str, list[int]] = {}
-
-    def step() -> int:
-        for ev in engine.step():
-            if ev.token is not None:
-                out.setdefault(ev.request_id, []).append(ev.token)
-        return len(out)
-
-    step()  # the first joins late, the second the next plan, which leaves the third waiting
+    step_tokens(engine, out)  # the first joins late, the second the next plan, which leaves the third waiting
     third = list(prompts)[2]
     assert len(engine.scheduler.waiting) == 1 and engine.scheduler.waiting[0].request_id == third
     small = engine.add_request(make_prompt(8, 7), greedy(2))  # would fit what the plan left
     prompts[small] = make_prompt(8, 7)
     while third not in out:
-        step()
+        step_tokens(engine, out)
         assert small not in out or len(out[small]) <= len(out[third])  # never ahead of the third
-    while engine.has_work():
-        step()
+    run_dry(engine, out)
     for rid, p in prompts.items():
         assert out[rid] == reference(engine, p, 2)
     assert long in out
@@ -166,12 +158,9 @@ def test_a_late_admission_the_manager_loses_or_refuses_starts_every_request_over
     out: dict[str, list[int]] = {}
     while engine.has_work():
         try:
-            events = engine.step()
+            step_tokens(engine, out)
         except ManagerError:
             continue  # the server logs it and steps again
-        for ev in events:
-            if ev.token is not None:
-                out.setdefault(ev.request_id, []).append(ev.token)
     assert failed and engine.stats()["resets"] == (failure == "reset")
     assert out[nxt] == reference(engine, make_prompt(30, 2), 6)
     assert out[first] == reference(engine, make_prompt(20, 1), 12)[-len(out[first]):]

@@ -18,6 +18,7 @@ from helpers.worker import (
     make_engine,
     make_prompt,
     reference,
+    run_dry,
 )
 
 from kvpool.manager.registry import Registry
@@ -106,9 +107,7 @@ def test_greedy_output_prefix_hits_and_forks_equal_one_shard():
     pair = TPPair()
     try:
         engine = pair.engine
-        forwards = []
-        execute = engine.runner.execute
-        engine.runner.execute = lambda plan: forwards.append(plan) or execute(plan)
+        forwards = pair.count_forwards()
         system = make_prompt(48, 4)
         prompts = [system + make_prompt(5 + i, 10 + i) for i in range(3)] + [make_prompt(70, 5)]
         outs = engine.generate(prompts, greedy(10))
@@ -130,19 +129,14 @@ def test_an_arrival_joining_a_plan_late_runs_on_both_ranks_and_equals_one_shard(
     pair = TPPair()
     try:
         engine = pair.engine
-        forwards = []
-        execute = engine.runner.execute
-        engine.runner.execute = lambda plan: forwards.append(plan) or execute(plan)
+        forwards = pair.count_forwards()
         first, late = make_prompt(30, 1), make_prompt(40, 2)
         out: dict[str, list[int]] = {}
         ids = [engine.add_request(first, greedy(12))]
         for _ in range(3):
             engine.step()
         ids.append(engine.add_request(late, greedy(8)))
-        while engine.has_work():
-            for ev in engine.step():
-                if ev.token is not None:
-                    out.setdefault(ev.request_id, []).append(ev.token)
+        run_dry(engine, out)
         assert engine.stats()["late_admissions"] == 1
         single = make_engine()
         assert out[ids[1]] == single.generate([late], greedy(8))[0][0]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers.worker import greedy, make_engine, make_prompt, reference
+from helpers.worker import greedy, make_engine, make_prompt, reference, run_dry
 
 POISON = 1e4
 
@@ -59,10 +59,7 @@ def test_preempted_with_its_next_step_answered_leaves_no_hash_of_unwritten_kv(se
         max_tokens = rng.randrange(1, 25)
         asked.append((prompt, max_tokens, engine.add_request(prompt, greedy(max_tokens))))
     got: dict[str, list[int]] = {}
-    while engine.has_work():
-        for ev in engine.step():
-            if ev.token is not None:
-                got.setdefault(ev.request_id, []).append(ev.token)
+    run_dry(engine, got)
     assert engine.scheduler.stats.preemptions > 0
     assert [got[rid] for _, _, rid in asked] == [reference(engine, p, n) for p, n, _ in asked]
     assert reads == []  # no cached context read was left unwritten, whatever the output
