@@ -23,12 +23,12 @@ synchronous scheduler (vLLM's on CPU) admits it. Two paths give it step N+1:
 
 Measured with `vllm bench serve` against vLLM (scripts/bench_vs_vllm.py, 64 prompts, concurrency 8):
 with arrivals joining step N+2 while others ran, a wave of clients whose requests ended together
-waited one decode step more than vLLM's for its first tokens; joining N+1 brought the shared-prefix
-mean TTFT from 1.09x vLLM's to 1.00x in one run serving all three side by side. An earlier rule let only the arrivals after a finish
-join N+1 while others ran, the rest N+2: that split each wave of arrivals into groups of two or
-three prefilled in different steps, each group's prefill a long gap for every running request
-(ITL p99 92-129 ms against a 12 ms median); admitting every arrival at the next step keeps a
-wave together as far as its arrivals are.
+waited one decode step more than vLLM's for its first tokens; joining N+1 brought the
+shared-prefix mean TTFT from 1.09x vLLM's to 1.00x in one run serving all three side by side. An
+earlier rule let only the arrivals after a finish join N+1 while others ran, the rest N+2: that
+split each wave of arrivals into groups of two or three prefilled in different steps, each
+group's prefill a long gap for every running request (ITL p99 92-129 ms against a 12 ms median);
+admitting every arrival at the next step keeps a wave together as far as its arrivals are.
 
 ``StepLoop`` owns what one step leaves the next: the plan answered but not run yet (overlap), the
 node-tier batches run but not yet told to the manager, whether the manager forgot our requests
@@ -107,18 +107,24 @@ class StepLoop:
         """Schedules a step and waits for the manager's answer to its ops: (plan, results), or
         None when there is nothing to do or the manager reset (the step is dropped)."""
         plan = self.scheduler.schedule()
+        results = self._ask(plan)
+        if results is None or (not plan.ops and not plan.seqs):
+            return None
+        return plan, results
+
+    def _ask(self, plan: StepPlan) -> list[dict] | None:
+        """Sends ``plan``'s ops (with the node reports owed) and waits for the answers; None when
+        the manager reset (the step is dropped). A message refused whole starts every request
+        over (``abandon``: ``plan``'s frees go out again) and raises."""
         try:
             ticket = self._send(plan.ops)
-            if not plan.ops and not plan.seqs:
-                return None
-            results = self._wait(ticket) if ticket is not None else []
+            return self._wait(ticket) if ticket is not None else []
         except ManagerReset as e:
             self._reset(e)
             return None
         except ManagerError:
             self.scheduler.abandon(plan)
             raise
-        return plan, results
 
     def _step_plain(self) -> list[TokenEvent]:
         asked = self._schedule_and_wait()
@@ -181,15 +187,9 @@ class StepLoop:
         extra = self.scheduler.admit_late(plan)
         if extra is None:
             return plan, results, batch
-        try:
-            ticket = self._send(extra.ops)
-            answers = self._wait(ticket) if ticket is not None else []
-        except ManagerReset as e:
-            self._reset(e)
+        answers = self._ask(extra)  # refused whole: every request starts over (plan ran at the manager)
+        if answers is None:
             return None
-        except ManagerError:
-            self.scheduler.abandon(extra)  # the plan ran at the manager; every request starts over
-            raise
         self.late_admissions += 1
         plan.join(extra)
         results = results + answers
