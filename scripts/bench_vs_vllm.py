@@ -9,9 +9,11 @@ caching, 1 GiB KV, ``--enforce-eager``: no torch.compile, no graph capture) and 
 `kvpool worker --model DIR --kv-cache-memory 1GiB` + `kvpool serve`), and runs the same
 `vllm bench serve` command against each: 64 prompts, concurrency 8, ``--ignore-eos``, greedy;
 workloads "random" (256 in / 64 out) and "prefix" (prefix_repetition: 4 prefixes of 256, suffix
-64, 64 out). Rounds interleave the servers (the first server alternates), so load on a shared
+64, 64 out). Rounds interleave the servers (each goes first in turn), so load on a shared
 machine falls on both. Prints one table: medians over the rounds, kvpool / vLLM ratios, and each
 server's CPU seconds per output token (its processes' utime + stime from /proc over the run).
+``--base-checkout DIR`` serves a third: kvpool from another checkout, in the same rounds (an A/B
+of a change against vLLM in one run; its own table follows).
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_vllm_servers import Server, build_checkpoint, start_kvpool, start_vllm, wait_all_ready  # noqa: E402
+from vs_vllm_servers import (  # noqa: E402
+    Server,
+    build_checkpoint,
+    kvpool_cli,
+    start_kvpool,
+    start_vllm,
+    wait_all_ready,
+)
 
 WORKLOADS = {
     "random": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "64",
@@ -184,6 +193,9 @@ def main() -> None:
     ap.add_argument("--run-timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None, help="also write the medians and every run here")
     ap.add_argument("--keep", default=None, help="copy every run's detailed `vllm bench` result into this dir")
+    ap.add_argument("--base-checkout", default=None, help="also serve kvpool from this other checkout (its own "
+                    ".venv: `git worktree add DIR COMMIT && cd DIR && bash scripts/install.sh`) in the same "
+                    "rounds, as `kvpool-base`, and print its table too: an A/B of a change in one run")
     args = ap.parse_args()
     vllm_bin = str(Path(args.vllm_venv) / "bin" / "vllm")
     if not os.access(vllm_bin, os.X_OK):
@@ -194,6 +206,11 @@ def main() -> None:
         args.checkpoint = str(build_checkpoint(Path(args.checkpoint or tmp / "ckpt"), args.seed))
         servers = [start_vllm(args.vllm_venv, args.checkpoint, tmp, compile_=args.vllm_compile),
                    start_kvpool(args.checkpoint, tmp, args.kvpool_threads, shlex.split(args.kvpool_worker_args))]
+        if args.base_checkout:
+            (tmp / "base").mkdir()
+            servers.append(start_kvpool(args.checkpoint, tmp / "base", args.kvpool_threads,
+                                        shlex.split(args.kvpool_worker_args), name="kvpool-base",
+                                        cli=kvpool_cli(Path(args.base_checkout))))
         try:
             wait_all_ready(servers)
             for s in servers:
@@ -203,7 +220,7 @@ def main() -> None:
             runs: dict[str, dict[str, list]] = {w: {s.name: [] for s in servers} for w in workloads}
             for r in range(args.rounds):
                 for w in workloads:
-                    order = servers if r % 2 == 0 else servers[::-1]
+                    order = servers[r % len(servers):] + servers[:r % len(servers)]  # each goes first in turn
                     for s in order:
                         figs = run_one(vllm_bin, s, args, w, tmp, f"{w}-{s.name}-{r}")
                         runs[w][s.name].append(figs)
@@ -220,6 +237,10 @@ def main() -> None:
     results = {w: {name: median_figures(rs) for name, rs in by.items()} for w, by in runs.items()}
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(build_table(results, args.rounds, load))
+    if args.base_checkout:
+        print(f"\nkvpool-base ({args.base_checkout}) in the same rounds\n")
+        print(build_table({w: {"vllm": by["vllm"], "kvpool": by["kvpool-base"]} for w, by in results.items()},
+                          args.rounds, load))
     print("\nthe ITL tail: where the long inter-token gaps come from (medians over the rounds)\n")
     print(build_tail_table(results))
     print("start-up until /v1/models answers: " + ", ".join(f"{s.name} {s.ready_s:.1f} s" for s in servers)

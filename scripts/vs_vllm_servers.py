@@ -167,16 +167,27 @@ def start_vllm(venv: str, checkpoint: str, tmp: Path, compile_: bool = False) ->
     return s
 
 
-def start_kvpool(checkpoint: str, tmp: Path, threads: int = 0, worker_args: Sequence[str] = ()) -> Server:
+def kvpool_cli(checkout: Path) -> list[str]:
+    """The `kvpool` command of another checkout, run by its own virtual environment
+    (``bash scripts/install.sh`` there)."""
+    python = checkout / ".venv" / "bin" / "python"
+    if not os.access(python, os.X_OK):
+        raise SystemExit(f"no {python}: run `bash scripts/install.sh` in {checkout} first")
+    return [str(python), *KVPOOL_CLI[1:]]
+
+
+def start_kvpool(checkpoint: str, tmp: Path, threads: int = 0, worker_args: Sequence[str] = (), *,
+                 name: str = "kvpool", cli: Sequence[str] = KVPOOL_CLI) -> Server:
     """A manager, `kvpool worker --model DIR --kv-cache-memory 1GiB` (and ``worker_args``) and
-    `kvpool serve`."""
-    s = Server("kvpool", free_port())
+    `kvpool serve`, run by ``cli`` (another checkout's interpreter: `kvpool_cli`), their sockets
+    and logs in ``tmp``."""
+    s = Server(name, free_port())
     manager = f"ipc://{tmp}/manager.sock"
-    s.spawn([*KVPOOL_CLI, "manager", "--manager", manager], tmp / "kvpool-manager.log")
-    s.spawn([*KVPOOL_CLI, "worker", "--manager", manager, "--pool", "bench", "--endpoint", f"ipc://{tmp}/worker.sock",
+    s.spawn([*cli, "manager", "--manager", manager], tmp / "kvpool-manager.log")
+    s.spawn([*cli, "worker", "--manager", manager, "--pool", "bench", "--endpoint", f"ipc://{tmp}/worker.sock",
              "--model", checkpoint, "--dtype", "float32", "--device", "cpu", "--block-size", str(BLOCK_SIZE),
              "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", str(KV_BYTES), "--threads", str(threads), *worker_args],
             tmp / "kvpool-worker.log")
-    s.spawn([*KVPOOL_CLI, "serve", "--manager", manager, "--host", "127.0.0.1", "--port", str(s.port)],
+    s.spawn([*cli, "serve", "--manager", manager, "--host", "127.0.0.1", "--port", str(s.port)],
             tmp / "kvpool-serve.log")
     return s
